@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine:
+#   make run    - set up .venv if missing, then run the default job (examples/grpo_tiny.py)
+#   make test   - set up .venv if missing, then run the test suite
+# Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
+# then DeepSpeed from source without build isolation (it must see that torch), then the project.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test venv clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
+	$(PY) -m pip install -q --no-build-isolation deepspeed
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(PY) examples/grpo_tiny.py $(ARGS)
+
+test: venv
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

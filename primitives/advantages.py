@@ -1,0 +1,169 @@
+"""Advantage estimators. Rewards are per rollout (B,); ``groups`` names each rollout's prompt.
+
+Sources: GRPO - Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), eq. for outcome
+supervision; Dr.GRPO - Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv
+2503.20783), no std normalisation; RLOO - Ahmadian et al. 2024 (arXiv 2402.14740),
+leave-one-out baseline; REINFORCE++ - Hu 2025 (arXiv 2501.03262), token-level KL in the
+reward, discounted returns, global batch normalisation; GAE - Schulman et al. 2016
+(arXiv 1506.02438).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def check_rewards(rewards: torch.Tensor, where: str = "rewards") -> None:
+    bad = ~torch.isfinite(rewards)
+    if bad.any():
+        i = int(torch.nonzero(bad).flatten()[0])
+        raise ValueError(f"{where}: non-finite reward {rewards[i].item()} at position {i}")
+
+
+def group_index(groups: Sequence) -> tuple:
+    """``(index (B,) int64, num_groups)``: index[i] numbers the group of rollout i."""
+    ids = {}
+    index = torch.tensor([ids.setdefault(g, len(ids)) for g in groups], dtype=torch.long)
+    return index, len(ids)
+
+
+def _group_stats(rewards: torch.Tensor, groups: Sequence, min_size: int, name: str):
+    if rewards.ndim != 1 or len(groups) != rewards.shape[0]:
+        raise ValueError(f"{name}: rewards {tuple(rewards.shape)} and {len(groups)} group ids do not match")
+    check_rewards(rewards, name)
+    index, n = group_index(groups)
+    counts = torch.zeros(n, dtype=rewards.dtype).index_add_(0, index, torch.ones_like(rewards))
+    if counts.min() < min_size:
+        g = [g for g in dict.fromkeys(groups)][int(counts.argmin())]
+        raise ValueError(f"{name}: group '{g}' has {int(counts.min())} rollout(s); this estimator "
+                         f"needs at least {min_size} per prompt (set GenerationConfig.n >= {min_size})")
+    sums = torch.zeros(n, dtype=rewards.dtype).index_add_(0, index, rewards)
+    mean = sums / counts
+    return index, counts, mean
+
+
+def grpo_advantages(rewards: torch.Tensor, groups: Sequence, eps: float = 1e-6) -> torch.Tensor:
+    """``(R - mean_G) / (std_G + eps)`` with the unbiased group std (as TRL). (B,) -> (B,)"""
+    index, counts, mean = _group_stats(rewards, groups, 2, "grpo_advantages")
+    centred = rewards - mean[index]
+    var = torch.zeros_like(mean).index_add_(0, index, centred ** 2) / (counts - 1)
+    return centred / (var.sqrt()[index] + eps)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """Dr.GRPO: ``R - mean_G`` (no std division, which biases toward easy/hard prompts). (B,)"""
+    index, _, mean = _group_stats(rewards, groups, 2, "dr_grpo_advantages")
+    return rewards - mean[index]
+
+
+def rloo_advantages(rewards: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """RLOO: ``R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean_G)``. (B,)"""
+    index, counts, mean = _group_stats(rewards, groups, 2, "rloo_advantages")
+    g = counts[index]
+    return (rewards - mean[index]) * g / (g - 1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True):
+    """Normalise ``x`` to zero mean, unit (population) std over positions where mask is 1.
+    Padding stays 0. (B, T) -> (B, T)"""
+    if mask.sum() == 0:
+        raise ValueError("masked_whiten: mask selects no positions")
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def broadcast_to_tokens(values_B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A per-sequence value on every loss token. (B,), (B, T) -> (B, T)"""
+    return values_B[:, None].to(mask.dtype) * mask
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position where mask is 1, per row. (B, T) -> (B,)"""
+    T = mask.shape[1]
+    pos = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(-1).values.clamp(min=0)
+
+
+def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.Tensor] = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token reward: ``-kl_coef * kl_t`` on every token, plus R on the last one. (B, T)"""
+    r = torch.zeros_like(mask, dtype=torch.float32)
+    if kl is not None and kl_coef:
+        r = r - kl_coef * kl * mask
+    last = last_token_index(mask)
+    return r.index_put((torch.arange(len(rewards)), last), rewards.float(), accumulate=True) * mask
+
+
+def discounted_returns(token_r: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` within each row's valid tokens. (B, T) -> (B, T)"""
+    out = torch.zeros_like(token_r)
+    running = torch.zeros(token_r.shape[0], dtype=token_r.dtype)
+    for t in reversed(range(token_r.shape[1])):
+        running = token_r[:, t] + gamma * running * mask[:, t]
+        out[:, t] = running
+    return out * mask
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.Tensor] = None,
+                            kl_coef: float = 0.0, gamma: float = 1.0,
+                            groups: Optional[Sequence] = None) -> torch.Tensor:
+    """REINFORCE++: discounted token returns (KL in the reward), whitened over the whole batch.
+
+    With ``groups`` it is the "baseline" variant: the group mean reward is subtracted first.
+    (B,), (B, T) -> (B, T)
+    """
+    check_rewards(rewards, "reinforce_pp_advantages")
+    if groups is not None:
+        rewards = dr_grpo_advantages(rewards, groups)
+    returns = discounted_returns(token_rewards(rewards, mask, kl, kl_coef), mask, gamma)
+    return masked_whiten(returns, mask)
+
+
+def gae_advantages(token_r: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   gamma: float = 1.0, lam: float = 0.95):
+    """Generalised advantage estimation over right-padded rows, batched over B.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (V past the last token is 0),
+    ``A_t = delta_t + gamma * lam * A_{t+1}``. Returns ``(advantages, returns = A + V)`` (B, T).
+    """
+    if not (token_r.shape == values.shape == mask.shape):
+        raise ValueError(f"gae: rewards {tuple(token_r.shape)}, values {tuple(values.shape)}, "
+                         f"mask {tuple(mask.shape)} must match")
+    B, T = token_r.shape
+    adv = torch.zeros_like(token_r)
+    next_value = torch.zeros(B, dtype=token_r.dtype)
+    next_adv = torch.zeros(B, dtype=token_r.dtype)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = token_r[:, t] + gamma * next_value - values[:, t]
+        a = (delta + gamma * lam * next_adv) * m
+        adv[:, t] = a
+        # a padded position passes on nothing: the row's episode ended before it
+        next_value = values[:, t] * m
+        next_adv = a
+    return adv, (adv + values) * mask
+
+
+def group_advantages(name: str, rewards: torch.Tensor, groups: Sequence, eps: float = 1e-6):
+    """Per-sequence advantages by estimator name (the group-based ones)."""
+    if name == "grpo":
+        return grpo_advantages(rewards, groups, eps)
+    if name == "dr_grpo":
+        return dr_grpo_advantages(rewards, groups)
+    if name == "rloo":
+        return rloo_advantages(rewards, groups)
+    raise ValueError(f"unknown group advantage estimator '{name}' (grpo, dr_grpo, rloo)")
+
+
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy().astype(np.float32)

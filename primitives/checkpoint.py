@@ -1,0 +1,106 @@
+"""Atomic checkpoints: HF-format model, optimizer, ``TrainState`` and every RNG state.
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so
+a crash leaves either the previous checkpoint or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from primitives.types import DataPosition, TrainState
+
+
+def capture_rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def state_to_json(state: TrainState) -> dict:
+    d = state._asdict()
+    d["data_position"] = state.data_position._asdict()
+    d["metrics_history"] = list(state.metrics_history)
+    return d
+
+
+def state_from_json(d: dict) -> TrainState:
+    d = dict(d)
+    d["data_position"] = DataPosition(**d["data_position"])
+    d["metrics_history"] = tuple(d.get("metrics_history", ()))
+    return TrainState(**d)
+
+
+def atomic_directory(path: str, write: Callable[[str], None]) -> str:
+    """Run ``write(tmp_dir)`` and move ``tmp_dir`` to ``path`` only if it succeeds."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        write(tmp)
+        old = None
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
+            os.rename(path, os.path.join(old, "ckpt"))
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def save_checkpoint(path: str, model, tokenizer=None, optimizer=None, state: Optional[TrainState] = None,
+                    extra: Optional[dict] = None) -> str:
+    """Write ``model`` (HF ``save_pretrained``), tokenizer, optimizer, state and RNG atomically."""
+
+    def write(tmp: str) -> None:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(capture_rng_state(), os.path.join(tmp, "rng.pt"))
+        with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            json.dump({"state": state_to_json(state) if state is not None else None, "extra": extra or {}}, f)
+
+    return atomic_directory(path, write)
+
+
+def load_checkpoint(path: str, model=None, optimizer=None, restore_rng: bool = True):
+    """Load into ``model``/``optimizer`` in place (if given); returns ``(TrainState | None, extra)``."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    meta_path = os.path.join(path, "train_state.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no train_state.json)")
+    if model is not None:
+        from safetensors.torch import load_file
+
+        weights = os.path.join(path, "model.safetensors")
+        sd = load_file(weights) if os.path.isfile(weights) else type(model).from_pretrained(path).state_dict()
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+    if restore_rng:
+        restore_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
+    with open(meta_path) as f:
+        meta = json.load(f)
+    state = state_from_json(meta["state"]) if meta["state"] is not None else None
+    return state, meta.get("extra", {})

@@ -1,0 +1,240 @@
+"""Batched sampling from a Hugging Face causal LM with per-token behaviour logprobs.
+
+Why our own decode loop over ``model(...)`` with a KV cache rather than ``model.generate``:
+the behaviour logprob of each token must be exactly what the trainer recomputes
+(``log_softmax(logits / temperature)``, the same position ids from the same attention
+mask), sampling must be seedable per call, and stop strings are checked per row.
+
+Layout: prompts are left-padded; position ids are ``cumsum(attention_mask) - 1`` so a
+padded prompt sees the same positions as an unpadded one (DESIGN section 9, pitfall).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from primitives.types import Conversation, GenerationConfig, Message, Rollout, group_id, make_uid
+
+
+class GenerationOutput(NamedTuple):
+    completion_ids: np.ndarray  # (T,) int64, eos included when produced
+    logprobs: np.ndarray  # (T,) float32 log_softmax(logits / temperature) of each token
+    finish_reason: str  # "stop" | "length"
+    text: str  # decoded completion, special tokens removed
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def message_to_dict(m: Message) -> dict:
+    d = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def render_prompt(tokenizer, prompt: Any, tools: Optional[list] = None) -> str:
+    """Text the model continues: a str as is; a Conversation through the chat template."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt")
+        return prompt
+    if isinstance(prompt, Conversation):
+        if not prompt.messages:
+            raise ValueError("empty conversation")
+        if tokenizer.chat_template is None:
+            raise ValueError("a Conversation prompt needs a tokenizer with a chat template")
+        msgs = [message_to_dict(m) for m in prompt.messages]
+        kwargs = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+    raise TypeError(f"prompt must be str or Conversation, got {type(prompt).__name__}")
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Any]) -> list:
+    """Token ids (numpy int64) of each rendered prompt."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens: {p!r}")
+        out.append(np.asarray(ids, dtype=np.int64))
+    return out
+
+
+def left_pad(seqs: Sequence[np.ndarray], pad_id: int):
+    """``(ids (B, P), attention_mask (B, P))`` with every row right-aligned."""
+    P = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), P), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), P), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, P - len(s):], mask[i, P - len(s):] = s, 1
+    return ids, mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only: ``cumsum(mask) - 1``, 0 on left padding. (B, L)"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. (B, V) -> (B, V)"""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, config: GenerationConfig, generator=None):
+    """Pick the next token of each row; returns ``(tokens (B,), logprobs (B,))``.
+
+    The logprob is under ``log_softmax(logits / temperature)`` without the top-k/top-p
+    truncation, the same quantity the trainer recomputes (temperature 0 counts as 1).
+    """
+    temperature = config.temperature if config.temperature > 0 else 1.0
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if config.temperature <= 0:
+        tokens = logits.argmax(-1)
+    else:
+        probs = filter_logits(logits.float() / temperature, config.top_k, config.top_p).softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _stop_cut(tokenizer, ids: list, stops: Sequence[str]) -> Optional[int]:
+    """Number of tokens to keep if a stop string has been produced, else None."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if not any(s in text for s in stops):
+        return None
+    for k in range(1, len(ids) + 1):  # shortest prefix that contains a stop string
+        if any(s in tokenizer.decode(ids[:k], skip_special_tokens=True) for s in stops):
+            return k
+    return len(ids)
+
+
+@torch.no_grad()
+def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: GenerationConfig,
+                    generator: Optional[torch.Generator] = None) -> list:
+    """Sample one completion for each prompt row (no expansion by ``config.n``).
+
+    Returns a ``GenerationOutput`` per row. A row ends at eos ("stop"), after the first
+    stop string it produces ("stop", the stop string kept), or at ``max_new_tokens`` ("length").
+    """
+    if not len(prompt_ids):
+        raise ValueError("generate_tokens: no prompts")
+    if config.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {config.max_new_tokens}")
+    device = next(model.parameters()).device
+    ids_np, mask_np = left_pad(prompt_ids, tokenizer.pad_token_id)
+    ids, mask = torch.from_numpy(ids_np).to(device), torch.from_numpy(mask_np).to(device)
+    B, eos = ids.shape[0], tokenizer.eos_token_id
+    out_tokens = torch.full((B, config.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+    out_logp = torch.zeros((B, config.max_new_tokens), dtype=torch.float32)
+    lengths = torch.zeros(B, dtype=torch.long)
+    reasons = ["length"] * B
+    active = torch.ones(B, dtype=torch.bool)
+
+    was_training = model.training
+    model.eval()
+    past, step_ids, positions = None, ids, position_ids_from_mask(mask)
+    for t in range(config.max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens, logp = sample_next(out.logits[:, -1, :], config, generator)
+        tokens, logp = tokens.cpu(), logp.cpu()
+        for i in torch.nonzero(active).flatten().tolist():
+            out_tokens[i, t], out_logp[i, t], lengths[i] = tokens[i], logp[i], t + 1
+            if tokens[i].item() == eos or tokens[i].item() in config.stop_token_ids:
+                active[i], reasons[i] = False, "stop"
+            elif config.stop:
+                keep = _stop_cut(tokenizer, out_tokens[i, : t + 1].tolist(), config.stop)
+                if keep is not None:
+                    active[i], reasons[i], lengths[i] = False, "stop", keep
+        if not active.any():
+            break
+        feed = torch.where(active, tokens, torch.full_like(tokens, tokenizer.pad_token_id))
+        step_ids = feed[:, None].to(device)
+        mask = torch.cat([mask, active[:, None].long().to(device)], dim=1)
+        positions = positions[:, -1:] + 1
+    model.train(was_training)
+
+    results = []
+    for i in range(B):
+        n = int(lengths[i])
+        comp = out_tokens[i, :n].numpy().astype(np.int64)
+        results.append(GenerationOutput(comp, out_logp[i, :n].numpy().astype(np.float32), reasons[i],
+                                        tokenizer.decode(comp.tolist(), skip_special_tokens=True)))
+    return results
+
+
+def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfig,
+                      policy_version: int = 0, generator: Optional[torch.Generator] = None,
+                      batch_size: Optional[int] = None) -> list:
+    """``config.n`` rollouts per prompt item (a ``PromptItem``), grouped by prompt.
+
+    ``batch_size`` caps the rows decoded together. Uids are ``e{epoch}/i{index}/s{k}``.
+    """
+    if not items:
+        raise ValueError("generate_rollouts: no prompt items")
+    if config.n < 1:
+        raise ValueError(f"GenerationConfig.n must be >= 1, got {config.n}")
+    prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items])
+    rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
+    step = batch_size or len(rows)
+    rollouts = []
+    for start in range(0, len(rows), step):
+        chunk = rows[start: start + step]
+        outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
+        for (it, ids, k), o in zip(chunk, outs):
+            rollouts.append(create_rollout(it, ids, o, k, policy_version))
+    return rollouts
+
+
+def create_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sample: int = 0,
+                   policy_version: int = 0) -> Rollout:
+    """A single-turn ``Rollout`` from a prompt item and one generation output."""
+    return Rollout(
+        uid=make_uid(item.epoch, item.index, sample), group=group_id(item.epoch, item.index),
+        prompt=item.prompt, prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
+        completion_ids=output.completion_ids,
+        loss_mask=np.ones(len(output.completion_ids), dtype=np.float32),
+        logprobs=output.logprobs, policy_version=policy_version,
+        finish_reason=output.finish_reason, text=output.text, answer=item.answer,
+        metadata=dict(item.metadata) if item.metadata else None,
+    )
+
+
+# ----------------------------------------------------------------------------- reasoning
+
+_THINK = re.compile(r"<think>(.*?)(</think>|$)", re.DOTALL)
+
+
+def parse_thinking(text: str):
+    """Split ``<think>...</think>`` from the answer: ``(thinking, answer, closed)``.
+
+    ``closed`` is False when the block never ends (a truncated completion); then the
+    answer is empty. Text with no think block is all answer.
+    """
+    m = _THINK.search(text)
+    if m is None:
+        return "", text.strip(), True
+    closed = m.group(2) == "</think>"
+    answer = text[m.end():].strip() if closed else ""
+    return m.group(1).strip(), answer, closed

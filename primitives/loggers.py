@@ -1,0 +1,107 @@
+"""Loggers: ``logger(metrics: dict) -> None`` over one flat dict with namespaced keys.
+
+Compose with ``multi_logger``; ``noop_logger`` keeps the loop free of ``if wandb:``.
+``plot_curves`` writes training curves to a PNG.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Callable, Optional, Sequence
+
+
+def noop_logger(metrics: dict) -> None:
+    return None
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def console_logger(keys: Optional[Sequence[str]] = None, every: int = 1, write: Callable = None) -> Callable:
+    """Print ``step k=v ...`` every ``every`` calls (through tqdm.write so bars stay intact)."""
+    if write is None:
+        from tqdm import tqdm
+        write = tqdm.write
+
+    def logger(metrics: dict) -> None:
+        step = metrics.get("step", 0)
+        if every > 1 and step % every:
+            return
+        shown = {k: metrics[k] for k in (keys or metrics) if k in metrics and k != "step"}
+        write(f"step {step} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
+
+    return logger
+
+
+def jsonl_logger(path: str) -> Callable:
+    """Append each metrics dict as one JSON line (the file is opened per call: no open handle)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def logger(metrics: dict) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics, default=float) + "\n")
+
+    return logger
+
+
+def wandb_logger(project: str, run_name: Optional[str] = None, config: Optional[dict] = None,
+                 directory: Optional[str] = None) -> Callable:
+    """Weights & Biases; offline mode when no ``WANDB_API_KEY`` is set (sync later with ``wandb sync``)."""
+    import wandb
+
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    run = wandb.init(project=project, name=run_name, config=config or {}, dir=directory, mode=mode,
+                     reinit="finish_previous")
+
+    def logger(metrics: dict) -> None:
+        run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics.get("step"))
+
+    logger.finish = run.finish
+    return logger
+
+
+def multi_logger(*loggers: Callable) -> Callable:
+    def logger(metrics: dict) -> None:
+        for lg in loggers:
+            lg(metrics)
+
+    return logger
+
+
+def read_jsonl_metrics(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(history: Sequence[dict], keys: Sequence[str], path: str, title: str = "training curves",
+                x_key: str = "step") -> str:
+    """One panel per key (metrics missing from a row are skipped); returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in keys if any(k in row for row in history)]
+    if not keys:
+        raise ValueError(f"plot_curves: none of the keys appear in the history")
+    cols = min(3, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(row.get(x_key, i), row[key]) for i, row in enumerate(history) if key in row]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 40 else None)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel(x_key)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,97 @@
+"""Recompute per-token logprobs (and entropy) of completions under a model.
+
+The trainer differentiates through ``completion_logprobs``; reference workers call it
+under ``torch.no_grad``. Position ids come from the attention mask exactly as during
+generation, so a left-padded prompt scores the same as an unpadded one.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from primitives.generation import left_pad, position_ids_from_mask
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``targets``. (B, T, V), (B, T) -> (B, T)"""
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position. (B, T, V) -> (B, T)"""
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                        temperature: float = 1.0, micro_batch_size: Optional[int] = None,
+                        with_entropy: bool = False):
+    """Logprobs of the completion tokens of a ``Batch``-layout input.
+
+    ``input_ids``/``attention_mask`` are (B, P + T) with prompts left-padded to ``prompt_len``
+    (P). Returns ``(logp (B, T), entropy (B, T) or None)``; gradients flow unless the
+    caller disables them. ``micro_batch_size`` bounds the rows in one forward pass.
+    """
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                         f"{tuple(attention_mask.shape)} differ in shape")
+    if not 0 < prompt_len < input_ids.shape[1]:
+        raise ValueError(f"prompt_len {prompt_len} must lie inside the sequence length {input_ids.shape[1]}")
+    step = micro_batch_size or input_ids.shape[0]
+    logps, ents = [], []
+    for s in range(0, input_ids.shape[0], step):
+        ids, mask = input_ids[s: s + step], attention_mask[s: s + step]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                       use_cache=False).logits
+        pred = logits[:, prompt_len - 1: -1]  # position P-1+t predicts completion token t
+        logps.append(token_logprobs(pred, ids[:, prompt_len:], temperature))
+        if with_entropy:
+            ents.append(token_entropy(pred, temperature))
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def pack_completions(prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[np.ndarray], pad_id: int):
+    """Prompts left-padded to P, completions right-padded to T, concatenated.
+
+    Returns ``(input_ids (B, P+T), attention_mask (B, P+T), P, T)`` numpy int64.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    p_ids, p_mask = left_pad(prompt_ids, pad_id)
+    T = max(1, max(len(c) for c in completion_ids))
+    c_ids = np.full((len(completion_ids), T), pad_id, dtype=np.int64)
+    c_mask = np.zeros((len(completion_ids), T), dtype=np.int64)
+    for i, c in enumerate(completion_ids):
+        c_ids[i, : len(c)], c_mask[i, : len(c)] = c, 1
+    return np.concatenate([p_ids, c_ids], 1), np.concatenate([p_mask, c_mask], 1), p_ids.shape[1], T
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollouts: Sequence, pad_id: int, temperature: float = 1.0,
+                     micro_batch_size: Optional[int] = None) -> list:
+    """Per-rollout logprob arrays (T_i,) float32 of each rollout's own completion tokens."""
+    ids, mask, P, _ = pack_completions([r.prompt_ids for r in rollouts],
+                                       [r.completion_ids for r in rollouts], pad_id)
+    device = next(model.parameters()).device
+    logp, _ = completion_logprobs(model, torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device),
+                                  P, temperature, micro_batch_size)
+    logp = logp.float().cpu().numpy()
+    return [logp[i, : len(r.completion_ids)].astype(np.float32) for i, r in enumerate(rollouts)]
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      loss_mask: torch.Tensor) -> torch.Tensor:
+    """SFT layout (right-padded full sequences): logprob of every next token. (B, L) -> (B, L-1)
+
+    ``loss_mask`` is unused here but checked for shape so callers pass the right layout.
+    """
+    if loss_mask.shape != input_ids.shape:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+    return token_logprobs(logits[:, :-1], input_ids[:, 1:])

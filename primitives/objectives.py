@@ -1,0 +1,99 @@
+"""The loss of one training (micro-)batch, composed from ``losses`` by an ``AlgorithmConfig``.
+
+``policy_objective`` is what a trainer calls after recomputing ``logp`` with autograd;
+``loss_fn(inputs) -> (loss, metrics)`` with the same inputs is the extension point that
+replaces it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from primitives import losses as L
+from primitives.types import AlgorithmConfig
+
+
+class LossInputs(NamedTuple):
+    """Torch tensors of one micro-batch (B, T) plus the step's global counts."""
+
+    logp: torch.Tensor  # current policy, with grad
+    old_logp: torch.Tensor  # behaviour policy (generator)
+    advantages: torch.Tensor
+    mask: torch.Tensor  # loss mask
+    counts: L.LossCounts
+    ref_logp: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None  # critic, with grad (PPO value step)
+    old_values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+
+
+def _mean(x, mask):
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def policy_objective(inputs: LossInputs, algo: AlgorithmConfig):
+    """``(loss, metrics)`` for ppo_clip / gspo / online_dpo plus KL-in-loss and entropy terms.
+
+    Metrics are sums over this micro-batch's tokens weighted to the step's global token
+    count, so adding them over micro-batches and ranks gives step means.
+    """
+    x, mask = inputs, inputs.mask
+    share = float(mask.sum()) / max(x.counts.num_tokens, 1)  # this micro-batch's share of tokens
+    metrics = {}
+    if algo.policy_loss == "online_dpo":
+        return _online_dpo(x, algo)
+    if algo.policy_loss == "ppo_clip":
+        per_tok, clipped = L.ppo_clip_loss(x.logp, x.old_logp, x.advantages, algo.clip_eps_low,
+                                           algo.clip_eps_high, algo.dual_clip)
+    elif algo.policy_loss == "gspo":
+        per_tok, clipped = L.gspo_loss(x.logp, x.old_logp, x.advantages, mask, algo.clip_eps_low, algo.clip_eps_high)
+    else:
+        raise ValueError(f"unknown policy loss '{algo.policy_loss}' (ppo_clip, gspo, online_dpo)")
+    pg = L.aggregate_loss(per_tok, mask, algo.aggregation, x.counts)
+    loss = pg
+    metrics["loss/policy"] = float(pg.detach())
+    metrics["policy/clip_frac"] = _mean(clipped.float(), mask) * share
+    metrics["policy/ratio_mean"] = _mean(torch.exp(x.logp - x.old_logp).detach(), mask) * share
+    metrics["policy/approx_kl_old"] = _mean(0.5 * (x.logp - x.old_logp).detach() ** 2, mask) * share
+    if algo.kl_coef and not algo.kl_in_reward:
+        if x.ref_logp is None:
+            raise ValueError(f"algorithm '{algo.name}' has kl_coef={algo.kl_coef} in the loss but no ref_logprobs")
+        kl = L.kl_penalty(x.logp, x.ref_logp, mask, algo.kl_estimator)
+        kl_term = L.aggregate_loss(kl, mask, algo.aggregation, x.counts)
+        loss = loss + algo.kl_coef * kl_term
+        metrics["loss/kl"] = float(kl_term.detach())
+    if x.ref_logp is not None:
+        metrics["kl/ref_k3"] = _mean(L.kl_penalty(x.logp.detach(), x.ref_logp, mask, "k3"), mask) * share
+    if x.entropy is not None:
+        metrics["policy/entropy"] = _mean(x.entropy.detach(), mask) * share
+        if algo.entropy_coef:
+            ent = L.aggregate_loss(L.entropy_bonus(x.entropy, mask), mask, algo.aggregation, x.counts)
+            loss = loss + algo.entropy_coef * ent
+            metrics["loss/entropy"] = float(ent.detach())
+    if x.values is not None and x.returns is not None:
+        vl = L.aggregate_loss(L.clipped_value_loss(x.values, x.old_values, x.returns, mask, algo.value_clip),
+                              mask, "token-mean", x.counts)
+        loss = loss + algo.value_coef * vl
+        metrics["loss/value"] = float(vl.detach())
+    metrics["loss/total"] = float(loss.detach())
+    return loss, metrics
+
+
+def _online_dpo(x: LossInputs, algo: AlgorithmConfig):
+    """Rows come as adjacent (chosen, rejected) pairs; advantages mark them +1 / -1."""
+    if x.ref_logp is None:
+        raise ValueError("online_dpo needs reference logprobs")
+    seq = (x.logp * x.mask).sum(-1)
+    ref = (x.ref_logp * x.mask).sum(-1)
+    if seq.shape[0] % 2:
+        raise ValueError("online_dpo: odd number of rows; pairs must stay together")
+    loss_N, margin = L.online_dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], algo.dpo_beta)
+    num_pairs = max(x.counts.num_sequences // 2, 1)
+    loss = loss_N.sum() / num_pairs
+    share = seq.shape[0] / 2 / num_pairs
+    metrics = {"loss/policy": float(loss.detach()), "loss/total": float(loss.detach()),
+               "dpo/margin": float(margin.mean()) * share,
+               "dpo/accuracy": float((margin > 0).float().mean()) * share}
+    return loss, metrics

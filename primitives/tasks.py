@@ -1,0 +1,81 @@
+"""The embedded synthetic task: two-number addition with a verifiable answer (DESIGN section 9).
+
+Prompts look like ``"23+48="`` and the answer is the decimal sum. The SFT demonstrations
+are deliberately imperfect: in a stated share of the problems that need a carry, the
+demonstration drops the carry (``23+48=61``). A model that imitates them learns the
+error as its most likely answer on carry problems, while still sampling the right answer
+sometimes - exactly the situation in which RL with a verifiable reward helps.
+"""
+from __future__ import annotations
+
+import random
+from typing import NamedTuple, Optional
+
+from primitives.data import PromptItem
+
+
+class ArithmeticTaskSpec(NamedTuple):
+    max_operand: int = 49  # operands are drawn from [0, max_operand]
+    num_train: int = 2000  # distinct training problems (SFT demos and RL prompts)
+    num_heldout: int = 256  # distinct held-out problems, disjoint from training
+    carry_error_rate: float = 0.6  # share of carry problems whose demonstration drops the carry
+    seed: int = 0
+
+
+def needs_carry(a: int, b: int) -> bool:
+    return (a % 10) + (b % 10) >= 10
+
+
+def make_arithmetic_task(spec: ArithmeticTaskSpec = ArithmeticTaskSpec()):
+    """Seeded, disjoint (train, heldout) lists of ``PromptItem`` with ``answer`` set."""
+    n = spec.max_operand + 1
+    if spec.num_train + spec.num_heldout > n * n:
+        raise ValueError(
+            f"ArithmeticTaskSpec asks for {spec.num_train}+{spec.num_heldout} distinct problems "
+            f"but max_operand={spec.max_operand} allows only {n * n}"
+        )
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    random.Random(spec.seed).shuffle(pairs)
+    chosen = pairs[: spec.num_train + spec.num_heldout]
+    items = [
+        PromptItem(index=i, prompt=f"{a}+{b}=", answer=str(a + b), metadata={"a": a, "b": b})
+        for i, (a, b) in enumerate(chosen)
+    ]
+    train = items[: spec.num_train]
+    heldout = [it._replace(index=i) for i, it in enumerate(items[spec.num_train:])]
+    return train, heldout
+
+
+def demonstration(item: PromptItem, drop_carry: bool) -> str:
+    """The completion a demonstrator writes; ``drop_carry`` forgets the carry into the tens."""
+    a, b = item.metadata["a"], item.metadata["b"]
+    total = a + b - (10 if drop_carry and needs_carry(a, b) else 0)
+    return str(total)
+
+
+def sft_demonstrations(items, spec: ArithmeticTaskSpec, seed: Optional[int] = None):
+    """``(prompt, completion)`` pairs; carry problems are wrong with probability carry_error_rate.
+
+    Returns ``(pairs, wrong_share)`` where ``wrong_share`` is the realised share of wrong demos.
+    """
+    rng = random.Random(spec.seed if seed is None else seed)
+    pairs, wrong = [], 0
+    for item in items:
+        drop = needs_carry(item.metadata["a"], item.metadata["b"]) and rng.random() < spec.carry_error_rate
+        wrong += drop
+        pairs.append((item.prompt, demonstration(item, drop)))
+    return pairs, wrong / max(len(items), 1)
+
+
+def arithmetic_reward(rollout) -> float:
+    """1.0 when the first number of the completion equals the sum, else 0.0."""
+    return _exact(rollout)
+
+
+def _make_exact():
+    from primitives.rewards import exact_match_reward, parse_first_number
+
+    return exact_match_reward(parse_first_number)
+
+
+_exact = _make_exact()

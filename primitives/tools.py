@@ -1,0 +1,278 @@
+"""Tool use: parsers, a safe calculator, a sandboxed Python executor, multi-turn rollouts.
+
+Model output is data, never code to run in this process: the calculator parses arithmetic
+with ``ast`` and a whitelist; Python runs in a separate, resource-limited process with no
+network. An unparseable call becomes a tool *error message* in the conversation.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from primitives.generation import GenerationOutput, render_prompt
+from primitives.types import Conversation, Message, Rollout, group_id, make_uid
+
+
+class ToolCall(NamedTuple):
+    name: str
+    arguments: dict
+    id: str = ""
+    error: Optional[str] = None  # set when the call could not be parsed
+
+
+class ToolResult(NamedTuple):
+    call_id: str
+    name: str
+    content: str
+    is_error: bool = False
+
+
+# ----------------------------------------------------------------------------- parsers
+
+_XML_CALL = re.compile(r'<tool_call\s+name="([^"]*)"\s*>(.*?)</tool_call>', re.DOTALL)
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _json_args(text: str, name: str, call_id: str) -> ToolCall:
+    text = text.strip()
+    if not text:
+        return ToolCall(name, {}, call_id)
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as e:
+        return ToolCall(name, {}, call_id, error=f"arguments are not valid JSON: {e.msg}")
+    if not isinstance(args, dict):
+        return ToolCall(name, {}, call_id, error="arguments must be a JSON object")
+    return ToolCall(name, args, call_id)
+
+
+def parse_xml_tool_calls(text: str) -> list:
+    """Calls written ``<tool_call name="calc">{"expression": "2+3"}</tool_call>``."""
+    calls = []
+    for i, m in enumerate(_XML_CALL.finditer(text)):
+        name = m.group(1).strip()
+        call = _json_args(m.group(2), name, f"call_{i}")
+        calls.append(call if name else call._replace(error="tool call without a name"))
+    if not calls and "<tool_call" in text:
+        calls.append(ToolCall("", {}, "call_0", error="malformed <tool_call> tag"))
+    return calls
+
+
+def parse_json_tool_calls(text: str) -> list:
+    """JSON function calls ``{"name": ..., "arguments": {...}}``, bare or inside Hermes-style
+    ``<tool_call>...</tool_call>`` tags; a list of such objects is accepted too."""
+    chunks = _HERMES_CALL.findall(text) or ([text.strip()] if text.strip().startswith(("{", "[")) else [])
+    calls = []
+    for chunk in chunks:
+        try:
+            obj = json.loads(chunk)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", {}, f"call_{len(calls)}", error=f"tool call is not valid JSON: {e.msg}"))
+            continue
+        for o in obj if isinstance(obj, list) else [obj]:
+            cid = f"call_{len(calls)}"
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                calls.append(ToolCall("", {}, cid, error="tool call needs a string 'name'"))
+                continue
+            args = o.get("arguments", o.get("parameters", {}))
+            if isinstance(args, str):
+                calls.append(_json_args(args, o["name"], cid))
+            elif isinstance(args, dict):
+                calls.append(ToolCall(o["name"], args, cid))
+            else:
+                calls.append(ToolCall(o["name"], {}, cid, error="arguments must be a JSON object"))
+    return calls
+
+
+# ----------------------------------------------------------------------------- calculator
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def safe_calculate(expression: str, max_len: int = 200, max_power: int = 100):
+    """Evaluate + - * / // % ** and parentheses on numbers by walking the AST (no ``eval``)."""
+    if len(expression) > max_len:
+        raise ValueError(f"expression longer than {max_len} characters")
+    tree = ast.parse(expression, mode="eval")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > max_power:
+                raise ValueError(f"exponent {right} too large (max {max_power})")
+            return _BINOPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
+            return _UNOPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported syntax: {type(node).__name__}")
+
+    return ev(tree)
+
+
+def calculator_tool(arguments: dict) -> str:
+    expr = arguments.get("expression")
+    if not isinstance(expr, str):
+        raise ValueError("calculator needs a string argument 'expression'")
+    value = safe_calculate(expr)
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+# ----------------------------------------------------------------------------- python sandbox
+
+_SANDBOX_PRELUDE = """
+import resource, socket, sys
+resource.setrlimit(resource.RLIMIT_AS, ({mem}, {mem}))
+resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))
+def _no_network(*a, **k):
+    raise OSError("network access is disabled in the sandbox")
+socket.socket = _no_network
+socket.create_connection = _no_network
+socket.getaddrinfo = _no_network
+sys.argv = ["sandbox"]
+del resource, socket, sys, _no_network
+"""
+
+
+def _can_unshare_net() -> bool:
+    exe = shutil.which("unshare")
+    if exe is None:
+        return False
+    try:
+        return subprocess.run([exe, "--net", "--map-root-user", "true"], capture_output=True,
+                              timeout=5).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_python_sandboxed(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4000):
+    """Run ``code`` in a fresh ``python -I`` process: own temp dir, empty environment,
+    address-space and CPU limits, sockets disabled (and a private network namespace when
+    ``unshare`` is allowed). Returns ``(ok, output)``; never raises on the code's failure."""
+    mem = memory_mb * 1024 * 1024
+    program = _SANDBOX_PRELUDE.format(mem=mem, cpu=max(1, int(timeout) + 1)) + "\n" + code
+    cmd = [sys.executable, "-I", "-c", program]
+    if _can_unshare_net():
+        cmd = [shutil.which("unshare"), "--net", "--map-root-user"] + cmd
+    with tempfile.TemporaryDirectory(prefix="sandbox-") as cwd:
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                                  timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return False, f"timed out after {timeout}s"
+    out = (proc.stdout + proc.stderr)[-max_output:]
+    return proc.returncode == 0, out.strip()
+
+
+def python_tool(arguments: dict, timeout: float = 5.0, memory_mb: int = 512) -> str:
+    code = arguments.get("code")
+    if not isinstance(code, str):
+        raise ValueError("python tool needs a string argument 'code'")
+    ok, out = run_python_sandboxed(code, timeout, memory_mb)
+    if not ok:
+        raise RuntimeError(out or "python exited with an error")
+    return out
+
+
+def create_tool_executor(tools: dict) -> Callable:
+    """``tool_executor(call) -> ToolResult`` dispatching to ``tools[name](arguments) -> str``.
+    Unknown tools, parse errors and raising tools all become error results."""
+
+    def tool_executor(call: ToolCall) -> ToolResult:
+        if call.error is not None:
+            return ToolResult(call.id, call.name, f"error: {call.error}", True)
+        fn = tools.get(call.name)
+        if fn is None:
+            return ToolResult(call.id, call.name, f"error: unknown tool '{call.name}' (have {sorted(tools)})", True)
+        try:
+            return ToolResult(call.id, call.name, str(fn(call.arguments)))
+        except Exception as e:  # the tool's failure is information for the model, not a crash
+            return ToolResult(call.id, call.name, f"error: {type(e).__name__}: {e}", True)
+
+    return tool_executor
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+def no_tool_calls_stop(conversation: Conversation) -> bool:
+    """Default ``stop_condition``: stop once the last assistant turn called no tool."""
+    last = conversation.last("assistant")
+    return last is not None and not last.tool_calls
+
+
+def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], GenerationOutput],
+                      tool_parser: Callable = parse_xml_tool_calls, tool_executor: Callable = None,
+                      stop_condition: Callable = no_tool_calls_stop, max_turns: int = 4,
+                      sample: int = 0, policy_version: int = 0) -> Rollout:
+    """Generate, parse tool calls, execute, append results, repeat; one ``Rollout``.
+
+    Token ids are concatenated, never re-tokenized, so the trainer scores exactly what was
+    sampled. Policy tokens have loss_mask 1 and their behaviour logprobs; tool-output and
+    template tokens between turns have loss_mask 0 and logprob 0.
+    ``generate_turn(context_ids) -> GenerationOutput`` continues a context by one turn.
+    """
+    if tool_executor is None:
+        raise ValueError("multiturn_rollout needs a tool_executor")
+    conv = item.prompt if isinstance(item.prompt, Conversation) else Conversation((Message("user", item.prompt),))
+    prefix_text = render_prompt(tokenizer, conv)
+    prompt_ids = np.asarray(tokenizer(prefix_text, add_special_tokens=False).input_ids, dtype=np.int64)
+    ids, mask, logp = [], [], []
+    calls_all, results_all, finish = [], [], "length"
+    for turn in range(max_turns):
+        out = generate_turn(np.concatenate([prompt_ids, np.asarray(ids, dtype=np.int64)]))
+        ids += out.completion_ids.tolist()
+        mask += [1.0] * len(out.completion_ids)
+        logp += out.logprobs.tolist()
+        finish = out.finish_reason
+        calls = tool_parser(out.text)
+        conv = conv.add_message(Message("assistant", out.text, tool_calls=tuple(calls) or None))
+        if not calls or stop_condition(conv) or turn == max_turns - 1 or out.finish_reason == "length":
+            break
+        results = [tool_executor(c) for c in calls]
+        calls_all += calls
+        results_all += results
+        before = prefix_text + tokenizer.decode(out.completion_ids.tolist(), skip_special_tokens=False)
+        for res in results:
+            conv = conv.add_message(Message("tool", res.content, tool_call_id=res.call_id, name=res.name))
+        after = render_prompt(tokenizer, conv)
+        if not after.startswith(before):
+            raise ValueError("chat template is not prefix-stable across a tool turn; cannot append tool output")
+        tool_ids = tokenizer(after[len(before):], add_special_tokens=False).input_ids
+        ids += tool_ids
+        mask += [0.0] * len(tool_ids)
+        logp += [0.0] * len(tool_ids)
+        prefix_text = after
+    completion = np.asarray(ids, dtype=np.int64)
+    return Rollout(
+        uid=make_uid(item.epoch, item.index, sample), group=group_id(item.epoch, item.index),
+        prompt=item.prompt, prompt_ids=prompt_ids, completion_ids=completion,
+        loss_mask=np.asarray(mask, dtype=np.float32), logprobs=np.asarray(logp, dtype=np.float32),
+        policy_version=policy_version, finish_reason=finish,
+        text=tokenizer.decode(completion.tolist(), skip_special_tokens=True),
+        tool_calls=tuple(calls_all), tool_results=tuple(results_all), answer=item.answer,
+        metadata={"turns": conv.messages.__len__(), "conversation": [m.content for m in conv.messages]},
+    )
+
+
+def hf_turn_generator(model, tokenizer, config, generator=None) -> Callable:
+    """``generate_turn`` for ``multiturn_rollout`` backed by ``generate_tokens``."""
+    from primitives.generation import generate_tokens
+
+    def generate_turn(context_ids: np.ndarray) -> GenerationOutput:
+        return generate_tokens(model, tokenizer, [context_ids], config, generator)[0]
+
+    return generate_turn

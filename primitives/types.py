@@ -1,0 +1,219 @@
+"""Immutable records that cross every boundary (DESIGN section 3).
+
+All records are ``NamedTuple``s: update them with ``_replace``. Per-token data is numpy so
+that it travels through the Ray object store without copies; actors convert to torch where
+they compute. Shapes use P = prompt length, T = completion length, B = batch size,
+K = number of reward components, L = P + T.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Message(NamedTuple):
+    """One chat message. ``role`` is one of system/user/assistant/tool."""
+
+    role: str
+    content: str
+    tool_calls: Optional[tuple] = None  # tuple of ToolCall, on assistant messages
+    tool_call_id: Optional[str] = None  # on tool messages: which call this answers
+    name: Optional[str] = None  # on tool messages: the tool's name
+
+
+class Conversation(NamedTuple):
+    """A multi-turn conversation; ``add_message`` returns a new conversation."""
+
+    messages: tuple = ()
+
+    def add_message(self, message: Message) -> "Conversation":
+        return Conversation(tuple(self.messages) + (message,))
+
+    def last(self, role: Optional[str] = None) -> Optional[Message]:
+        """The last message (of ``role`` if given), or None."""
+        for m in reversed(self.messages):
+            if role is None or m.role == role:
+                return m
+        return None
+
+
+class GenerationConfig(NamedTuple):
+    """Sampling settings. ``temperature == 0`` means greedy decoding."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    n: int = 1  # completions per prompt (the group size G for GRPO)
+    stop: tuple = ()  # stop strings; the completion ends after the first one produced
+    seed: Optional[int] = None  # seeds a private torch.Generator; None = global RNG
+    stop_token_ids: tuple = ()  # extra token ids that end a completion (e.g. <|im_end|>)
+
+
+class ModelConfig(NamedTuple):
+    """Where and how to load a model."""
+
+    model_name_or_path: str
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None  # e.g. "eager", "sdpa"; None = HF default
+
+
+class Rollout(NamedTuple):
+    """One sampled completion with everything the trainer needs.
+
+    Per-token arrays all have length T (the completion) and are aligned token by token.
+    """
+
+    uid: str  # stable id "e{epoch}/i{index}/s{sample}": exact per-epoch accounting
+    group: str  # id of the prompt this answers "e{epoch}/i{index}"; G rollouts share it
+    prompt: Any  # the prompt as given: str or Conversation
+    prompt_ids: np.ndarray  # (P,) int64 token ids of the rendered prompt
+    completion_ids: np.ndarray  # (T,) int64 token ids produced after the prompt
+    loss_mask: np.ndarray  # (T,) float32 1 where the policy produced the token, 0 for tool output
+    logprobs: np.ndarray  # (T,) float32 behaviour-policy logprob of each completion token
+    policy_version: int = 0  # version of the weights that produced the completion
+    finish_reason: str = "length"  # "stop" (eos or stop string) | "length" | "tool_error"
+    text: str = ""  # decoded completion (policy and tool text interleaved for multi-turn)
+    ref_logprobs: Optional[np.ndarray] = None  # (T,) float32 reference logprobs, same tokens
+    reward: Optional[float] = None  # scalar reward after aggregation and shaping
+    reward_vector: Optional[np.ndarray] = None  # (K,) float32 reward components
+    tool_calls: tuple = ()  # ToolCall records, in order
+    tool_results: tuple = ()  # ToolResult records, in order
+    answer: Any = None  # the reference answer of the task item (for verifiable rewards)
+    metadata: Optional[dict] = None  # free-form, JSON-friendly
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.completion_ids))
+
+
+class Batch(NamedTuple):
+    """The rollouts of one step and the padded arrays the loss needs.
+
+    Layout (as in veRL): prompts left-padded to P, completions right-padded to T, so the
+    logit that predicts completion token t sits at position P - 1 + t for every row.
+    """
+
+    rollouts: tuple  # B Rollouts
+    input_ids: np.ndarray  # (B, P + T) int64
+    attention_mask: np.ndarray  # (B, P + T) int64, 0 on padding
+    prompt_len: int  # P
+    loss_mask: np.ndarray  # (B, T) float32
+    old_logprobs: np.ndarray  # (B, T) float32 behaviour logprobs (0 on padding)
+    rewards: np.ndarray  # (B,) float32
+    advantages: np.ndarray  # (B, T) float32 (0 where loss_mask is 0)
+    ref_logprobs: Optional[np.ndarray] = None  # (B, T) float32
+    returns: Optional[np.ndarray] = None  # (B, T) float32, PPO value targets
+    values: Optional[np.ndarray] = None  # (B, T) float32, critic values at rollout time
+
+    # NamedTuple's _replace checks len(), so a Batch keeps tuple length; rows are `size`.
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+    def select(self, indices: Sequence[int]) -> "Batch":
+        """A new batch holding rows ``indices`` (padding is left as it was)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        return self._replace(
+            rollouts=tuple(self.rollouts[i] for i in idx),
+            input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
+            loss_mask=self.loss_mask[idx], old_logprobs=self.old_logprobs[idx],
+            rewards=self.rewards[idx], advantages=self.advantages[idx],
+            ref_logprobs=pick(self.ref_logprobs), returns=pick(self.returns),
+            values=pick(self.values),
+        )
+
+    def filter(self, predicate: Callable[[Rollout], bool]) -> "Batch":
+        """A new batch with the rollouts for which ``predicate(rollout)`` is true."""
+        return self.select([i for i, r in enumerate(self.rollouts) if predicate(r)])
+
+    def shard(self, rank: int, world_size: int, unit: int = 1) -> "Batch":
+        """Rank ``rank``'s contiguous share of the rows, split in whole ``unit``s (2 keeps
+        online-DPO pairs together). Shares differ in size by at most one unit."""
+        if self.size % unit:
+            raise ValueError(f"batch of {self.size} rows is not a whole number of units of {unit}")
+        units = self.size // unit
+        lo, hi = (units * rank) // world_size, (units * (rank + 1)) // world_size
+        return self.select(range(lo * unit, hi * unit))
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+class AlgorithmConfig(NamedTuple):
+    """Which maths one RL step uses. Names are resolved by ``primitives.algorithms``.
+
+    Built by the presets in ``primitives.algorithms`` (``grpo()``, ``dapo()`` ...); a
+    schedule maps the iteration to one of these, so switching algorithm is a function.
+    """
+
+    name: str = "grpo"
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | none
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | online_dpo
+    aggregation: str = "seq-mean-token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: Optional[float] = None  # c > 1 enables dual clip (Ye et al. 2020)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # True: PPO / REINFORCE++ style; False: GRPO style (in the loss)
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    overlong_buffer: int = 0  # DAPO soft overlong penalty: buffer length (0 = off)
+    overlong_penalty: float = 1.0  # DAPO: penalty at the hard limit
+    max_completion_len: int = 0  # needed by the overlong penalty / filter
+    filter_overlong: bool = False  # drop truncated completions from the loss
+    dpo_beta: float = 0.1  # online DPO
+    pair_selection: str = "top_bottom"  # online DPO pair selector
+    gamma: float = 1.0  # discount (GAE / REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+    value_clip: float = 0.2  # PPO value loss clip
+    value_coef: float = 0.5
+    whiten_advantages: bool = False  # batch whitening after the advantage function
+    adv_eps: float = 1e-6
+    needs_reference: bool = True  # fetch reference logprobs for this step
+
+
+class TrainingStats(NamedTuple):
+    """What one optimizer step reports (scalars; summed over micro-batches / ranks)."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    num_tokens: int
+    num_sequences: int
+    metrics: Optional[dict] = None  # namespaced scalars: loss/policy, policy/clip_frac, ...
+
+
+class DataPosition(NamedTuple):
+    """Where a prompt source stands: epoch and offset into that epoch's order."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class TrainState(NamedTuple):
+    """Everything the loop needs to resume exactly (weights and optimizer live in checkpoints)."""
+
+    iteration: int = 0
+    global_step: int = 0  # optimizer steps taken
+    policy_version: int = 0  # bumped by every weight sync
+    data_position: DataPosition = DataPosition()
+    rng_seed: int = 0
+    metrics_history: tuple = ()  # tuple of flat metric dicts, one per iteration
+
+
+def make_uid(epoch: int, index: int, sample: int) -> str:
+    """Stable rollout id: epoch, dataset index, sample index within the group."""
+    return f"e{epoch}/i{index}/s{sample}"
+
+
+def group_id(epoch: int, index: int) -> str:
+    return f"e{epoch}/i{index}"
