@@ -4,7 +4,7 @@
 # Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
 # then DeepSpeed from source without build isolation (it must see that torch), then the project.
 
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0

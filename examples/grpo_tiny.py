@@ -53,16 +53,17 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for the model, the task and sampling")
     p.add_argument("--sft-steps", type=int, default=1500, help="SFT warm-up optimizer steps")
     p.add_argument("--sft-batch", type=int, default=64, help="SFT demonstrations per step")
-    p.add_argument("--sft-lr", type=float, default=3e-3, help="SFT learning rate (AdamW)")
-    p.add_argument("--carry-error-rate", type=float, default=0.6,
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (AdamW)")
+    p.add_argument("--carry-error-rate", type=float, default=0.7,
                    help="share of carry problems whose demonstration drops the carry")
-    p.add_argument("--rl-steps", type=int, default=60, help="GRPO optimizer steps")
+    p.add_argument("--rl-steps", type=int, default=80, help="GRPO optimizer steps")
     p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per GRPO step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--rl-lr", type=float, default=1e-3, help="GRPO learning rate (AdamW)")
+    p.add_argument("--rl-lr", type=float, default=3e-4, help="GRPO learning rate (AdamW)")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL-in-loss coefficient (0: no reference)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--heldout", type=int, default=256, help="held-out problems for accuracy")
+    p.add_argument("--eval-every", type=int, default=20, help="held-out accuracy every N RL steps (0: off)")
     args = p.parse_args(argv)
     for name in ("sft_batch", "prompts_per_step", "group_size", "heldout"):
         if getattr(args, name) <= 0:
@@ -71,6 +72,8 @@ def parse_args(argv=None):
         p.error("--group-size must be at least 2: GRPO normalises rewards within a group")
     if args.sft_steps < 0 or args.rl_steps < 0:
         p.error("--sft-steps and --rl-steps must be >= 0")
+    if args.eval_every < 0:
+        p.error("--eval-every must be >= 0")
     return args
 
 
@@ -95,8 +98,9 @@ def sft_warmup(model, tokenizer, demos, args, logger) -> None:
             logger({"step": step, "phase": "sft", **m})
 
 
-def grpo_train(model, tokenizer, train_items, args, logger) -> list:
-    """The RL loop in one process: generate -> reward -> (reference) -> batch -> step."""
+def grpo_train(model, tokenizer, train_items, args, logger, eval_fn=None) -> list:
+    """The RL loop in one process: generate -> reward -> (reference) -> batch -> step.
+    ``eval_fn()`` (held-out accuracy) runs every ``--eval-every`` steps and after the last."""
     algo = grpo(kl_coef=args.kl_coef)
     ref_model = create_reference_model(model) if algo.kl_coef else None
     gen_config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=args.temperature, n=args.group_size)
@@ -124,9 +128,16 @@ def grpo_train(model, tokenizer, train_items, args, logger) -> list:
                    "response/len_mean": float(batch.loss_mask.sum(1).mean()),
                    "time/generate": t1 - t0, "time/reward_ref_batch": t2 - t1, "time/train": t3 - t2,
                    "data/epoch": position.epoch}
+        if eval_fn is not None and args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.rl_steps - 1):
+            metrics["eval/accuracy"] = eval_fn()
         history.append(metrics)
         logger(metrics)
     return history
+
+
+def mean_of(rows, key):
+    values = [r[key] for r in rows if key in r]
+    return round(float(np.mean(values)), 4) if values else None
 
 
 def main(argv=None) -> dict:
@@ -157,23 +168,23 @@ def main(argv=None) -> dict:
     save_checkpoint(os.path.join(args.out, "sft_model"), model, tokenizer)
     tqdm.write(f"held-out accuracy after SFT (before RL): {acc_before:.3f}")
 
-    history = grpo_train(model, tokenizer, train_items, args, logger)
-    acc_after = evaluate()
+    history = grpo_train(model, tokenizer, train_items, args, logger, eval_fn=evaluate)
+    acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] else evaluate()
     tqdm.write(f"held-out accuracy after GRPO:            {acc_after:.3f}")
     save_checkpoint(os.path.join(args.out, "final_model"), model, tokenizer)
 
     all_rows = [json.loads(line) for line in open(metrics_path)]
-    plot_curves([r for r in all_rows if r.get("phase") == "rl"],
-                ["reward/mean", "loss/policy", "policy/entropy", "policy/clip_frac", "grad_norm", "time/generate"],
-                os.path.join(args.out, "curves.png"), title="GRPO on the tiny arithmetic task")
+    plot_curves(all_rows, ["loss/sft", "reward/mean", "eval/accuracy", "policy/entropy", "grad_norm",
+                           "time/generate"],
+                os.path.join(args.out, "curves.png"), title="SFT warm-up, then GRPO, on the tiny arithmetic task")
     summary = {
         "accuracy_base_model": acc_base, "accuracy_before_rl": acc_before, "accuracy_after_rl": acc_after,
         "accuracy_gain_points": round(100 * (acc_after - acc_before), 2),
         "sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "sft_wrong_share": round(wrong_share, 4),
         "carry_error_rate": args.carry_error_rate, "group_size": args.group_size,
         "prompts_per_step": args.prompts_per_step, "heldout_size": len(heldout),
-        "reward_first_step": history[0]["reward/mean"] if history else None,
-        "reward_last_step": history[-1]["reward/mean"] if history else None,
+        "reward_mean_first5": mean_of(history[:5], "reward/mean"),
+        "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
         "seed": args.seed, "wall_s": round(time.time() - start, 1),
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:

@@ -10,6 +10,7 @@ from primitives import advantages as adv
 from primitives.filters import PAIR_SELECTORS, overlong_filter, select_pairs
 from primitives.kl import get_kl_fn
 from primitives.logprobs import pack_completions
+from primitives.rewards import overlong_penalty
 from primitives.types import AlgorithmConfig, Batch
 
 
@@ -87,16 +88,26 @@ def compute_advantages(rollouts: Sequence, algo: AlgorithmConfig, kl_fn: Optiona
     return adv.to_numpy(a), returns
 
 
+def apply_overlong_penalty(rollouts: Sequence, algo: AlgorithmConfig) -> list:
+    """DAPO soft overlong punishment added to each reward when ``algo.overlong_buffer > 0``."""
+    if not algo.overlong_buffer:
+        return list(rollouts)
+    value = overlong_penalty(algo.max_completion_len, algo.overlong_buffer, algo.overlong_penalty)
+    return [r._replace(reward=float(r.reward) + value(r.num_tokens)) for r in rollouts]
+
+
 def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Optional[Callable] = None,
                values: Optional[Sequence[np.ndarray]] = None, pair_selector: Optional[Callable] = None,
                seed: int = 0) -> Batch:
-    """Scored rollouts -> Batch: overlong filter, advantages, (pairs for online DPO), padding.
+    """Scored rollouts -> Batch: overlong filter and penalty, advantages, (pairs for online
+    DPO), padding.
 
     For ``policy_loss == "online_dpo"`` the rows are (chosen, rejected) pairs, adjacent,
     with advantage +1 / -1 marking the role. Dynamic sampling is the driver's job (it
     needs to generate more); this function only batches what it is given.
     """
     check_rollouts(rollouts)
+    rollouts = apply_overlong_penalty(rollouts, algo)
     if algo.filter_overlong:
         rollouts = overlong_filter(rollouts) or rollouts  # never empty the step entirely
     if algo.policy_loss == "online_dpo":

@@ -85,9 +85,9 @@ def plot_curves(history: Sequence[dict], keys: Sequence[str], path: str, title: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in keys if any(k in row for row in history)]
+    wanted, keys = list(keys), [k for k in keys if any(k in row for row in history)]
     if not keys:
-        raise ValueError(f"plot_curves: none of the keys appear in the history")
+        raise ValueError(f"plot_curves: none of the keys {wanted} appear in the history")
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)

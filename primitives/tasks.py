@@ -1,6 +1,8 @@
 """The embedded synthetic task: two-number addition with a verifiable answer (DESIGN section 9).
 
-Prompts look like ``"23+48="`` and the answer is the decimal sum. The SFT demonstrations
+Prompts look like ``"23+48="`` and the answer is the decimal sum. Operands are zero-padded
+to a fixed width (``"07+40="``) so each digit sits at the same position in every prompt,
+which a tiny model learns far more reliably. The SFT demonstrations
 are deliberately imperfect: in a stated share of the problems that need a carry, the
 demonstration drops the carry (``23+48=61``). A model that imitates them learns the
 error as its most likely answer on carry problems, while still sampling the right answer
@@ -18,7 +20,7 @@ class ArithmeticTaskSpec(NamedTuple):
     max_operand: int = 49  # operands are drawn from [0, max_operand]
     num_train: int = 2000  # distinct training problems (SFT demos and RL prompts)
     num_heldout: int = 256  # distinct held-out problems, disjoint from training
-    carry_error_rate: float = 0.6  # share of carry problems whose demonstration drops the carry
+    carry_error_rate: float = 0.7  # share of carry problems whose demonstration drops the carry
     seed: int = 0
 
 
@@ -37,8 +39,9 @@ def make_arithmetic_task(spec: ArithmeticTaskSpec = ArithmeticTaskSpec()):
     pairs = [(a, b) for a in range(n) for b in range(n)]
     random.Random(spec.seed).shuffle(pairs)
     chosen = pairs[: spec.num_train + spec.num_heldout]
+    width = len(str(spec.max_operand))
     items = [
-        PromptItem(index=i, prompt=f"{a}+{b}=", answer=str(a + b), metadata={"a": a, "b": b})
+        PromptItem(index=i, prompt=f"{a:0{width}d}+{b:0{width}d}=", answer=str(a + b), metadata={"a": a, "b": b})
         for i, (a, b) in enumerate(chosen)
     ]
     train = items[: spec.num_train]

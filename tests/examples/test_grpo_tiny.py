@@ -1,0 +1,36 @@
+"""The one-process tiny example: SFT then GRPO lifts held-out accuracy; outputs are written."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+@pytest.mark.slow
+def test_grpo_tiny_lifts_heldout_accuracy(tmp_path):
+    import grpo_tiny
+
+    out = str(tmp_path / "run")
+    summary = grpo_tiny.main(["--out", out, "--sft-steps", "1500", "--rl-steps", "40", "--heldout", "128"])
+    assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
+    assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
+    with open(os.path.join(out, "summary.json")) as f:
+        written = json.load(f)
+    for key in ("accuracy_before_rl", "accuracy_after_rl", "rl_steps", "wall_s"):
+        assert key in written
+    assert written["rl_steps"] == 40
+    evals = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if "eval/accuracy" in line]
+    assert [e["step"] for e in evals] == [19, 39]
+    for name in ("metrics.jsonl", "curves.png", "final_model/model.safetensors", "final_model/tokenizer.json"):
+        assert os.path.exists(os.path.join(out, name)), name
+
+
+def test_bad_flags_fail_before_work(capsys):
+    import grpo_tiny
+
+    with pytest.raises(SystemExit):
+        grpo_tiny.parse_args(["--group-size", "1"])
+    assert "--group-size must be at least 2" in capsys.readouterr().err

@@ -1,0 +1,147 @@
+"""Sampling, left padding, stop strings, logprob parity, chat templates, think parsing."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from primitives.data import PromptItem
+from primitives.generation import (encode_prompts, filter_logits, generate_rollouts, generate_tokens, left_pad,
+                                   parse_thinking, position_ids_from_mask, render_prompt)
+from primitives.logprobs import completion_logprobs, pack_completions, rollout_logprobs, token_entropy
+from primitives.types import Conversation, GenerationConfig, Message
+
+PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
+
+
+def test_left_pad_and_positions():
+    ids, mask = left_pad([np.array([5, 6]), np.array([7, 8, 9])], pad_id=0)
+    assert ids.tolist() == [[0, 5, 6], [7, 8, 9]]
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert position_ids_from_mask(torch.from_numpy(mask)).tolist() == [[0, 0, 1], [0, 1, 2]]
+
+
+def test_filter_logits_top_k_top_p():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    out = filter_logits(logits, top_k=2)
+    assert torch.isinf(out[0, :2]).all() and out[0, 2:].tolist() == [3.0, 4.0]
+    probs = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert torch.isfinite(filter_logits(probs, top_p=0.6)).tolist() == [[True, True, False]]
+    assert torch.isfinite(filter_logits(probs, top_p=0.5)).tolist() == [[True, False, False]]
+
+
+def test_generation_logprobs_equal_recomputed_with_left_padding(tiny_model, tokenizer):
+    """Invariant 1 (one process): behaviour logprobs == recomputed, variable-length prompts, fp32."""
+    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS)]
+    rollouts = generate_rollouts(tiny_model, tokenizer, items, GenerationConfig(max_new_tokens=10, n=3, seed=0),
+                                 generator=torch.Generator().manual_seed(0))
+    assert len({len(r.prompt_ids) for r in rollouts}) == 4  # prompts of different lengths were padded together
+    recomputed = rollout_logprobs(tiny_model, rollouts, tokenizer.pad_token_id)
+    diff = max(float(np.abs(a - r.logprobs).max()) for a, r in zip(recomputed, rollouts))
+    assert diff < 1e-4
+    # each rollout scored alone (no padding at all) gives the same numbers
+    alone = [rollout_logprobs(tiny_model, [r], tokenizer.pad_token_id)[0] for r in rollouts]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(alone, recomputed)) < 1e-4
+
+
+def test_temperature_is_part_of_the_logprob(tiny_model, tokenizer):
+    items = [PromptItem(0, "12+34=")]
+    cfg = GenerationConfig(max_new_tokens=6, temperature=0.7)
+    r = generate_rollouts(tiny_model, tokenizer, items, cfg, generator=torch.Generator().manual_seed(1))[0]
+    same = rollout_logprobs(tiny_model, [r], tokenizer.pad_token_id, temperature=0.7)[0]
+    other = rollout_logprobs(tiny_model, [r], tokenizer.pad_token_id, temperature=1.0)[0]
+    assert np.abs(same - r.logprobs).max() < 1e-4
+    assert np.abs(other - r.logprobs).max() > 1e-3
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_top_k_1(tiny_model, tokenizer):
+    ids = encode_prompts(tokenizer, PROMPTS)
+    cfg = GenerationConfig(max_new_tokens=8)
+    a = generate_tokens(tiny_model, tokenizer, ids, cfg, torch.Generator().manual_seed(7))
+    b = generate_tokens(tiny_model, tokenizer, ids, cfg, torch.Generator().manual_seed(7))
+    assert [o.completion_ids.tolist() for o in a] == [o.completion_ids.tolist() for o in b]
+    greedy = generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=8, temperature=0.0))
+    top1 = generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=8, top_k=1),
+                           torch.Generator().manual_seed(3))
+    assert [o.completion_ids.tolist() for o in greedy] == [o.completion_ids.tolist() for o in top1]
+
+
+class _Scripted(torch.nn.Module):
+    """A 'model' that always predicts the next token of a fixed script (to test stopping)."""
+
+    def __init__(self, script, vocab):
+        super().__init__()
+        self.script, self.vocab = script, vocab
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        from types import SimpleNamespace
+        step = 0 if past_key_values is None else past_key_values + 1
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.vocab), -1e4)
+        logits[:, -1, self.script[min(step, len(self.script) - 1)]] = 0.0
+        return SimpleNamespace(logits=logits, past_key_values=step)
+
+
+def test_finish_reasons_and_stop_strings(tokenizer):
+    script = tokenizer("ab. cd").input_ids + [tokenizer.eos_token_id]
+    model = _Scripted(script, len(tokenizer))
+    ids = encode_prompts(tokenizer, ["x"])
+    out = generate_tokens(model, tokenizer, ids, GenerationConfig(max_new_tokens=3, temperature=0.0))[0]
+    assert (out.text, out.finish_reason) == ("ab.", "length")
+    out = generate_tokens(model, tokenizer, ids, GenerationConfig(max_new_tokens=20, temperature=0.0))[0]
+    assert (out.text, out.finish_reason) == ("ab. cd", "stop")
+    assert out.completion_ids[-1] == tokenizer.eos_token_id  # eos is a policy token, trained on
+    out = generate_tokens(model, tokenizer, ids, GenerationConfig(max_new_tokens=20, temperature=0.0,
+                                                                  stop=(". ",)))[0]
+    assert (out.text, out.finish_reason) == ("ab. ", "stop")
+    assert len(out.logprobs) == len(out.completion_ids) == 4
+    assert np.allclose(out.logprobs, 0.0, atol=1e-3)  # the scripted token has probability ~1
+
+
+def test_rollout_fields(tiny_model, tokenizer):
+    items = [PromptItem(3, "1+1=", answer="2", epoch=1)]
+    rs = generate_rollouts(tiny_model, tokenizer, items, GenerationConfig(max_new_tokens=4, n=2, seed=0))
+    assert [r.uid for r in rs] == ["e1/i3/s0", "e1/i3/s1"]
+    assert {r.group for r in rs} == {"e1/i3"}
+    r = rs[0]
+    assert r.answer == "2" and r.prompt_ids.dtype == np.int64 and r.logprobs.dtype == np.float32
+    assert r.loss_mask.tolist() == [1.0] * len(r.completion_ids)
+
+
+def test_bad_generation_inputs(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="empty prompt"):
+        encode_prompts(tokenizer, [""])
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        generate_rollouts(tiny_model, tokenizer, [PromptItem(0, "1")], GenerationConfig(n=0))
+    with pytest.raises(TypeError, match="str or Conversation"):
+        render_prompt(tokenizer, 42)
+
+
+def test_chat_template_with_tool_messages(tokenizer):
+    conv = Conversation((Message("system", "be brief"), Message("user", "2+3?"),
+                         Message("assistant", '<tool_call name="calc">{}</tool_call>'),
+                         Message("tool", "5", tool_call_id="call_0", name="calc")))
+    text = render_prompt(tokenizer, conv)
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call name="calc">{}</tool_call><|im_end|>\n'
+                    "<|im_start|>tool\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_parse_thinking():
+    assert parse_thinking("<think>carry the one</think> 42") == ("carry the one", "42", True)
+    assert parse_thinking("<think>still thinking") == ("still thinking", "", False)
+    assert parse_thinking("just 7") == ("", "just 7", True)
+
+
+def test_micro_batched_logprobs_and_entropy(tiny_model, tokenizer):
+    p = encode_prompts(tokenizer, PROMPTS)
+    c = [np.array([5, 6, 7]), np.array([8]), np.array([9, 10]), np.array([11, 12, 13])]
+    ids, mask, P, T = pack_completions(p, c, tokenizer.pad_token_id)
+    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    with torch.no_grad():
+        full, ent = completion_logprobs(tiny_model, ids, mask, P, with_entropy=True)
+        micro, _ = completion_logprobs(tiny_model, ids, mask, P, micro_batch_size=1)
+    torch.testing.assert_close(full, micro, atol=1e-5, rtol=0)
+    assert ent.shape == (4, T) and (ent > 0).all() and (ent <= math.log(len(tokenizer)) + 1e-4).all()
+    # uniform logits have entropy log V
+    torch.testing.assert_close(token_entropy(torch.zeros(1, 1, 8)), torch.tensor([[math.log(8)]]))

@@ -1,0 +1,105 @@
+"""KL estimators against hand-worked values; reference-update policies."""
+import math
+
+import pytest
+import torch
+
+from primitives import kl as K
+
+LOGP = torch.tensor([[-1.0, -2.0]])
+REF = torch.tensor([[-1.5, -1.0]])  # l = logp - ref = [0.5, -1.0]
+
+
+def test_k1_k2_k3_hand_values():
+    torch.testing.assert_close(K.kl_k1(LOGP, REF), torch.tensor([[0.5, -1.0]]))
+    torch.testing.assert_close(K.kl_k2(LOGP, REF), torch.tensor([[0.125, 0.5]]))
+    # k3 = exp(-l) - 1 + l
+    expected = torch.tensor([[math.exp(-0.5) - 0.5, math.e - 2.0]])  # [0.10653066, 0.71828183]
+    torch.testing.assert_close(K.kl_k3(LOGP, REF), expected, atol=1e-7, rtol=0)
+
+
+def test_mask_zeroes_positions():
+    out = K.per_token_kl(LOGP, REF, torch.tensor([[1.0, 0.0]]), "k3")
+    torch.testing.assert_close(out, torch.tensor([[math.exp(-0.5) - 0.5, 0.0]]), atol=1e-7, rtol=0)
+
+
+def test_k3_nonnegative_everywhere():
+    g = torch.Generator().manual_seed(0)
+    l = torch.randn(10000, generator=g) * 5
+    assert (K.kl_k3(l, torch.zeros_like(l)) >= 0).all()
+    assert (K.kl_k2(l, torch.zeros_like(l)) >= 0).all()
+
+
+def test_k1_k3_unbiased_for_reverse_kl():
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    exact = float((p * (p / q).log()).sum())
+    g = torch.Generator().manual_seed(0)
+    idx = torch.multinomial(p, 400_000, replacement=True, generator=g)
+    lp, lq = p.log()[idx], q.log()[idx]
+    assert abs(float(K.kl_k1(lp, lq).mean()) - exact) < 0.01
+    assert abs(float(K.kl_k3(lp, lq).mean()) - exact) < 0.01
+    # forward KL(q || p) from samples of p by importance weighting
+    exact_fwd = float((q * (q / p).log()).sum())
+    fwd = K.sequence_forward_kl(lp[:, None], lq[:, None], torch.ones(len(idx), 1)).mean()
+    assert abs(float(fwd) - exact_fwd) < 0.02
+
+
+def test_sequence_kls_hand_values():
+    mask = torch.ones(1, 2)
+    torch.testing.assert_close(K.sequence_reverse_kl(LOGP, REF, mask), torch.tensor([0.82481249]), atol=1e-6, rtol=0)
+    # rho = exp(ref - logp) = [e^-0.5, e]; rho*log(rho) - rho + 1 = [0.09020401, 1.0]
+    torch.testing.assert_close(K.sequence_forward_kl(LOGP, REF, mask), torch.tensor([1.09020401]), atol=1e-6, rtol=0)
+
+
+def test_exact_token_kl_both_directions():
+    logits = torch.zeros(1, 1, 2)  # p = [0.5, 0.5]
+    ref = torch.tensor([[[math.log(3.0), 0.0]]])  # q = [0.75, 0.25]
+    torch.testing.assert_close(K.exact_token_kl(logits, ref), torch.tensor([[0.14384104]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(K.exact_token_kl(logits, ref, reverse=False), torch.tensor([[0.13081204]]),
+                               atol=1e-6, rtol=0)
+
+
+def test_truncated_and_confidence_masked():
+    trunc = K.create_truncated_kl(0.5, "k3")
+    torch.testing.assert_close(trunc(LOGP, REF), torch.tensor([[math.exp(-0.5) - 0.5, 0.5]]), atol=1e-7, rtol=0)
+    trunc_k1 = K.create_truncated_kl(0.75, "k1")
+    torch.testing.assert_close(trunc_k1(LOGP, REF), torch.tensor([[0.5, -0.75]]))
+    conf = K.create_confidence_masked_kl(0.3, "k3")  # p(tok) = [0.368, 0.135]: second dropped
+    torch.testing.assert_close(conf(LOGP, REF), torch.tensor([[math.exp(-0.5) - 0.5, 0.0]]), atol=1e-7, rtol=0)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        K.per_token_kl(LOGP, REF, None, "k4")
+    with pytest.raises(ValueError, match="differ in shape"):
+        K.kl_k3(LOGP, REF[:, :1])
+    with pytest.raises(ValueError, match="positive"):
+        K.create_truncated_kl(0.0)
+
+
+def test_reference_updates():
+    ref = K.RefState({"w": torch.tensor([1.0])}, 0)
+    policy = {"w": torch.tensor([3.0])}
+    assert K.fixed_reference(ref, policy, 5) is ref
+    ema = K.create_ema_updater(0.9)(ref, policy, 1)
+    torch.testing.assert_close(ema.weights["w"], torch.tensor([1.2]))
+    periodic = K.create_periodic_updater(3)
+    assert periodic(ref, policy, 2) is ref
+    reset = periodic(ref, policy, 3)
+    torch.testing.assert_close(reset.weights["w"], torch.tensor([3.0]))
+    assert reset.last_reset_step == 3
+    bound = K.create_kl_bound_updater(0.1)
+    assert bound(ref, policy, 4, kl=0.05) is ref
+    torch.testing.assert_close(bound(ref, policy, 4, kl=0.2).weights["w"], torch.tensor([3.0]))
+
+
+def test_create_reference_model_is_frozen_copy(tiny_model):
+    ref = K.create_reference_model(tiny_model)
+    assert ref is not tiny_model
+    assert all(not p.requires_grad for p in ref.parameters())
+    for (n, a), (_, b) in zip(tiny_model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
+    state = K.ref_state_from_model(ref)
+    K.apply_ref_state(ref, K.create_ema_updater(0.0)(state, {k: v * 0 for k, v in state.weights.items()}, 1))
+    assert all(float(p.abs().sum()) == 0 for p in ref.parameters())

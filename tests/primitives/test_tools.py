@@ -1,0 +1,112 @@
+"""Tools: parsers, the calculator (no eval), the Python sandbox, multi-turn loss masks."""
+import numpy as np
+import pytest
+
+from primitives.data import PromptItem
+from primitives.generation import GenerationOutput
+from primitives.tools import (ToolCall, calculator_tool, create_tool_executor, multiturn_rollout,
+                              parse_json_tool_calls, parse_xml_tool_calls, python_tool, run_python_sandboxed,
+                              safe_calculate)
+
+
+def test_xml_parser():
+    calls = parse_xml_tool_calls('x <tool_call name="calc">{"expression": "2+3"}</tool_call> y '
+                                 '<tool_call name="py">{"code": "print(1)"}</tool_call>')
+    assert [(c.name, c.arguments, c.id, c.error) for c in calls] == [
+        ("calc", {"expression": "2+3"}, "call_0", None), ("py", {"code": "print(1)"}, "call_1", None)]
+    bad = parse_xml_tool_calls('<tool_call name="calc">{not json}</tool_call>')
+    assert bad[0].name == "calc" and "not valid JSON" in bad[0].error
+    assert parse_xml_tool_calls("<tool_call calc>")[0].error == "malformed <tool_call> tag"
+    assert parse_xml_tool_calls("no calls here") == []
+
+
+def test_json_parser():
+    calls = parse_json_tool_calls('<tool_call>{"name": "calc", "arguments": {"expression": "1+1"}}</tool_call>')
+    assert calls == [ToolCall("calc", {"expression": "1+1"}, "call_0")]
+    calls = parse_json_tool_calls('[{"name": "a", "arguments": "{\\"x\\": 1}"}, {"name": "b"}]')
+    assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert "not valid JSON" in parse_json_tool_calls("<tool_call>{oops</tool_call>")[0].error
+    assert "string 'name'" in parse_json_tool_calls('{"arguments": {}}')[0].error
+
+
+def test_calculator_never_evaluates_code():
+    assert safe_calculate("2 + 3 * (4 - 1) ** 2 / 3") == 11.0
+    assert calculator_tool({"expression": "7 // 2 + -1"}) == "2"
+    for evil in ["__import__('os').system('true')", "open('/etc/passwd')", "(1).__class__", "x + 1", "[1, 2]"]:
+        with pytest.raises((ValueError, SyntaxError)):
+            safe_calculate(evil)
+    with pytest.raises(ValueError, match="exponent"):
+        safe_calculate("9 ** 999999")
+
+
+def test_python_sandbox_runs_and_limits():
+    ok, out = run_python_sandboxed("print(sum(range(10)))")
+    assert ok and out == "45"
+    ok, out = run_python_sandboxed("while True: pass", timeout=1.0)
+    assert not ok and "timed out" in out
+    ok, out = run_python_sandboxed("import socket; socket.create_connection(('127.0.0.1', 9))")
+    assert not ok and ("network" in out or "Network" in out or "unreachable" in out)
+    ok, out = run_python_sandboxed("x = bytearray(2 * 1024 ** 3)", memory_mb=256)
+    assert not ok and "MemoryError" in out
+    ok, out = run_python_sandboxed("import os; print(sorted(os.environ))")
+    assert ok and "HOME" not in out  # the environment is emptied
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        python_tool({"code": "1/0"})
+
+
+def test_executor_turns_failures_into_error_results():
+    ex = create_tool_executor({"calc": calculator_tool})
+    assert ex(ToolCall("calc", {"expression": "2+2"}, "c0")).content == "4"
+    r = ex(ToolCall("calc", {"expression": "import os"}, "c1"))
+    assert r.is_error and r.content.startswith("error:")
+    assert ex(ToolCall("nope", {}, "c2")).content.startswith("error: unknown tool 'nope'")
+    assert ex(ToolCall("", {}, "c3", error="malformed <tool_call> tag")).is_error
+
+
+def _scripted_turns(tokenizer, turns):
+    """generate_turn that returns the given texts in order (with logprob -0.5 per token)."""
+    it = iter(turns)
+
+    def generate_turn(context_ids):
+        text = next(it)
+        ids = np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
+        return GenerationOutput(ids, np.full(len(ids), -0.5, np.float32), "stop", text)
+
+    return generate_turn
+
+
+def test_multiturn_loss_mask_excludes_tool_tokens(tokenizer):
+    turns = ['<tool_call name="calc">{"expression": "12*3"}</tool_call>',
+             '<tool_call name="calc">{bad json}</tool_call>', "The answer is 36<|im_end|>"]
+    item = PromptItem(0, "What is 12*3?", answer="36")
+    r = multiturn_rollout(item, tokenizer, _scripted_turns(tokenizer, turns),
+                          tool_executor=create_tool_executor({"calc": calculator_tool}), max_turns=5)
+    assert len(r.completion_ids) == len(r.loss_mask) == len(r.logprobs)
+    policy = tokenizer.decode(r.completion_ids[r.loss_mask == 1].tolist(), skip_special_tokens=False)
+    assert policy == "".join(turns)  # every policy token, and only those, is in the loss
+    tool = tokenizer.decode(r.completion_ids[r.loss_mask == 0].tolist(), skip_special_tokens=False)
+    assert "<tool_response>36</tool_response>" in tool and "error:" in tool
+    assert "36</tool_response>" not in policy
+    assert (r.logprobs[r.loss_mask == 0] == 0).all() and (r.logprobs[r.loss_mask == 1] == -0.5).all()
+    assert [c.name for c in r.tool_calls] == ["calc", "calc"] and r.tool_results[1].is_error
+    # the whole sequence is what the chat template renders for the conversation
+    full = tokenizer.decode(np.concatenate([r.prompt_ids, r.completion_ids]).tolist(), skip_special_tokens=False)
+    assert full.startswith("<|im_start|>user\nWhat is 12*3?<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>tool\n<tool_response>36</tool_response><|im_end|>\n<|im_start|>assistant\n" in full
+
+
+def test_multiturn_stops_without_tool_calls(tokenizer):
+    r = multiturn_rollout(PromptItem(1, "hi"), tokenizer, _scripted_turns(tokenizer, ["hello<|im_end|>"]),
+                          tool_executor=create_tool_executor({}))
+    assert r.loss_mask.tolist() == [1.0] * len(r.completion_ids) and r.tool_calls == ()
+
+
+def test_multiturn_with_real_model(tiny_model, tokenizer):
+    from primitives.tools import hf_turn_generator
+    from primitives.types import GenerationConfig
+    import torch
+
+    gen = hf_turn_generator(tiny_model, tokenizer, GenerationConfig(max_new_tokens=8, seed=0),
+                            torch.Generator().manual_seed(0))
+    r = multiturn_rollout(PromptItem(0, "2+2?"), tokenizer, gen, tool_executor=create_tool_executor({}))
+    assert len(r.completion_ids) == len(r.loss_mask) >= 1
