@@ -125,3 +125,14 @@ def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Op
     T = a.shape[1]
     v = pad_right(values, T) if values is not None else None
     return collate(rollouts, a, pad_id, returns, v)
+
+
+def rollout_metrics(batch: Batch) -> dict:
+    """Flat, namespaced statistics of one step's batch (rewards, lengths, truncation)."""
+    lengths = batch.loss_mask.sum(1)
+    truncated = np.mean([r.finish_reason == "length" for r in batch.rollouts])
+    return {"reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
+            "reward/min": float(batch.rewards.min()), "reward/max": float(batch.rewards.max()),
+            "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
+            "response/truncated_frac": float(truncated), "batch/rows": float(batch.size),
+            "batch/loss_tokens": float(batch.num_loss_tokens)}

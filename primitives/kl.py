@@ -133,7 +133,8 @@ def create_reference_model(policy_model, ref_model_fn: Optional[Callable] = None
 
 
 def ref_state_from_model(model, step: int = 0) -> RefState:
-    return RefState({k: v.detach().clone() for k, v in model.state_dict().items()}, step)
+    """The model's parameters by name (tied weights once, as ``named_parameters`` lists them)."""
+    return RefState({k: v.detach().clone() for k, v in model.named_parameters()}, step)
 
 
 def fixed_reference(ref: RefState, policy_weights: dict, step: int, kl: Optional[float] = None) -> RefState:
@@ -183,5 +184,11 @@ def create_kl_bound_updater(max_kl: float) -> Callable:
 
 
 def apply_ref_state(model, ref: RefState) -> None:
-    """Load reference weights into a model (in place; the model is the actor's state)."""
-    model.load_state_dict(ref.weights)
+    """Copy reference weights into a model's parameters (in place; the model is the actor's state)."""
+    params = dict(model.named_parameters())
+    missing = set(params) - set(ref.weights)
+    if missing:
+        raise KeyError(f"reference state lacks parameters {sorted(missing)[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(ref.weights[name])

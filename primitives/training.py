@@ -100,3 +100,11 @@ def sft_forward_backward(model, input_ids: np.ndarray, attention_mask: np.ndarra
         backward(loss * loss_scale)
         total += float(loss.detach())
     return {"loss/sft": total, "sft/tokens": float(loss_mask[:, 1:].sum())}
+
+
+def linear_warmup(base_lr: float, warmup_steps: int):
+    """``lr_schedule(step)``: linear ramp to ``base_lr`` over ``warmup_steps``, then constant."""
+    def lr_schedule(step: int) -> float:
+        return base_lr * min(1.0, (step + 1) / max(warmup_steps, 1))
+
+    return lr_schedule

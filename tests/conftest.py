@@ -8,6 +8,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("TQDM_DISABLE", "1")
+# Ray reads this when imported: a local Ray then binds 127.0.0.1 (tests stay on loopback)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 

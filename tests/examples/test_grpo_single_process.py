@@ -1,4 +1,4 @@
-"""The one-process tiny example: SFT then GRPO lifts held-out accuracy; outputs are written."""
+"""The one-process example (grpo_single_process.py): SFT then GRPO lifts held-out accuracy; outputs are written."""
 import json
 import os
 import sys
@@ -10,11 +10,11 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
 @pytest.mark.slow
-def test_grpo_tiny_lifts_heldout_accuracy(tmp_path):
-    import grpo_tiny
+def test_single_process_example_lifts_heldout_accuracy(tmp_path):
+    import grpo_single_process as example
 
     out = str(tmp_path / "run")
-    summary = grpo_tiny.main(["--out", out, "--sft-steps", "1500", "--rl-steps", "40", "--heldout", "128"])
+    summary = example.main(["--out", out, "--sft-steps", "1500", "--rl-steps", "40", "--heldout", "128"])
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
     assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
     with open(os.path.join(out, "summary.json")) as f:
@@ -29,8 +29,8 @@ def test_grpo_tiny_lifts_heldout_accuracy(tmp_path):
 
 
 def test_bad_flags_fail_before_work(capsys):
-    import grpo_tiny
+    import grpo_single_process as example
 
     with pytest.raises(SystemExit):
-        grpo_tiny.parse_args(["--group-size", "1"])
+        example.parse_args(["--group-size", "1"])
     assert "--group-size must be at least 2" in capsys.readouterr().err

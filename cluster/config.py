@@ -1,0 +1,151 @@
+"""Job configuration: small records per concern, each field documented, and the command line
+derived from them (one flag per field). Hooks named ``module:function`` are resolved once,
+here, before Ray starts; bad values fail here too.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+from typing import Annotated, Callable, NamedTuple, Optional, get_args, get_origin, get_type_hints
+
+
+class ClusterConfig(NamedTuple):
+    generators: Annotated[int, "generator workers (scaled independently of the trainers)"] = 2
+    trainers: Annotated[int, "trainer ranks (one DeepSpeed ZeRO data-parallel group)"] = 2
+    reward_workers: Annotated[int, "reward workers"] = 1
+    zero_stage: Annotated[int, "DeepSpeed ZeRO stage (1, 2 or 3)"] = 2
+    generator_cpus: Annotated[float, "CPUs per generator"] = 1.0
+    generator_gpus: Annotated[float, "GPUs per generator"] = 0.0
+    trainer_cpus: Annotated[float, "CPUs per trainer rank"] = 1.0
+    trainer_gpus: Annotated[float, "GPUs per trainer rank"] = 0.0
+    reference_cpus: Annotated[float, "CPUs of the reference worker"] = 1.0
+    reference_gpus: Annotated[float, "GPUs of the reference worker"] = 0.0
+    reward_cpus: Annotated[float, "CPUs per reward worker"] = 1.0
+    placement: Annotated[str, "placement of each role's actors: PACK or SPREAD across nodes"] = "PACK"
+    generator_backend: Annotated[str, "auto (vLLM if installed and a GPU is visible), hf or vllm"] = "auto"
+    threads_per_actor: Annotated[int, "torch threads in each actor"] = 1
+    ray_address: Annotated[Optional[str], "Ray address to join (default: RAY_ADDRESS, else a local Ray)"] = None
+    local_cpus: Annotated[Optional[int], "logical CPUs of a local Ray (default: enough for all actors)"] = None
+    call_timeout_s: Annotated[float, "bound on every wait for actors; a dead or stuck actor fails the job"] = 600.0
+
+
+class SFTConfig(NamedTuple):
+    sft_steps: Annotated[int, "SFT optimizer steps"] = 1500
+    sft_batch: Annotated[int, "SFT samples per step (all ranks together)"] = 64
+    sft_lr: Annotated[float, "SFT peak learning rate"] = 1e-3
+    sft_warmup: Annotated[int, "linear warm-up steps of the SFT learning rate"] = 50
+
+
+class RLConfig(NamedTuple):
+    algorithm: Annotated[str, "preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo"] = "grpo"
+    rl_steps: Annotated[int, "RL iterations (one optimizer step each)"] = 80
+    prompts_per_step: Annotated[int, "prompts per RL step"] = 32
+    group_size: Annotated[int, "completions per prompt (G)"] = 8
+    max_new_tokens: Annotated[int, "completion length limit"] = 5
+    temperature: Annotated[float, "sampling temperature"] = 1.0
+    rl_lr: Annotated[float, "RL learning rate"] = 3e-4
+    kl_coef: Annotated[float, "KL coefficient (0 disables the reference worker for GRPO)"] = 0.0
+    sync_bucket_mb: Annotated[float, "weight-sync bucket size in MB"] = 64.0
+    max_resample_rounds: Annotated[int, "DAPO dynamic sampling: extra generation rounds per step"] = 4
+    eval_every: Annotated[int, "evaluate every N steps (0: only at the end)"] = 20
+    checkpoint_every: Annotated[int, "checkpoint every N steps (0: off)"] = 0
+
+
+class JobConfig(NamedTuple):
+    out: Annotated[str, "output directory"] = "runs/grpo_tiny"
+    seed: Annotated[int, "seed for the model, the task and sampling"] = 0
+    model: Annotated[Optional[str], "local HF model path (default: build the embedded tiny model)"] = None
+    reward_fn: Annotated[Optional[str], "reward hook as module:function (default: the task's exact match)"] = None
+    heldout: Annotated[int, "held-out problems for accuracy"] = 256
+    carry_error_rate: Annotated[float, "share of carry problems whose SFT demonstration drops the carry"] = 0.7
+
+
+RECORDS = (JobConfig, ClusterConfig, SFTConfig, RLConfig)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_record_arguments(parser: argparse.ArgumentParser, record) -> None:
+    """One ``--field-name`` flag per field, typed and documented from its annotation."""
+    hints = get_type_hints(record, include_extras=True)
+    group = parser.add_argument_group(record.__name__)
+    for name in record._fields:
+        hint = hints[name]
+        doc = hint.__metadata__[0] if hasattr(hint, "__metadata__") else ""
+        base = get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+        if get_origin(base) is not None and type(None) in get_args(base):  # Optional[X]
+            base = next(a for a in get_args(base) if a is not type(None))
+        kind = _parse_bool if base is bool else base
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
+                           default=record._field_defaults[name], help=doc + " (default: %(default)s)")
+
+
+def build_parser(description: str, records=RECORDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    for record in records:
+        add_record_arguments(parser, record)
+    return parser
+
+
+def records_from_args(ns: argparse.Namespace, records=RECORDS) -> tuple:
+    values = vars(ns)
+    return tuple(r(**{f: values[f] for f in r._fields}) for r in records)
+
+
+def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfig) -> None:
+    """Every check that needs no Ray: raise ``ValueError`` naming the flag and what is allowed."""
+    from primitives.algorithms import PRESETS
+
+    checks = [
+        (cluster.generators >= 1, "--generators must be at least 1"),
+        (cluster.trainers >= 1, "--trainers must be at least 1"),
+        (cluster.reward_workers >= 1, "--reward-workers must be at least 1"),
+        (cluster.zero_stage in (1, 2, 3), f"--zero-stage must be 1, 2 or 3, got {cluster.zero_stage}"),
+        (cluster.placement in ("PACK", "SPREAD"), f"--placement must be PACK or SPREAD, got {cluster.placement}"),
+        (cluster.generator_backend in ("auto", "hf", "vllm"),
+         f"--generator-backend must be auto, hf or vllm, got {cluster.generator_backend}"),
+        (rl.algorithm in PRESETS, f"--algorithm '{rl.algorithm}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
+        (rl.group_size >= 2, "--group-size must be at least 2: group advantages compare completions of one prompt"),
+        (rl.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
+        (rl.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
+        (rl.rl_steps >= 0 and sft.sft_steps >= 0, "--rl-steps and --sft-steps must be >= 0"),
+        (sft.sft_batch >= 1, "--sft-batch must be at least 1"),
+        (rl.sync_bucket_mb > 0, "--sync-bucket-mb must be positive"),
+        (cluster.call_timeout_s > 0, "--call-timeout-s must be positive"),
+        (job.heldout >= 1, "--heldout must be at least 1"),
+    ]
+    errors = [msg for ok, msg in checks if not ok]
+    if job.model is not None and not os.path.isfile(os.path.join(job.model, "config.json")):
+        errors.append(f"--model {job.model}: not a local Hugging Face model directory (no config.json)")
+    if errors:
+        raise ValueError("bad configuration:\n  - " + "\n  - ".join(errors))
+
+
+def load_function(spec: str) -> Callable:
+    """Resolve ``"package.module:function"`` (also ``path/to/file.py:function``) to the callable."""
+    if ":" not in spec:
+        raise ValueError(f"hook '{spec}' must look like module:function")
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise ImportError(f"no file {module_name}")
+            mod_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"hook '{spec}': cannot import '{module_name}' ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"hook '{spec}': '{module_name}' has no callable '{attr}'")
+    return fn

@@ -1,0 +1,202 @@
+"""The driver functions: ``train`` (the RL loop of DESIGN section 4) and ``train_sft``.
+
+Orchestration only: no maths, no model code. Rollouts move between actors as ObjectRefs;
+every wait is here, bounded, and a dead or failing actor surfaces as an error naming its
+role and rank. Each phase is timed (``time/generate``, ``time/reward``, ``time/ref``,
+``time/train``, ``time/sync``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster.groups import Call, call, fan_out, fan_out_each, split_evenly
+from cluster.setup import RLCluster
+from primitives.batching import make_batch, rollout_metrics
+from primitives.data import SFTSample, collate_sft
+from primitives.filters import dynamic_sampling_filter
+from primitives.loggers import noop_logger
+from primitives.training import add_metrics
+from primitives.types import AlgorithmConfig, GenerationConfig, TrainState
+
+
+class ActorFailure(RuntimeError):
+    """An actor died, raised, or did not answer in time; the message names role and rank."""
+
+
+def gather(calls: Sequence[Call], timeout_s: float) -> list:
+    """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    refs = [c.ref for c in calls]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [f"{c.role} {c.rank}.{c.method}" for c in calls if c.ref in set(pending)]
+        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {', '.join(late)} (stuck or too slow; "
+                           f"raise --call-timeout-s if the work is simply long)")
+    out = []
+    for c in calls:
+        try:
+            out.append(ray.get(c.ref, timeout=timeout_s))
+        except RayActorError as e:
+            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {e.__class__.__name__}") from e
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}") from e
+        except GetTimeoutError as e:
+            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s") from e
+    return out
+
+
+def _flat(lists) -> list:
+    return [x for chunk in lists for x in chunk]
+
+
+def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[float] = None) -> dict:
+    """Broadcast the trainers' weights to every generator (and a tracking reference)."""
+    t0 = time.perf_counter()
+    meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
+    calls = fan_out(cluster.trainers, "send_weights", meta, bucket)
+    calls += fan_out(cluster.generators, "receive_weights", meta, bucket, version)
+    if cluster.reference_tracks_policy:
+        calls += fan_out(cluster.reference, "receive_weights", meta, bucket, step, kl)
+    moved = gather(calls, cluster.timeout_s)[0]
+    dt = time.perf_counter() - t0
+    return {"time/sync": dt, "sync/bytes": float(moved), "sync/version": float(version)}
+
+
+def generate_and_score(cluster: RLCluster, items: Sequence, gen: GenerationConfig, with_ref: bool,
+                       generate_method: str = "generate", extra_args: tuple = ()):
+    """Generators -> reward workers -> reference, chained by ref; returns (rollouts, timings).
+
+    ``generate_method="generate_multiturn"`` with ``extra_args=(tool_parser, tool_executor,
+    max_turns)`` runs tool-using rollouts instead."""
+    t0 = time.perf_counter()
+    chunks = split_evenly(list(items), cluster.generators.size)
+    gen_calls = fan_out_each(cluster.generators, generate_method,
+                             [(c, gen, *extra_args) if c else None for c in chunks])
+    score_calls = [call(cluster.rewards, i % cluster.rewards.size, "score", c.ref) for i, c in enumerate(gen_calls)]
+    ref_calls = [call(cluster.reference, 0, "logprobs", c.ref) for c in score_calls] if with_ref else []
+    gather(gen_calls, cluster.timeout_s)
+    t1 = time.perf_counter()
+    scored = gather(score_calls, cluster.timeout_s)
+    t2 = time.perf_counter()
+    final = gather(ref_calls, cluster.timeout_s) if with_ref else scored
+    t3 = time.perf_counter()
+    times = {"time/generate": t1 - t0, "time/reward": t2 - t1, "time/ref": t3 - t2}
+    return _flat(final), times
+
+
+def collect_rollouts(cluster: RLCluster, prompt_source: Callable, state: TrainState, algo: AlgorithmConfig,
+                     gen: GenerationConfig, prompts_per_step: int, max_rounds: int):
+    """One step's rollouts. With DAPO dynamic sampling, groups whose rewards are all equal are
+    dropped and more prompts are drawn (up to ``max_rounds`` extra rounds) until the step has
+    ``prompts_per_step`` informative groups."""
+    with_ref = algo.needs_reference and (algo.kl_coef > 0 or algo.policy_loss == "online_dpo")
+    position, kept, times, rounds, drawn = state.data_position, [], {}, 0, 0
+    while True:
+        want = prompts_per_step - len({r.group for r in kept}) if algo.dynamic_sampling else prompts_per_step
+        items, position = prompt_source(position, want)
+        drawn += len(items)
+        rollouts, t = generate_and_score(cluster, items, gen, with_ref)
+        times = add_metrics(times, t)
+        kept += dynamic_sampling_filter(rollouts) if algo.dynamic_sampling else rollouts
+        if not algo.dynamic_sampling or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
+            break
+        rounds += 1
+    if not kept:
+        raise RuntimeError(f"step {state.iteration}: dynamic sampling kept no group after {rounds + 1} rounds "
+                           "(every group had equal rewards)")
+    extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds)}
+    return kept, position, {**times, **extra}
+
+
+def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Callable[[int], AlgorithmConfig],
+          gen: GenerationConfig, num_steps: int, prompts_per_step: int, lr_schedule: Callable[[int], float],
+          state: TrainState = TrainState(), logger: Callable = noop_logger, eval_fn: Optional[Callable] = None,
+          eval_every: int = 0, checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0,
+          max_resample_rounds: int = 4, progress: bool = True) -> TrainState:
+    """The RL loop: prompts -> rollouts (generate, reward, reference) -> batch -> train -> sync.
+
+    ``algorithm_schedule(iteration)`` is evaluated every step, so switching algorithm or KL
+    coefficient mid-run is a function. ``eval_fn(cluster, state) -> dict`` and
+    ``checkpoint_fn(cluster, state)`` run every ``eval_every`` / ``checkpoint_every`` steps.
+    """
+    import ray
+
+    bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
+    for it in bar:
+        t_step = time.perf_counter()
+        algo = algorithm_schedule(it)
+        rollouts, position, metrics = collect_rollouts(cluster, prompt_source, state, algo, gen,
+                                                       prompts_per_step, max_resample_rounds)
+        batch = make_batch(rollouts, algo, cluster.pad_token_id, seed=state.rng_seed + it)
+        t0 = time.perf_counter()
+        batch_ref = ray.put(batch)
+        stats = gather(fan_out(cluster.trainers, "train_step", batch_ref, algo, lr_schedule(it)), cluster.timeout_s)
+        metrics["time/train"] = time.perf_counter() - t0
+        trained = add_metrics({}, {k: v for s in stats for k, v in s.items() if k not in ("grad_norm", "lr")})
+        version = state.policy_version + 1
+        metrics.update(sync_weights(cluster, version, it + 1, trained.get("kl/ref_k3")))
+        metrics.update({**trained, **rollout_metrics(batch), "grad_norm": stats[0]["grad_norm"],
+                        "lr": stats[0]["lr"], "step": it, "algorithm": algo.name,
+                        "time/step": time.perf_counter() - t_step})
+        state = state._replace(iteration=it + 1, global_step=state.global_step + 1, policy_version=version,
+                               data_position=position)
+        if eval_fn is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == num_steps):
+            metrics.update(eval_fn(cluster, state))
+        state = state._replace(metrics_history=state.metrics_history + (metrics,))
+        logger(metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        if checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0:
+            checkpoint_fn(cluster, state)
+    return state
+
+
+def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, batch_size: int,
+              lr_schedule: Callable[[int], float], seed: int = 0, logger: Callable = noop_logger,
+              log_every: int = 50, progress: bool = True) -> dict:
+    """Supervised fine-tuning on the trainer group, then one weight sync to the generators.
+
+    Each step draws ``batch_size`` samples (seeded, without replacement within the step);
+    every trainer rank takes its share and the loss is normalised by the step's global
+    target-token count. Returns the last step's metrics.
+    """
+    import ray
+
+    if not samples:
+        raise ValueError("train_sft: no samples")
+    rng = np.random.default_rng(seed)
+    pad = cluster.pad_token_id
+    metrics: dict = {}
+    for step in tqdm(range(num_steps), desc="sft", unit="step", **({} if progress else {"disable": True})):
+        picked = rng.choice(len(samples), min(batch_size, len(samples)), replace=False)
+        ids, attn, loss_mask = collate_sft([samples[i] for i in picked], pad)
+        refs = [ray.put(ids), ray.put(attn), ray.put(loss_mask)]
+        stats = gather(fan_out(cluster.trainers, "sft_step", *refs, lr_schedule(step)), cluster.timeout_s)
+        metrics = {**add_metrics({}, {k: v for s in stats for k, v in s.items() if k not in ("grad_norm", "lr")}),
+                   "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"], "step": step, "phase": "sft"}
+        metrics["sft/tokens"] = float(loss_mask[:, 1:].sum())
+        if step % log_every == 0 or step == num_steps - 1:
+            logger(metrics)
+    return metrics
+
+
+def copy_policy_to_reference(cluster: RLCluster) -> None:
+    """Make the reference equal to the current policy (after SFT, say): one object-store copy."""
+    if cluster.reference is None:
+        return
+    states = gather(fan_out(cluster.trainers, "full_state"), cluster.timeout_s)  # collective under ZeRO-3
+    gather([call(cluster.reference, 0, "load_weights", states[0])], cluster.timeout_s)
+
+
+def evaluate_accuracy(cluster: RLCluster, items: Sequence, max_new_tokens: int, correct: float = 1.0) -> float:
+    """Greedy completions of ``items`` on the generators, scored by the reward workers:
+    the share whose reward reaches ``correct``."""
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
+    rollouts, _ = generate_and_score(cluster, items, gen, with_ref=False)
+    return float(np.mean([r.reward >= correct for r in rollouts]))

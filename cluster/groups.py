@@ -1,0 +1,77 @@
+"""Create N actors of a role in its placement group; fan calls out and get refs back.
+
+Nothing here blocks: methods return ``Call``s (a ref and who computes it) and the driver
+decides when to wait, with a bound (``cluster.driver.gather``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+from cluster.placement import RoleSpec
+
+
+class WorkerGroup(NamedTuple):
+    role: str
+    actors: tuple
+    placement_group: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+
+class Call(NamedTuple):
+    ref: Any  # ray.ObjectRef
+    role: str
+    rank: int
+    method: str
+
+
+def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable[[int], tuple],
+                 runtime_env: Optional[dict] = None) -> WorkerGroup:
+    """``spec.count`` actors of ``actor_cls``; rank r is built with ``*make_args(r)`` and
+    pinned to bundle r of the placement group."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote_cls = ray.remote(actor_cls)
+    actors = []
+    for rank in range(spec.count):
+        args, kwargs = make_args(rank)
+        options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
+                       max_restarts=0, max_concurrency=1,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, rank))
+        if runtime_env:
+            options["runtime_env"] = runtime_env
+        actors.append(remote_cls.options(**options).remote(*args, **kwargs))
+    return WorkerGroup(spec.name, tuple(actors), placement_group)
+
+
+def call(group: WorkerGroup, rank: int, method: str, *args, **kwargs) -> Call:
+    return Call(getattr(group.actors[rank], method).remote(*args, **kwargs), group.role, rank, method)
+
+
+def fan_out(group: WorkerGroup, method: str, *args, **kwargs) -> list:
+    """The same call on every actor of the group."""
+    return [call(group, r, method, *args, **kwargs) for r in range(group.size)]
+
+
+def fan_out_each(group: WorkerGroup, method: str, per_rank_args: Sequence[tuple]) -> list:
+    """Actor r gets ``*per_rank_args[r]``; ranks with no arguments (None) are skipped."""
+    return [call(group, r, method, *a) for r, a in enumerate(per_rank_args) if a is not None]
+
+
+def split_evenly(items: Sequence, parts: int) -> list:
+    """Contiguous, near-equal chunks (sizes differ by at most one; some may be empty)."""
+    n = len(items)
+    return [list(items[(n * i) // parts: (n * (i + 1)) // parts]) for i in range(parts)]
+
+
+def kill_group(group: WorkerGroup) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in group.actors:
+        ray.kill(actor, no_restart=True)
+    if group.placement_group is not None:
+        remove_placement_group(group.placement_group)

@@ -1,0 +1,120 @@
+"""Start or join Ray, check the cluster can hold the job, place and create every role.
+
+``build_rl_cluster`` returns an ``RLCluster`` record that the driver functions take.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, NamedTuple, Optional
+
+from cluster.config import ClusterConfig
+from cluster.groups import WorkerGroup, create_group, kill_group
+from cluster.placement import RoleSpec, check_fits, cluster_resources, create_placement_group
+from cluster.weight_sync import SyncAddress
+from primitives.types import ModelConfig
+from rl_actors.trainer import TrainerConfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RLCluster(NamedTuple):
+    generators: WorkerGroup
+    trainers: WorkerGroup
+    rewards: WorkerGroup
+    reference: Optional[WorkerGroup]  # None when no step needs reference logprobs
+    sync_address: SyncAddress
+    weight_meta: tuple  # TensorMeta of the policy, as the trainers hold it
+    pad_token_id: int
+    bucket_bytes: int
+    timeout_s: float
+    reference_tracks_policy: bool  # the reference joins every weight sync
+    ray_address: str
+
+
+def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None) -> list:
+    """The RoleSpec of each role; ``node_resources`` maps a role to custom resources that pin
+    it to matching nodes (e.g. {"generator": {"generator_node": 0.01}})."""
+    extra = node_resources or {}
+    strategy = cfg.placement
+    roles = [RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus, extra.get("generator"), strategy),
+             RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
+             RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
+    if with_reference:
+        roles.append(RoleSpec("reference", 1, cfg.reference_cpus, cfg.reference_gpus, extra.get("reference"), strategy))
+    return roles
+
+
+def start_ray(cfg: ClusterConfig, roles) -> str:
+    """Join ``--ray-address`` / ``RAY_ADDRESS`` if given, else start a local Ray on loopback."""
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address and "ray" not in sys.modules:
+        # read by Ray at import time: a local Ray then binds 127.0.0.1, not the machine's address
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    env = {"env_vars": {"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                        "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    else:
+        needed = sum(r.num_cpus * r.count for r in roles)
+        num_cpus = cfg.local_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    return ray.get_runtime_context().gcs_address
+
+
+def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
+                     with_reference: bool, ref_update_fn: Optional[Callable] = None, aggregate_fn=None,
+                     shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
+                     node_resources: Optional[dict] = None) -> RLCluster:
+    """Check resources, place each role, create and set up every actor, wire weight sync."""
+    import ray
+
+    from rl_actors.generator import GeneratorWorker
+    from rl_actors.reference import RefLogprobWorker
+    from rl_actors.reward import RewardWorker
+    from rl_actors.trainer import TrainerWorker
+
+    roles = role_specs(cfg, with_reference, node_resources)
+    address = start_ray(cfg, roles)
+    check_fits(roles, *cluster_resources())
+    spec = {r.name: r for r in roles}
+    model = ModelConfig(model_path)
+    threads = cfg.threads_per_actor
+    get = lambda refs: ray.get(refs, timeout=cfg.call_timeout_s)  # noqa: E731  (set-up only)
+
+    trainers = create_group(TrainerWorker, spec["trainer"], create_placement_group(spec["trainer"]),
+                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads), {}))
+    generators = create_group(GeneratorWorker, spec["generator"], create_placement_group(spec["generator"]),
+                              lambda r: ((model, r, cfg.generator_backend, seed, threads), {}))
+    rewards = create_group(RewardWorker, spec["reward"], create_placement_group(spec["reward"]),
+                           lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {}))
+    reference = None
+    if with_reference:
+        reference = create_group(RefLogprobWorker, spec["reference"], create_placement_group(spec["reference"]),
+                                 lambda r: ((model, r, ref_update_fn, 1.0, None, threads), {}))
+
+    master = get(trainers.actors[0].endpoint.remote())
+    get([t.setup.remote(*master) for t in trainers.actors])
+    meta = tuple(get(trainers.actors[0].weight_meta.remote()))
+    tracks = with_reference and ref_update_fn is not None
+    host, port = get(trainers.actors[0].endpoint.remote())
+    world = 1 + generators.size + (1 if tracks else 0)
+    sync = SyncAddress(host, port, world, "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo")
+    joins = [trainers.actors[0].init_weight_sync.remote(sync)] + \
+            [g.init_weight_sync.remote(sync, 1 + i) for i, g in enumerate(generators.actors)]
+    if tracks:
+        joins.append(reference.actors[0].init_weight_sync.remote(sync, world - 1))
+    get(joins + [t.init_weight_sync.remote(sync) for t in trainers.actors[1:]])
+    pad_id = get(generators.actors[0].pad_token_id.remote())
+    return RLCluster(generators, trainers, rewards, reference, sync, meta, pad_id, int(bucket_mb * 2 ** 20),
+                     cfg.call_timeout_s, tracks, address)
+
+
+def shutdown_cluster(cluster: RLCluster) -> None:
+    for group in (cluster.generators, cluster.trainers, cluster.rewards, cluster.reference):
+        if group is not None:
+            kill_group(group)

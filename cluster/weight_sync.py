@@ -1,0 +1,142 @@
+"""Weight broadcast from trainer rank 0 to generators (and a policy-tracking reference).
+
+A dedicated process group built from its own ``TCPStore`` - gloo on CPU, NCCL on GPU -
+so it never touches the trainers' DeepSpeed world. Tensors travel in buckets: many
+parameters are flattened into one buffer per collective (``bucket_bytes`` each), grouped
+by dtype; every member computes the same plan from the same metadata, so only the bytes
+cross the wire. A ZeRO-3 source gathers each bucket's parameters just before sending it.
+
+Functions here run inside actors; the driver only hands out addresses and metadata.
+"""
+from __future__ import annotations
+
+import hashlib
+import socket
+from datetime import timedelta
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TensorMeta(NamedTuple):
+    name: str
+    shape: tuple
+    dtype: str  # key of DTYPES
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+
+
+class SyncAddress(NamedTuple):
+    host: str
+    port: int
+    world_size: int
+    backend: str  # "gloo" | "nccl"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported dtype for weight sync: {dtype}")
+
+
+def init_sync_group(address: SyncAddress, rank: int, timeout_s: float = 300.0):
+    """Join the weight-sync group as ``rank`` (0 = the source, which hosts the store)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address.host, address.port, address.world_size, is_master=(rank == 0),
+                          timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore("rayrl-weight-sync", store)
+    if address.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, address.world_size, timeout)
+    if address.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
+    raise ValueError(f"unknown weight-sync backend '{address.backend}' (gloo, nccl)")
+
+
+def bucket_plan(meta: Sequence[TensorMeta], bucket_bytes: int) -> list:
+    """Lists of indices into ``meta``: same-dtype runs, each at most ``bucket_bytes``
+    (a single larger tensor gets a bucket of its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets, current, size, dtype = [], [], 0, None
+    for i, m in enumerate(meta):
+        if current and (m.dtype != dtype or size + m.nbytes > bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += m.nbytes
+        dtype = m.dtype
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank: int, device: torch.device,
+                      get_tensors: Optional[Callable[[list], list]] = None,
+                      on_received: Optional[Callable[[list, list], None]] = None) -> int:
+    """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
+    receivers pass ``on_received(metas, tensors)``. Returns bytes moved per receiver."""
+    total = 0
+    for idx in bucket_plan(meta, bucket_bytes):
+        metas = [meta[i] for i in idx]
+        numel = sum(m.numel for m in metas)
+        if rank == 0:
+            tensors = get_tensors(metas)
+            flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=DTYPES[metas[0].dtype])
+                              for t in tensors])
+        else:
+            flat = torch.empty(numel, dtype=DTYPES[metas[0].dtype], device=device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([flat], opts).wait()
+        total += flat.numel() * flat.element_size()
+        if rank != 0:
+            parts, offset = [], 0
+            for m in metas:
+                parts.append(flat[offset: offset + m.numel].view(m.shape))
+                offset += m.numel
+            on_received(metas, parts)
+    return total
+
+
+def copy_into_model(model, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
+    """Receiver side: copy received tensors into the model's parameters by name."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for m, t in zip(metas, tensors):
+            if m.name not in params:
+                raise KeyError(f"weight sync: the receiving model has no parameter '{m.name}'")
+            params[m.name].copy_(t)
+
+
+def model_meta(named_params: Iterable) -> list:
+    return [TensorMeta(n, tuple(p.shape), dtype_name(p.dtype)) for n, p in named_params]
+
+
+def tensor_checksums(named_tensors: Iterable) -> dict:
+    """name -> sha1 of the tensor's bytes (exact equality check across processes)."""
+    out = {}
+    for name, t in named_tensors:
+        data = t.detach().to("cpu").contiguous()
+        if data.dtype == torch.bfloat16:
+            data = data.view(torch.int16)
+        out[name] = hashlib.sha1(data.numpy().tobytes()).hexdigest()
+    return out

@@ -1,0 +1,51 @@
+"""What every actor does on start-up: pin threads, load a model by path, report where it runs."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import torch
+
+from primitives.types import ModelConfig
+
+
+def setup_process(num_threads: int = 1, seed: Optional[int] = None) -> None:
+    """One actor per core: more torch threads than cores oversubscribes the machine badly."""
+    torch.set_num_threads(max(1, num_threads))
+    if seed is not None:
+        torch.manual_seed(seed)
+
+
+def check_model_path(path: str, role: str) -> None:
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{role}: model path '{path}' is not a directory with config.json "
+                                f"(pass a local Hugging Face checkpoint)")
+
+
+def load_causal_lm(config: ModelConfig, role: str):
+    """``(model, tokenizer)`` from a local HF checkpoint; the error names the actor role."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_path(config.model_name_or_path, role)
+    kwargs = {"dtype": getattr(torch, config.dtype), "trust_remote_code": config.trust_remote_code}
+    if config.attn_implementation:
+        kwargs["attn_implementation"] = config.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, **kwargs).to(config.device)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def actor_info(role: str, rank: int) -> dict:
+    """Where this actor runs (for placement tests and error messages)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"role": role, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "node_id": ctx.get_node_id(), "gpus": ray.get_gpu_ids()}
+
+
+def gpu_visible() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0

@@ -1,0 +1,187 @@
+"""GeneratorWorker: prompts -> Rollouts with behaviour logprobs; receives weights.
+
+Two backends return the same ``Rollout``s:
+* ``HFEngine`` - the model's own forward with a KV cache (``primitives.generation``);
+  used on CPU and whenever vLLM is absent.
+* ``VLLMEngine`` - vLLM's ``LLM`` when vLLM is importable and a GPU is visible; weights
+  arrive through vLLM's native weight-transfer API (NCCL backend).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, copy_into_model, init_sync_group,
+                                 tensor_checksums)
+from primitives.generation import create_rollout, encode_prompts, generate_rollouts, GenerationOutput
+from primitives.logprobs import rollout_logprobs
+from primitives.tools import hf_turn_generator, multiturn_rollout
+from primitives.types import GenerationConfig, ModelConfig
+from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return gpu_visible()
+
+
+class HFEngine:
+    """Generation with the HF model in this process."""
+
+    name = "hf"
+
+    def __init__(self, config: ModelConfig, role: str):
+        self.model, self.tokenizer = load_causal_lm(config, role)
+        self.model.eval()
+        self.device = torch.device(config.device)
+
+    def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
+        return generate_rollouts(self.model, self.tokenizer, items, gen, version, generator)
+
+    def turn_generator(self, gen: GenerationConfig, generator) -> Callable:
+        return hf_turn_generator(self.model, self.tokenizer, gen, generator)
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def begin_update(self, meta: Sequence[TensorMeta]) -> None:
+        pass
+
+    def receive(self, metas, tensors) -> None:
+        copy_into_model(self.model, metas, tensors)
+
+    def end_update(self) -> None:
+        pass
+
+
+class VLLMEngine:
+    """vLLM offline engine; sampled-token logprobs come from vLLM (``logprobs=0``)."""
+
+    name = "vllm"
+
+    def __init__(self, config: ModelConfig, role: str, engine_kwargs: Optional[dict] = None):
+        from transformers import AutoTokenizer
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        from rl_actors.common import check_model_path
+
+        check_model_path(config.model_name_or_path, role)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+        self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
+                       weight_transfer_config=WeightTransferConfig(backend="nccl"), **(engine_kwargs or {}))
+        self.device = torch.device("cuda")
+
+    def _sampling_params(self, gen: GenerationConfig, seed: Optional[int]):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=1, max_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                              top_p=gen.top_p, top_k=gen.top_k if gen.top_k > 0 else -1,
+                              stop=list(gen.stop) or None, stop_token_ids=list(gen.stop_token_ids) or None,
+                              include_stop_str_in_output=True, logprobs=0, seed=seed)
+
+    def _outputs(self, prompt_ids: Sequence[np.ndarray], gen: GenerationConfig, seed: Optional[int]) -> list:
+        prompts = [{"prompt_token_ids": ids.tolist()} for ids in prompt_ids]
+        outs = self.llm.generate(prompts, self._sampling_params(gen, seed), use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = np.asarray(c.token_ids, dtype=np.int64)
+            logp = np.asarray([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
+            reason = "length" if c.finish_reason == "length" else "stop"
+            results.append(GenerationOutput(ids, logp, reason, c.text))
+        return results
+
+    def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
+        prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items])
+        rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(gen.n)]
+        seed = None if gen.seed is None else gen.seed + version
+        outs = self._outputs([ids for _, ids, _ in rows], gen, seed)
+        return [create_rollout(it, ids, o, k, version) for (it, ids, k), o in zip(rows, outs)]
+
+    def turn_generator(self, gen: GenerationConfig, generator) -> Callable:
+        return lambda context_ids: self._outputs([context_ids], gen, gen.seed)[0]
+
+    def named_parameters(self):
+        raise RuntimeError("vLLM holds its weights inside its own workers; compare checksums on the trainer")
+
+    def init_transfer(self, address: SyncAddress, rank: int) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": {
+            "master_address": address.host, "master_port": address.port,
+            "rank_offset": rank, "world_size": address.world_size}})
+
+    def update(self, meta: Sequence[TensorMeta], packed: bool = True) -> None:
+        self.llm.update_weights({"update_info": {
+            "names": [m.name for m in meta], "dtype_names": [m.dtype for m in meta],
+            "shapes": [list(m.shape) for m in meta], "packed": packed}})
+
+
+class GeneratorWorker:
+    """One generator process. ``policy_version`` stamps every rollout it produces."""
+
+    role = "generator"
+
+    def __init__(self, model: ModelConfig, rank: int = 0, backend: str = "auto", seed: int = 0,
+                 num_threads: int = 1, engine_kwargs: Optional[dict] = None):
+        setup_process(num_threads, seed + 1000 * rank)
+        self.rank, self.seed = rank, seed
+        use_vllm = backend == "vllm" or (backend == "auto" and vllm_available())
+        if backend == "vllm" and not vllm_available():
+            raise RuntimeError(f"generator {rank}: backend 'vllm' needs vllm installed and a visible GPU")
+        self.engine = VLLMEngine(model, f"generator {rank}", engine_kwargs) if use_vllm \
+            else HFEngine(model, f"generator {rank}")
+        self.policy_version = 0
+        self.sync_group, self.sync_rank = None, None
+        self.sampler = torch.Generator(device="cpu").manual_seed(seed + 7919 * (rank + 1))
+
+    def info(self) -> dict:
+        return {**actor_info(self.role, self.rank), "backend": self.engine.name}
+
+    def pad_token_id(self) -> int:
+        return int(self.engine.tokenizer.pad_token_id)
+
+    def generate(self, items: Sequence, gen: GenerationConfig) -> list:
+        """``gen.n`` rollouts per item, stamped with the current policy version."""
+        if not items:
+            return []
+        return self.engine.generate(list(items), gen, self.policy_version, self.sampler)
+
+    def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tool_parser: Callable,
+                           tool_executor: Callable, max_turns: int = 4, stop_condition: Optional[Callable] = None) -> list:
+        turn = self.engine.turn_generator(gen, self.sampler)
+        kwargs = {"stop_condition": stop_condition} if stop_condition is not None else {}
+        return [multiturn_rollout(it, self.engine.tokenizer, turn, tool_parser, tool_executor, max_turns=max_turns,
+                                  sample=k, policy_version=self.policy_version, **kwargs)
+                for it in items for k in range(gen.n)]
+
+    # --------------------------------------------------------------- weight sync
+    def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
+        self.sync_rank = rank
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.init_transfer(address, rank)
+        else:
+            self.sync_group = init_sync_group(address, rank)
+        return True
+
+    def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
+        """Join one broadcast from trainer rank 0; afterwards rollouts carry ``version``."""
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.update(meta)
+            moved = sum(m.nbytes for m in meta)
+        else:
+            moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, self.engine.device,
+                                      on_received=self.engine.receive)
+        self.policy_version = version
+        return moved
+
+    def weight_checksums(self) -> dict:
+        return tensor_checksums(self.engine.named_parameters())
+
+    def logprobs(self, rollouts: Sequence, temperature: float = 1.0) -> list:
+        """Recompute logprobs of given rollouts with this worker's weights (parity checks)."""
+        return rollout_logprobs(self.engine.model, rollouts, self.engine.tokenizer.pad_token_id, temperature)

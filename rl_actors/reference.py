@@ -1,0 +1,81 @@
+"""RefLogprobWorker: reference logprobs for rollouts, on the same tokens the policy sampled.
+
+The reference is frozen by default. With a ``ref_update_fn`` (EMA, periodic reset, KL-bound
+reset - ``primitives.kl``) it joins the weight-sync group, receives the policy's weights
+at every sync and applies ``ref_update_fn(ref_state, policy_weights, step, kl)``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from cluster.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
+from primitives.kl import apply_ref_state, ref_state_from_model
+from primitives.logprobs import rollout_logprobs
+from primitives.types import ModelConfig
+from rl_actors.common import actor_info, load_causal_lm, setup_process
+
+
+class RefLogprobWorker:
+    role = "reference"
+
+    def __init__(self, model: ModelConfig, rank: int = 0, ref_update_fn: Optional[Callable] = None,
+                 temperature: float = 1.0, micro_batch_size: Optional[int] = None, num_threads: int = 1):
+        setup_process(num_threads)
+        self.rank, self.temperature, self.micro_batch_size = rank, temperature, micro_batch_size
+        self.model, self.tokenizer = load_causal_lm(model, f"reference {rank}")
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.ref_update_fn = ref_update_fn
+        self.ref_state = ref_state_from_model(self.model) if ref_update_fn is not None else None
+        self.sync_group, self.sync_rank = None, None
+
+    def info(self) -> dict:
+        return actor_info(self.role, self.rank)
+
+    @property
+    def tracks_policy(self) -> bool:
+        return self.ref_update_fn is not None
+
+    def logprobs(self, rollouts: Sequence) -> list:
+        """The rollouts with ``ref_logprobs`` set (new records)."""
+        if not rollouts:
+            return []
+        refs = rollout_logprobs(self.model, rollouts, self.tokenizer.pad_token_id, self.temperature,
+                                self.micro_batch_size)
+        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
+
+    def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
+        self.sync_group, self.sync_rank = init_sync_group(address, rank), rank
+        return True
+
+    def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, step: int,
+                        kl: Optional[float] = None) -> int:
+        """Receive the policy and let ``ref_update_fn`` decide the new reference."""
+        policy = {}
+
+        def keep(metas, tensors):
+            policy.update({m.name: t.clone() for m, t in zip(metas, tensors)})
+
+        moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, torch.device("cpu"),
+                                  on_received=keep)
+        self.ref_state = self.ref_update_fn(self.ref_state, policy, step, kl)
+        apply_ref_state(self.model, self.ref_state)
+        return moved
+
+    def weight_checksums(self) -> dict:
+        return tensor_checksums(self.model.named_parameters())
+
+    def load_weights(self, weights: dict) -> bool:
+        """Replace the reference with given weights (name -> array), e.g. the SFT model."""
+        from primitives.kl import RefState
+
+        state = RefState({k: torch.from_numpy(np.array(v)) for k, v in weights.items()},
+                         self.ref_state.last_reset_step if self.ref_state else 0)
+        apply_ref_state(self.model, state)
+        if self.ref_state is not None:
+            self.ref_state = ref_state_from_model(self.model, state.last_reset_step)
+        return True

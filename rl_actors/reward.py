@@ -1,0 +1,39 @@
+"""RewardWorker: runs user reward code (and optionally a reward model) away from the trainers.
+
+A raising or non-finite reward function fails the step with the rollout uid and the
+function's name in the message (``primitives.rewards.RewardError``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from primitives.rewards import create_rm_reward_fn, load_reward_model, score_rollouts
+from rl_actors.common import actor_info, setup_process
+
+
+class RewardWorker:
+    role = "reward"
+
+    def __init__(self, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,
+                 shaping_fn: Optional[Callable] = None, reward_model_path: Optional[str] = None,
+                 rank: int = 0, num_threads: int = 1):
+        setup_process(num_threads)
+        if reward_fn is None and reward_model_path is None:
+            raise ValueError(f"reward {rank}: give a reward_fn, a reward_model_path, or both")
+        self.rank = rank
+        fns = []
+        if reward_fn is not None:
+            fns.append(reward_fn)
+        if reward_model_path is not None:
+            model, tok = load_reward_model(reward_model_path)
+            fns.append(create_rm_reward_fn(model, tok))
+        if len(fns) == 2 and aggregate_fn is None:
+            raise ValueError(f"reward {rank}: a reward function and a reward model give a vector; pass aggregate_fn")
+        self.reward_fn = fns[0] if len(fns) == 1 else (lambda r, fs=tuple(fns): [f(r) for f in fs])
+        self.aggregate_fn, self.shaping_fn = aggregate_fn, shaping_fn
+
+    def info(self) -> dict:
+        return actor_info(self.role, self.rank)
+
+    def score(self, rollouts: Sequence) -> list:
+        return score_rollouts(list(rollouts), self.reward_fn, self.aggregate_fn, self.shaping_fn)

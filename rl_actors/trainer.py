@@ -1,0 +1,261 @@
+"""TrainerWorker: one rank of a DeepSpeed ZeRO-1/2/3 engine (gloo + fp32 on CPU, NCCL + bf16 on GPU).
+
+Every rank receives the whole step batch by reference, trains on its contiguous shard, and
+divides its loss by the step's *global* token / sequence counts; DeepSpeed averages
+gradients over ranks, so the loss is multiplied by the world size to make the reduced
+gradient the gradient of the global loss. Gradient accumulation is unmanaged: each
+``backward`` accumulates, ``step`` reduces and updates, so a step may hold any number of
+micro-batches. Rank 0 is the source of the weight broadcast.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, dtype_name, init_sync_group,
+                                 tensor_checksums)
+from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
+from primitives.logprobs import rollout_logprobs
+from primitives.training import forward_backward, sft_forward_backward, step_counts
+from primitives.types import AlgorithmConfig, Batch, ModelConfig
+from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
+
+
+class TrainerConfig(NamedTuple):
+    """Optimizer and engine settings of the trainer group."""
+
+    zero_stage: int = 2  # 1, 2 or 3
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 64  # rows per forward/backward on one rank
+    temperature: float = 1.0  # logprobs are recomputed at the sampling temperature
+    bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
+
+
+def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
+    if cfg.zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        # we call backward once per micro-batch and step once per RL step
+        "managed_gradient_accumulation": False,
+        "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                              "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": cfg.max_grad_norm,
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class TrainerWorker:
+    role = "trainer"
+
+    def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
+                 seed: int = 0, num_threads: int = 1):
+        setup_process(num_threads, seed)
+        self.model_config, self.rank, self.world_size, self.config = model, rank, world_size, config
+        self.on_gpu = gpu_visible()
+        self.bf16 = self.on_gpu if config.bf16 is None else config.bf16
+        self.engine = self.optimizer = None
+        self.sync_group = None
+        self.steps = 0
+
+    def endpoint(self) -> tuple:
+        """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
+        import ray
+
+        from cluster.weight_sync import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the trainers' process group and build the DeepSpeed engine (all ranks together)."""
+        if not self.on_gpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
+                           "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
+                                   init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                   world_size=self.world_size)
+        device = "cuda" if self.on_gpu else "cpu"
+        module, self.tokenizer = load_causal_lm(self.model_config._replace(device=device, dtype="float32"),
+                                                f"trainer {self.rank}")
+        optimizer = torch.optim.AdamW(module.parameters(), lr=self.config.lr, betas=tuple(self.config.betas),
+                                      weight_decay=self.config.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
+        self.device = self.engine.device
+        return self.info()
+
+    # --------------------------------------------------------------- info
+    def info(self) -> dict:
+        return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16}
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def _set_lr(self, lr: Optional[float]) -> None:
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    def _finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
+        self._set_lr(lr)
+        self.engine.step()
+        self.steps += 1
+        norm = self.engine.get_global_grad_norm()
+        metrics["grad_norm"] = float(norm) if norm is not None else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    # --------------------------------------------------------------- training
+    def train_step(self, batch: Batch, algo: AlgorithmConfig, lr: Optional[float] = None) -> dict:
+        """One optimizer step on this rank's shard of ``batch``; metrics add up over ranks."""
+        unit = 2 if algo.policy_loss == "online_dpo" else 1
+        shard = batch.shard(self.rank, self.world_size, unit)
+        counts = step_counts(batch)
+        metrics = {}
+        if shard.size:
+            metrics = forward_backward(self.module, shard, algo, counts, self.config.micro_batch_size,
+                                       self.config.temperature, backward=self._backward,
+                                       loss_scale=float(self.world_size))
+        else:  # more ranks than rows: still join the collective reduction with zero gradients
+            self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+        return self._finish_step(metrics, lr)
+
+    def sft_step(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                 lr: Optional[float] = None) -> dict:
+        """One SFT optimizer step: this rank's rows, loss normalised by the global target count."""
+        num_tokens = int(loss_mask[:, 1:].sum())
+        rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
+        metrics = sft_forward_backward(self.module, input_ids[rows], attention_mask[rows], loss_mask[rows],
+                                       num_tokens, self.config.micro_batch_size, backward=self._backward,
+                                       loss_scale=float(self.world_size)) if len(rows) else {}
+        if not len(rows):
+            self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+        return self._finish_step(metrics, lr)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def reset_optimizer(self, lr: Optional[float] = None) -> bool:
+        """Forget Adam moments (between SFT and RL, say) and optionally set a new lr."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        inner.state.clear()
+        self._set_lr(lr)
+        return True
+
+    # --------------------------------------------------------------- weights
+    def _gathered(self, names: Sequence[str]):
+        """Context in which the named parameters are whole on this rank (ZeRO-3 gathers)."""
+        import contextlib
+
+        import deepspeed
+
+        params = dict(self.module.named_parameters())
+        chosen = [params[n] for n in names]
+        if self.config.zero_stage == 3:
+            return deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def weight_meta(self) -> list:
+        """Names, full shapes and dtypes of the parameters (what a sync sends)."""
+        meta = []
+        for name, p in self.module.named_parameters():
+            shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+            dtype = torch.bfloat16 if self.bf16 else torch.float32
+            meta.append(TensorMeta(name, shape, dtype_name(dtype)))
+        return meta
+
+    def init_weight_sync(self, address: SyncAddress) -> bool:
+        """Rank 0 hosts the sync group's store and is its rank 0; other ranks only gather."""
+        if self.rank == 0:
+            self.sync_group = init_sync_group(address, 0)
+        return True
+
+    def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
+        """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket."""
+        params = dict(self.module.named_parameters())
+        moved = 0
+        from cluster.weight_sync import bucket_plan
+
+        for idx in bucket_plan(meta, bucket_bytes):
+            metas = [meta[i] for i in idx]
+            with self._gathered([m.name for m in metas]):
+                if self.rank == 0:
+                    moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.device,
+                                               get_tensors=lambda ms: [params[m.name].data for m in ms])
+        return moved
+
+    def full_state(self) -> dict:
+        """Every parameter, gathered, as numpy fp32 (tests and checksums; small models only)."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            with self._gathered([name]):
+                out[name] = p.detach().float().cpu().numpy().copy()
+        return out
+
+    def weight_checksums(self) -> dict:
+        sums = {}
+        for name, p in self.module.named_parameters():
+            with self._gathered([name]):
+                sums.update(tensor_checksums([(name, p.data)]))
+        return sums
+
+    def logprobs(self, rollouts: Sequence) -> list:
+        """Trainer-side logprobs of rollouts (the parity check against generators). Under
+        ZeRO-3 the forward is collective: call it on every rank (each returns the same)."""
+        return rollout_logprobs(self.module, rollouts, self.tokenizer.pad_token_id, self.config.temperature)
+
+    # --------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, train_state: Optional[dict] = None) -> str:
+        """DeepSpeed shards (optimizer included) + an HF copy of the weights + RNG, atomically.
+
+        Every rank writes its shard into one temporary directory that rank 0 renames when all
+        are done; the driver calls this on all ranks together.
+        """
+        import torch.distributed as dist
+
+        tmp = path + ".tmp"
+        if self.rank == 0 and os.path.exists(tmp):
+            import shutil
+            shutil.rmtree(tmp)
+        dist.barrier()
+        self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps})
+        torch.save({"rng": capture_rng_state()}, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        state = {name: torch.from_numpy(v) for name, v in self.full_state().items()}
+        dist.barrier()
+        if self.rank == 0:
+            def write(staging: str) -> None:
+                os.rename(tmp, os.path.join(staging, "deepspeed"))
+                self.module.save_pretrained(os.path.join(staging, "hf"), state_dict=state)
+                self.tokenizer.save_pretrained(os.path.join(staging, "hf"))
+                with open(os.path.join(staging, "train_state.json"), "w") as f:
+                    json.dump(train_state or {}, f)
+            atomic_directory(path, write)
+        dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: str) -> dict:
+        if not os.path.isdir(os.path.join(path, "deepspeed")):
+            raise FileNotFoundError(f"trainer {self.rank}: {path} is not a trainer checkpoint (no deepspeed/)")
+        _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine")
+        self.steps = int((client or {}).get("steps", 0))
+        rng = torch.load(os.path.join(path, "deepspeed", f"rng_rank{self.rank}.pt"), weights_only=False)
+        restore_rng_state(rng["rng"])
+        with open(os.path.join(path, "train_state.json")) as f:
+            return json.load(f)
