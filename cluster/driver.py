@@ -43,13 +43,19 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
         try:
             out.append(ray.get(c.ref, timeout=timeout_s))
         except RayActorError as e:
-            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {e.__class__.__name__}") from e
+            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}") from e
         except RayTaskError as e:
             cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
             raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}") from e
         except GetTimeoutError as e:
             raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s") from e
     return out
+
+
+def _cause(error: Exception) -> str:
+    """The most specific error line in a Ray actor failure (e.g. the constructor's exception)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if "Error: " in ln or "Exception: " in ln]
+    return lines[-1] if lines else error.__class__.__name__
 
 
 def _flat(lists) -> list:

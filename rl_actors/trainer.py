@@ -3,9 +3,13 @@
 Every rank receives the whole step batch by reference, trains on its contiguous shard, and
 divides its loss by the step's *global* token / sequence counts; DeepSpeed averages
 gradients over ranks, so the loss is multiplied by the world size to make the reduced
-gradient the gradient of the global loss. Gradient accumulation is unmanaged: each
-``backward`` accumulates, ``step`` reduces and updates, so a step may hold any number of
-micro-batches. Rank 0 is the source of the weight broadcast.
+gradient the gradient of the global loss. A step may hold any number of micro-batches:
+before each backward the trainer tells DeepSpeed whether it is the last one
+(``set_gradient_accumulation_boundary``), so gradients reduce once, then ``step`` updates.
+Forward passes go through the engine (not ``engine.module``): ZeRO-3 counts micro-steps
+in ``engine.forward``, and without that count each micro-batch's gradient overwrote the
+previous one (caught by the ZeRO equivalence test). Rank 0 is the source of the weight
+broadcast.
 """
 from __future__ import annotations
 
@@ -23,6 +27,14 @@ from primitives.logprobs import rollout_logprobs
 from primitives.training import forward_backward, sft_forward_backward, step_counts
 from primitives.types import AlgorithmConfig, Batch, ModelConfig
 from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
+
+
+def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
+    """How many backward passes ``forward_backward`` makes over ``rows`` rows."""
+    step = micro_batch_size or rows
+    if unit == 2 and step % 2:
+        step += 1
+    return -(-rows // step) if rows else 0
 
 
 class TrainerConfig(NamedTuple):
@@ -45,8 +57,6 @@ def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
-        # we call backward once per micro-batch and step once per RL step
-        "managed_gradient_accumulation": False,
         "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
                               "stage3_param_persistence_threshold": 0},
         "gradient_clipping": cfg.max_grad_norm,
@@ -69,6 +79,7 @@ class TrainerWorker:
         self.engine = self.optimizer = None
         self.sync_group = None
         self.steps = 0
+        self._backwards_left = 0  # micro-batches still to come in the current step
 
     def endpoint(self) -> tuple:
         """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
@@ -129,8 +140,12 @@ class TrainerWorker:
         shard = batch.shard(self.rank, self.world_size, unit)
         counts = step_counts(batch)
         metrics = {}
+        self._backwards_left = max(1, micro_batch_count(shard.size, self.config.micro_batch_size, unit))
+        if not shard.size and self.config.zero_stage == 3:
+            raise ValueError(f"trainer {self.rank}: a batch of {batch.size} rows leaves this rank none; under "
+                             f"ZeRO-3 every rank must run a forward - use at least {self.world_size * unit} rows")
         if shard.size:
-            metrics = forward_backward(self.module, shard, algo, counts, self.config.micro_batch_size,
+            metrics = forward_backward(self.engine, shard, algo, counts, self.config.micro_batch_size,
                                        self.config.temperature, backward=self._backward,
                                        loss_scale=float(self.world_size))
         else:  # more ranks than rows: still join the collective reduction with zero gradients
@@ -142,7 +157,8 @@ class TrainerWorker:
         """One SFT optimizer step: this rank's rows, loss normalised by the global target count."""
         num_tokens = int(loss_mask[:, 1:].sum())
         rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
-        metrics = sft_forward_backward(self.module, input_ids[rows], attention_mask[rows], loss_mask[rows],
+        self._backwards_left = max(1, micro_batch_count(len(rows), self.config.micro_batch_size))
+        metrics = sft_forward_backward(self.engine, input_ids[rows], attention_mask[rows], loss_mask[rows],
                                        num_tokens, self.config.micro_batch_size, backward=self._backward,
                                        loss_scale=float(self.world_size)) if len(rows) else {}
         if not len(rows):
@@ -150,6 +166,8 @@ class TrainerWorker:
         return self._finish_step(metrics, lr)
 
     def _backward(self, loss: torch.Tensor) -> None:
+        self._backwards_left -= 1
+        self.engine.set_gradient_accumulation_boundary(self._backwards_left <= 0)
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def reset_optimizer(self, lr: Optional[float] = None) -> bool:

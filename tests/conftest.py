@@ -28,3 +28,42 @@ def tiny_model(tokenizer):
                              seed=1)
     model.eval()
     return model
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for one test module (loopback, 8 logical CPUs), shut down after it."""
+    import ray
+
+    ray.shutdown()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "TQDM_DISABLE": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """The embedded tiny model saved in HF format (random init)."""
+    from primitives.tiny import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
+
+
+def scored_rollouts(path, num_prompts=4, n=4, seed=0):
+    """Rollouts of the tiny model on arithmetic prompts, scored by exact match."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.generation import generate_rollouts
+    from primitives.rewards import score_rollouts
+    from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+    from primitives.types import GenerationConfig
+
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=num_prompts, num_heldout=1, seed=seed))[0]
+    rs = generate_rollouts(model, tok, items, GenerationConfig(max_new_tokens=4, n=n),
+                           generator=torch.Generator().manual_seed(seed))
+    # a reward that varies with the sampled tokens, so groups have spread (a random model
+    # never gets a sum right, and always fills max_new_tokens)
+    return score_rollouts(rs, lambda r: float(int(r.completion_ids.sum()) % 3) + arithmetic_reward(r)), tok

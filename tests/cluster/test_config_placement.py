@@ -1,0 +1,66 @@
+"""Config validation, hooks, placement checks and helpers - all before any Ray work."""
+import pytest
+
+from cluster.config import ClusterConfig, JobConfig, RLConfig, SFTConfig, build_parser, load_function, \
+    records_from_args, validate
+from cluster.groups import split_evenly
+from cluster.placement import RoleSpec, check_fits, total_request
+from cluster.weight_sync import TensorMeta, bucket_plan
+
+
+def test_command_line_is_derived_from_records():
+    ns = build_parser("x").parse_args(["--generators", "3", "--zero-stage", "3", "--rl-lr", "1e-4"])
+    job, cluster, sft, rl = records_from_args(ns)
+    assert (cluster.generators, cluster.trainers, cluster.zero_stage, rl.rl_lr) == (3, 2, 3, 1e-4)
+    assert job == JobConfig() and sft == SFTConfig()
+    help_text = build_parser("x").format_help()
+    assert "--generators GENERATORS" in help_text and "generator workers" in help_text
+
+
+def test_bad_config_fails_before_ray():
+    with pytest.raises(ValueError) as e:
+        validate(JobConfig(model="/nonexistent/model"), ClusterConfig(zero_stage=4, generators=0),
+                 SFTConfig(), RLConfig(algorithm="ppo2", group_size=1))
+    msg = str(e.value)
+    for part in ("--zero-stage must be 1, 2 or 3", "--generators must be at least 1", "--algorithm 'ppo2' is unknown",
+                 "--group-size must be at least 2", "--model /nonexistent/model: not a local Hugging Face model"):
+        assert part in msg
+
+
+def test_load_function_resolves_and_names_failures(tmp_path):
+    assert load_function("primitives.tasks:arithmetic_reward").__name__ == "arithmetic_reward"
+    hook = tmp_path / "my_reward.py"
+    hook.write_text("def reward(rollout):\n    return 1.0\n")
+    assert load_function(f"{hook}:reward")(None) == 1.0
+    with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
+        load_function("no_such_module:f")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        load_function("primitives.tasks:nope")
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("primitives.tasks")
+
+
+def test_gpus_on_cpu_cluster_fail_fast_with_advice():
+    roles = [RoleSpec("generator", 2, 1, 1.0), RoleSpec("trainer", 2, 1)]
+    with pytest.raises(ValueError) as e:
+        check_fits(roles, {"CPU": 8.0}, [{"CPU": 8.0}])
+    assert "role 'generator' needs 1 GPU per actor" in str(e.value)
+    assert "set --generator-gpus 0" in str(e.value)
+    with pytest.raises(ValueError, match="the roles need 4 CPU in all; the cluster has 2"):
+        check_fits([RoleSpec("trainer", 4, 1)], {"CPU": 2.0}, [{"CPU": 1.0}, {"CPU": 1.0}])
+    with pytest.raises(ValueError, match="needs 1 gen_node per actor"):
+        check_fits([RoleSpec("generator", 1, 1, 0, {"gen_node": 1})], {"CPU": 4.0}, [{"CPU": 4.0}])
+    check_fits(roles[1:], {"CPU": 8.0}, [{"CPU": 8.0}])  # fits: no error
+    assert total_request(roles) == {"CPU": 4.0, "GPU": 2.0}
+
+
+def test_split_evenly_and_bucket_plan():
+    assert split_evenly(list(range(5)), 2) == [[0, 1], [2, 3, 4]]
+    assert split_evenly([1], 3) == [[], [], [1]]
+    meta = [TensorMeta("a", (10,), "float32"), TensorMeta("b", (20,), "float32"), TensorMeta("c", (5,), "bfloat16"),
+            TensorMeta("d", (100,), "float32"), TensorMeta("e", (1,), "float32")]
+    # 40 + 80 bytes fit 128; dtype change splits; 400 bytes alone; then e
+    assert bucket_plan(meta, 128) == [[0, 1], [2], [3], [4]]
+    assert bucket_plan(meta, 10 ** 6) == [[0, 1], [2], [3, 4]]
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        bucket_plan(meta, 0)

@@ -1,0 +1,140 @@
+"""The RL cluster end to end on a local Ray: SFT and RL steps, weight sync, and the
+invariants after a sync (exact weights on every generator, logprob parity)."""
+import numpy as np
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.driver import ActorFailure, evaluate_accuracy, gather, sync_weights, train, train_sft
+from cluster.groups import call, fan_out
+from cluster.setup import build_rl_cluster, shutdown_cluster
+from primitives.algorithms import constant_schedule, grpo
+from primitives.data import make_prompt_source, prepare_sft_text
+from primitives.kl import create_periodic_updater
+from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
+from primitives.types import GenerationConfig, TrainState
+from rl_actors.trainer import TrainerConfig
+
+
+@pytest.fixture(scope="module")
+def rl_cluster(ray_local, tiny_model_path):
+    cfg = ClusterConfig(generators=2, trainers=2, zero_stage=3, call_timeout_s=300)
+    cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=3, lr=1e-3, micro_batch_size=16),
+                               arithmetic_reward, with_reference=True, ref_update_fn=create_periodic_updater(1),
+                               bucket_mb=0.5)  # small buckets: several collectives per sync
+    yield cluster
+    shutdown_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def trained(rl_cluster, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    spec = ArithmeticTaskSpec(num_train=64, num_heldout=16)
+    items, heldout = make_arithmetic_task(spec)
+    samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
+    sft = train_sft(rl_cluster, samples, num_steps=3, batch_size=16, lr_schedule=lambda s: 1e-3, progress=False)
+    sync_weights(rl_cluster, version=0)
+    logged = []
+    state = train(rl_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
+                  GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=4,
+                  lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False,
+                  eval_fn=lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, 4)}, eval_every=2)
+    return sft, state, logged, items
+
+
+def test_sft_and_rl_steps_run_and_report(trained):
+    sft, state, logged, _ = trained
+    assert sft["loss/sft"] > 0 and np.isfinite(sft["grad_norm"])
+    assert state.iteration == 2 and state.policy_version == 2
+    assert [m["step"] for m in logged] == [0, 1]
+    for key in ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "reward/mean",
+                "loss/policy", "kl/ref_k3", "sync/bytes"):
+        assert key in logged[0], key
+    assert "eval/accuracy" in logged[1] and 0.0 <= logged[1]["eval/accuracy"] <= 1.0
+    assert logged[1]["kl/ref_k3"] >= 0
+
+
+def test_generators_hold_exactly_the_trainer_weights(rl_cluster, trained):
+    """Invariant 1a: per-tensor checksums after a sync (ZeRO-3 gathered at the source)."""
+    trainer = gather(fan_out(rl_cluster.trainers, "weight_checksums"), rl_cluster.timeout_s)
+    assert trainer[0] == trainer[1]
+    for sums in gather(fan_out(rl_cluster.generators, "weight_checksums"), rl_cluster.timeout_s):
+        assert sums == trainer[0]
+    # the reference tracks the policy (reset every step): it holds the same weights too
+    assert gather(fan_out(rl_cluster.reference, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer[0]
+
+
+def test_generator_logprobs_equal_trainer_logprobs(rl_cluster, trained):
+    """Invariant 1b: behaviour logprobs of fresh rollouts == trainer's recomputation (fp32)."""
+    items = trained[3][:6]
+    rollouts = _flat(gather(fan_out(rl_cluster.generators, "generate", items, GenerationConfig(max_new_tokens=5, n=2)),
+                            rl_cluster.timeout_s))
+    assert {r.policy_version for r in rollouts} == {2}
+    trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts), rl_cluster.timeout_s)[0]  # collective (ZeRO-3)
+    diff = max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts))
+    assert diff < 1e-4
+
+
+def test_raising_reward_names_rollout_and_function(ray_local, rl_cluster, trained):
+    from rl_actors.reward import RewardWorker
+
+    def broken_reward(rollout):
+        raise ZeroDivisionError("oops")
+
+    items = trained[3][:1]
+    rollouts = gather([call(rl_cluster.generators, 0, "generate", items, GenerationConfig(max_new_tokens=3))], 60)[0]
+    worker = ray_local.remote(RewardWorker).remote(broken_reward)
+    from cluster.groups import Call
+    with pytest.raises(ActorFailure) as e:
+        gather([Call(worker.score.remote(rollouts), "reward", 3, "score")], 60)
+    assert "reward 3 failed in score" in str(e.value)
+    assert f"broken_reward raised on rollout {rollouts[0].uid}" in str(e.value)
+    ray_local.kill(worker)
+
+
+def test_stuck_actor_is_a_bounded_wait(ray_local):
+    import time
+
+    from cluster.groups import Call
+    from rl_actors.reward import RewardWorker
+
+    def slow_reward(rollout):
+        time.sleep(30)
+        return 0.0
+
+    worker = ray_local.remote(RewardWorker).remote(slow_reward)
+    ref = worker.score.remote([_dummy_rollout()])
+    t0 = time.time()
+    with pytest.raises(ActorFailure, match=r"no answer within 2s from: reward 0.score"):
+        gather([Call(ref, "reward", 0, "score")], 2.0)
+    assert time.time() - t0 < 10
+    ray_local.kill(worker)
+
+
+def test_missing_model_path_names_role(ray_local):
+    from cluster.groups import Call
+    from primitives.types import ModelConfig
+    from rl_actors.generator import GeneratorWorker
+
+    worker = ray_local.remote(GeneratorWorker).remote(ModelConfig("/no/such/model"), 5, "hf")
+    with pytest.raises(ActorFailure, match=r"generator 5.*model path '/no/such/model' is not a directory"):
+        gather([Call(worker.info.remote(), "generator", 5, "info")], 60)
+
+
+def test_dead_generator_surfaces_as_named_error(ray_local, rl_cluster, trained):
+    """Last in this module: it kills generator 1."""
+    ray_local.kill(rl_cluster.generators.actors[1], no_restart=True)
+    with pytest.raises(ActorFailure, match=r"generator 1 died during info"):
+        gather(fan_out(rl_cluster.generators, "info"), 60)
+
+
+def _flat(lists):
+    return [x for chunk in lists for x in chunk]
+
+
+def _dummy_rollout():
+    from primitives.types import Rollout
+
+    return Rollout("e0/i0/s0", "e0/i0", "p", np.array([1]), np.array([2]), np.ones(1, np.float32),
+                   np.zeros(1, np.float32))
