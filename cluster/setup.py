@@ -55,14 +55,20 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
 
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
-    env = {"env_vars": {"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        # inside `ray job submit`: the job's runtime env (its --working-dir) already reaches every actor
+        ray.init(address=address or "auto", log_to_driver=True)
+    elif address:
+        # a script joining a cluster: ship this checkout to the actors on other nodes
+        ray.init(address=address, log_to_driver=True, runtime_env={
+            "working_dir": REPO_ROOT, "excludes": [".venv/", ".git/", "runs/", "*.pt", "*.safetensors"],
+            "env_vars": env_vars})
     else:
         needed = sum(r.num_cpus * r.count for r in roles)
         num_cpus = cfg.local_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+        env_vars["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env_vars})
     return ray.get_runtime_context().gcs_address
 
 

@@ -1,0 +1,59 @@
+"""`ray job submit` against a real local head (`ray start --head` on loopback, free ports):
+the short default job succeeds and writes its summary; then the head is stopped."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster.weight_sync import free_port
+from tests.conftest import ROOT
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+@pytest.fixture
+def ray_head():
+    import ray
+
+    ray.shutdown()
+    port, dash = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    # Ray 2.5x+ protects a head with a token (~/.ray/auth_token); name the mode explicitly so
+    # that the head, the `ray job` CLI and the SDK client all use it
+    env["RAY_AUTH_MODE"] = "token"
+    subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8",
+                    "--include-dashboard=true", "--disable-usage-stats"], check=True, env=env,
+                   capture_output=True, timeout=120)
+    try:
+        yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_job_submit_runs_default_job(ray_head, tmp_path):
+    out = str(tmp_path / "job")
+    submission = f"rayrl-test-{int(time.time())}"
+    cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
+           "--working-dir", ".", "--", sys.executable, "examples/grpo_tiny.py", "--out", out,
+           "--sft-steps", "30", "--rl-steps", "3", "--eval-every", "0", "--heldout", "16",
+           "--call-timeout-s", "300"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def job(*args):
+        return subprocess.run([RAY, "job", *args, "--address", ray_head["dashboard"], submission], env=ray_head["env"],
+                              capture_output=True, text=True, timeout=120).stdout
+
+    assert "succeeded" in job("status").lower()
+    assert "held-out accuracy after grpo" in job("logs")
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    # it joined the head it was submitted to (same GCS port), not a Ray of its own
+    assert summary["ray_address"].rsplit(":", 1)[1] == ray_head["gcs"].rsplit(":", 1)[1]
+    assert (summary["rl_steps"], summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (3, 2, 2, 2)
+    assert os.path.isfile(os.path.join(out, "final_model", "hf", "model.safetensors"))

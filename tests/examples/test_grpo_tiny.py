@@ -1,0 +1,48 @@
+"""The default job on Ray (examples/grpo_tiny.py): SFT with train_sft, then GRPO with train on
+2 generators, a 2-rank ZeRO-2 trainer group, a reward and a reference worker; accuracy rises."""
+import json
+import os
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+@pytest.mark.slow
+def test_default_ray_job_lifts_heldout_accuracy(tmp_path):
+    import ray
+
+    import grpo_tiny
+
+    ray.shutdown()
+    out = str(tmp_path / "run")
+    try:
+        summary = grpo_tiny.main(["--out", out, "--rl-steps", "40", "--heldout", "128", "--eval-every", "20"])
+    finally:
+        ray.shutdown()
+    assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
+    assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
+    assert (summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (2, 2, 2)
+    assert summary["reference_worker"] is True
+    for phase in ("generate", "reward", "ref", "train", "sync"):
+        assert summary[f"time_{phase}_mean_s"] > 0
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["rl_steps"] == 40
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [19, 39]
+    assert os.path.isfile(os.path.join(out, "curves.png"))
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_model", "hf")) is not None
+
+
+def test_bad_flags_fail_before_ray(capsys):
+    import grpo_tiny
+
+    with pytest.raises(SystemExit):
+        grpo_tiny.parse(["--zero-stage", "5", "--generators", "0"])
+    err = capsys.readouterr().err
+    assert "--zero-stage must be 1, 2 or 3" in err and "--generators must be at least 1" in err
