@@ -25,6 +25,8 @@ class ClusterConfig(NamedTuple):
     reward_cpus: Annotated[float, "CPUs per reward worker"] = 1.0
     placement: Annotated[str, "placement of each role's actors: PACK or SPREAD across nodes"] = "PACK"
     generator_backend: Annotated[str, "auto (vLLM if installed and a GPU is visible), hf or vllm"] = "auto"
+    pin_roles: Annotated[bool, "pin generators to nodes with the generator_node resource and trainers to "
+                               "trainer_node ones (as the k8s/ worker groups advertise)"] = False
     threads_per_actor: Annotated[int, "torch threads in each actor"] = 1
     ray_address: Annotated[Optional[str], "Ray address to join (default: RAY_ADDRESS, else a local Ray)"] = None
     local_cpus: Annotated[Optional[int], "logical CPUs of a local Ray (default: enough for all actors)"] = None

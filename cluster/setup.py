@@ -17,6 +17,10 @@ from rl_actors.trainer import TrainerConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# custom resources that k8s/ worker groups advertise; --pin-roles places each role there
+NODE_GROUP_PINS = {"generator": {"generator_node": 0.01}, "reward": {"generator_node": 0.01},
+                   "trainer": {"trainer_node": 0.01}, "reference": {"trainer_node": 0.01}}
+
 
 class RLCluster(NamedTuple):
     generators: WorkerGroup
@@ -84,6 +88,8 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     from rl_actors.reward import RewardWorker
     from rl_actors.trainer import TrainerWorker
 
+    if node_resources is None and cfg.pin_roles:
+        node_resources = NODE_GROUP_PINS
     roles = role_specs(cfg, with_reference, node_resources)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())

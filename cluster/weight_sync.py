@@ -117,6 +117,19 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
     return total
 
 
+def raw_broadcast(group, numel: int, dtype: torch.dtype, rank: int, device) -> float:
+    """Seconds of one broadcast of a preallocated flat buffer from rank 0 (allocation not
+    timed): the throughput ceiling of the group."""
+    import time
+
+    flat = (torch.ones if rank == 0 else torch.empty)(numel, dtype=dtype, device=device)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    t0 = time.perf_counter()
+    group.broadcast([flat], opts).wait()
+    return time.perf_counter() - t0
+
+
 def copy_into_model(model, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
     """Receiver side: copy received tensors into the model's parameters by name."""
     params = dict(model.named_parameters())

@@ -182,6 +182,13 @@ class GeneratorWorker:
     def weight_checksums(self) -> dict:
         return tensor_checksums(self.engine.named_parameters())
 
+    def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
+        """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
+        and the baseline the bucketed sync is measured against)."""
+        from cluster.weight_sync import DTYPES, raw_broadcast
+
+        return raw_broadcast(self.sync_group, numel, DTYPES[dtype], self.sync_rank, self.engine.device)
+
     def logprobs(self, rollouts: Sequence, temperature: float = 1.0) -> list:
         """Recompute logprobs of given rollouts with this worker's weights (parity checks)."""
         return rollout_logprobs(self.engine.model, rollouts, self.engine.tokenizer.pad_token_id, temperature)

@@ -219,6 +219,13 @@ class TrainerWorker:
                                                get_tensors=lambda ms: [params[m.name].data for m in ms])
         return moved
 
+    def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
+        """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
+        and the baseline the bucketed sync is measured against)."""
+        from cluster.weight_sync import DTYPES, raw_broadcast
+
+        return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.device)
+
     def full_state(self) -> dict:
         """Every parameter, gathered, as numpy fp32 (tests and checksums; small models only)."""
         out = {}

@@ -12,8 +12,6 @@ from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithme
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
-PINS = {"generator": {"generator_node": 0.01}, "trainer": {"trainer_node": 0.01},
-        "reward": {"generator_node": 0.01}, "reference": {"trainer_node": 0.01}}
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +32,9 @@ def two_nodes():
 
 @pytest.mark.parametrize("generators", [1, 3])
 def test_roles_land_on_their_nodes_and_train(two_nodes, tiny_model_path, generators):
-    cfg = ClusterConfig(generators=generators, trainers=2, zero_stage=2, call_timeout_s=300)
+    cfg = ClusterConfig(generators=generators, trainers=2, zero_stage=2, call_timeout_s=300, pin_roles=True)
     rl = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), arithmetic_reward,
-                          with_reference=True, node_resources=PINS)
+                          with_reference=True)
     try:
         where = {g.role: set() for g in (rl.generators, rl.trainers, rl.rewards, rl.reference)}
         for group in (rl.generators, rl.trainers, rl.rewards, rl.reference):

@@ -1,0 +1,40 @@
+"""Per-phase step times of the default job (examples/grpo_tiny.py on Ray).
+
+Run:  python benchmarks/bench_default_job.py [--rl-steps 80]
+Prints the median and p90 of each phase over the RL steps, and the job's accuracy figures.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from common import ROOT, table
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rl-steps", type=int, default=80)
+    args = p.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import grpo_tiny
+
+    out = tempfile.mkdtemp(prefix="bench-default-")
+    summary = grpo_tiny.main(["--out", out, "--rl-steps", str(args.rl_steps)])
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"phase": "sft"' not in line]
+    rows = [r for r in rows if "time/step" in r][1:]  # the first step includes warm-up
+    phases = ["time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step"]
+    step = np.median([r["time/step"] for r in rows])
+    out_rows = [[k, f"{np.median([r[k] for r in rows]) * 1000:.1f}", f"{np.percentile([r[k] for r in rows], 90) * 1000:.1f}",
+                 f"{100 * np.median([r[k] for r in rows]) / step:.0f}%"] for k in phases]
+    print(table(out_rows, ["phase", "median ms", "p90 ms", "share of step"]))
+    print(f"steps measured: {len(rows)}; accuracy {summary['accuracy_before_rl']:.3f} -> "
+          f"{summary['accuracy_after_rl']:.3f}; wall {summary['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Weight-sync throughput for a ~100M-parameter Qwen2 against one raw gloo broadcast of the
+same bytes in the same process group (target: at least 80 % of raw).
+
+Run:  python benchmarks/bench_weight_sync.py [--generators 2 --bucket-mb 64 --repeats 5]
+The source is trainer rank 0 of a 1-rank DeepSpeed ZeRO-2 group; receivers are HF
+generator workers that copy every bucket into their model.
+"""
+import argparse
+import tempfile
+
+from common import median, start_local_ray, table
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--generators", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    ray = start_local_ray()
+    from cluster.driver import gather, sync_weights
+    from cluster.groups import WorkerGroup, fan_out
+    from cluster.setup import RLCluster
+    from cluster.weight_sync import SyncAddress
+    from primitives.tiny import TinyModelSpec, save_tiny_model
+    from primitives.types import ModelConfig
+    from rl_actors.generator import GeneratorWorker
+    from rl_actors.trainer import TrainerConfig, TrainerWorker
+
+    spec = TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=14, num_attention_heads=12,
+                         num_key_value_heads=12, max_position_embeddings=512)
+    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-sync-"), spec)
+    model = ModelConfig(path)
+    trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model, 0, 1, TrainerConfig(zero_stage=2))
+    ray.get(trainer.setup.remote(*ray.get(trainer.endpoint.remote())))
+    gens = [ray.remote(num_cpus=1)(GeneratorWorker).remote(model, r, "hf") for r in range(args.generators)]
+    meta = ray.get(trainer.weight_meta.remote())
+    host, port = ray.get(trainer.endpoint.remote())
+    address = SyncAddress(host, port, 1 + args.generators, "gloo")
+    ray.get([trainer.init_weight_sync.remote(address)] + [g.init_weight_sync.remote(address, 1 + i)
+                                                          for i, g in enumerate(gens)])
+    cluster = RLCluster(WorkerGroup("generator", tuple(gens)), WorkerGroup("trainer", (trainer,)), None, None,
+                        address, tuple(meta), 0, int(args.bucket_mb * 2 ** 20), 600.0, False, "local")
+    numel = sum(m.numel for m in meta)
+    nbytes = sum(m.nbytes for m in meta)
+    sync_weights(cluster, 0)  # warm-up
+    raw_weights_s, sync_s = [], []
+    for version in range(1, args.repeats + 1):
+        raw = gather(fan_out(cluster.trainers, "broadcast_probe", numel) +
+                     fan_out(cluster.generators, "broadcast_probe", numel), 600)
+        raw_weights_s.append(max(raw))
+        sync_s.append(sync_weights(cluster, version)["time/sync"])
+    sums = gather(fan_out(cluster.trainers, "weight_checksums") + fan_out(cluster.generators, "weight_checksums"), 600)
+    assert all(s == sums[0] for s in sums), "generators do not hold the trainer's weights"
+    raw_t, sync_t = median(raw_weights_s), median(sync_s)
+    rows = [["raw gloo broadcast (1 buffer)", f"{raw_t:.3f}", f"{nbytes / raw_t / 1e9:.2f}", "100%"],
+            [f"weight sync ({args.bucket_mb:g} MB buckets)", f"{sync_t:.3f}", f"{nbytes / sync_t / 1e9:.2f}",
+             f"{100 * raw_t / sync_t:.0f}%"]]
+    print(table(rows, ["path", "median s", "GB/s", "of raw"]))
+    print(f"{numel / 1e6:.1f}M parameters ({nbytes / 1e6:.0f} MB fp32), {len(meta)} tensors, "
+          f"{args.generators} receivers, median of {args.repeats}; checksums equal on all receivers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""k8s/ manifests validate against the KubeRay CRD schemas (../shared/kuberay-crds), their pod
+templates against Kubernetes' own schemas, and the RayJob's entrypoint is a valid command."""
+import os
+import shlex
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+CRDS = os.path.join(os.path.dirname(ROOT), "shared", "kuberay-crds")
+K8S = os.path.join(ROOT, "k8s")
+
+
+def _schema(kind_file: str, version: str = "v1") -> dict:
+    path = os.path.join(CRDS, kind_file)
+    if not os.path.isfile(path):
+        pytest.skip(f"KubeRay CRDs not found at {CRDS}")
+    with open(path) as f:
+        crd = yaml.safe_load(f)
+    return next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
+
+
+def _manifest(name: str) -> dict:
+    with open(os.path.join(K8S, name)) as f:
+        return yaml.safe_load(f)
+
+
+def _pod_templates(cluster_spec: dict) -> list:
+    groups = [cluster_spec["headGroupSpec"]] + cluster_spec.get("workerGroupSpecs", [])
+    return [g["template"] for g in groups]
+
+
+@pytest.mark.parametrize("name,crd", [("raycluster.yaml", "ray.io_rayclusters.yaml"),
+                                      ("rayjob.yaml", "ray.io_rayjobs.yaml")])
+def test_manifest_matches_kuberay_crd(name, crd):
+    import jsonschema
+
+    doc = _manifest(name)
+    jsonschema.validate(doc, _schema(crd))
+    assert doc["apiVersion"] == "ray.io/v1"
+
+
+def test_schema_check_catches_a_broken_manifest():
+    import jsonschema
+
+    doc = _manifest("raycluster.yaml")
+    doc["spec"]["workerGroupSpecs"][0]["replicas"] = "two"  # must be an integer
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, _schema("ray.io_rayclusters.yaml"))
+    del doc["spec"]["headGroupSpec"]
+    with pytest.raises(jsonschema.ValidationError, match="headGroupSpec"):
+        jsonschema.validate(doc, _schema("ray.io_rayclusters.yaml"))
+
+
+@pytest.mark.parametrize("name,path", [("raycluster.yaml", ("spec",)), ("rayjob.yaml", ("spec", "rayClusterSpec"))])
+def test_pod_templates_are_valid_kubernetes(name, path):
+    import kubernetes_validate
+
+    spec = _manifest(name)
+    for key in path:
+        spec = spec[key]
+    for template in _pod_templates(spec):
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_worker_groups_advertise_the_pinned_resources():
+    from cluster.setup import NODE_GROUP_PINS
+
+    groups = {g["groupName"]: g for g in _manifest("raycluster.yaml")["spec"]["workerGroupSpecs"]}
+    assert "generator_node" in groups["generators"]["rayStartParams"]["resources"]
+    assert "trainer_node" in groups["trainers"]["rayStartParams"]["resources"]
+    assert set(NODE_GROUP_PINS["generator"]) == {"generator_node"} and set(NODE_GROUP_PINS["trainer"]) == {"trainer_node"}
+
+
+def test_rayjob_entrypoint_is_a_valid_command_line():
+    from cluster.config import build_parser, records_from_args, validate
+
+    argv = shlex.split(_manifest("rayjob.yaml")["spec"]["entrypoint"])
+    assert argv[:2] == ["python", "examples/grpo_tiny.py"]
+    assert os.path.isfile(os.path.join(ROOT, argv[1]))
+    job, cluster, sft, rl = records_from_args(build_parser("x").parse_args(argv[2:]))
+    validate(job, cluster, sft, rl)
+    assert cluster.pin_roles and cluster.generator_gpus == 1 and cluster.trainer_gpus == 1
