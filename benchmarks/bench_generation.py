@@ -15,6 +15,7 @@ def main():
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gpus", type=float, default=0.0, help="GPUs per actor (0: CPU)")
     args = p.parse_args()
     ray = start_local_ray()
     import tempfile
@@ -31,7 +32,7 @@ def main():
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n)
     results = {}
     for workers in (1, 2):
-        actors = [ray.remote(num_cpus=1)(GeneratorWorker).remote(ModelConfig(path), r, "hf") for r in range(workers)]
+        actors = [ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker).remote(ModelConfig(path), r, "hf") for r in range(workers)]
         ray.get([a.info.remote() for a in actors])
         ray.get([a.generate.remote(c, gen) for a, c in zip(actors, split_evenly(items[:8], workers))])  # warm-up
         rates = []

@@ -16,6 +16,7 @@ def main():
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gpus", type=float, default=0.0, help="GPUs per actor (0: CPU)")
     args = p.parse_args()
     ray = start_local_ray()
     from cluster.driver import gather, sync_weights
@@ -31,12 +32,12 @@ def main():
                          num_key_value_heads=12, max_position_embeddings=512)
     path = save_tiny_model(tempfile.mkdtemp(prefix="bench-sync-"), spec)
     model = ModelConfig(path)
-    trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model, 0, 1, TrainerConfig(zero_stage=2))
+    trainer = ray.remote(num_cpus=1, num_gpus=args.gpus)(TrainerWorker).remote(model, 0, 1, TrainerConfig(zero_stage=2))
     ray.get(trainer.setup.remote(*ray.get(trainer.endpoint.remote())))
-    gens = [ray.remote(num_cpus=1)(GeneratorWorker).remote(model, r, "hf") for r in range(args.generators)]
+    gens = [ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker).remote(model, r, "hf") for r in range(args.generators)]
     meta = ray.get(trainer.weight_meta.remote())
     host, port = ray.get(trainer.endpoint.remote())
-    address = SyncAddress(host, port, 1 + args.generators, "gloo")
+    address = SyncAddress(host, port, 1 + args.generators, "nccl" if args.gpus else "gloo")
     ray.get([trainer.init_weight_sync.remote(address)] + [g.init_weight_sync.remote(address, 1 + i)
                                                           for i, g in enumerate(gens)])
     cluster = RLCluster(WorkerGroup("generator", tuple(gens)), WorkerGroup("trainer", (trainer,)), None, None,
