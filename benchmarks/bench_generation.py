@@ -3,19 +3,16 @@
 Run:  python benchmarks/bench_generation.py [--prompts 128 --n 8 --max-new-tokens 16 --repeats 5]
 The same prompts are split evenly over the workers; tokens/s counts generated tokens.
 """
-import argparse
 import time
 
-from common import median, start_local_ray, table
+from common import bench_parser, median, start_local_ray, table
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--gpus", type=float, default=0.0, help="GPUs per actor (0: CPU)")
     args = p.parse_args()
     ray = start_local_ray()
     import tempfile

@@ -5,18 +5,15 @@ Run:  python benchmarks/bench_weight_sync.py [--generators 2 --bucket-mb 64 --re
 The source is trainer rank 0 of a 1-rank DeepSpeed ZeRO-2 group; receivers are HF
 generator workers that copy every bucket into their model.
 """
-import argparse
 import tempfile
 
-from common import median, start_local_ray, table
+from common import bench_parser, median, start_local_ray, table
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=64.0)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--gpus", type=float, default=0.0, help="GPUs per actor (0: CPU)")
     args = p.parse_args()
     ray = start_local_ray()
     from cluster.driver import gather, sync_weights

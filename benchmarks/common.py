@@ -26,3 +26,13 @@ def table(rows, header) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def bench_parser(doc: str, repeats: int = 5):
+    """An argument parser with the flags every throughput benchmark shares."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=repeats, help="timed runs; the median is reported")
+    p.add_argument("--gpus", type=float, default=0.0, help="GPUs per actor (0: CPU)")
+    return p

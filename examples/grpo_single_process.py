@@ -37,7 +37,7 @@ from primitives.data import collate_sft, make_prompt_source, prepare_sft_text  #
 from primitives.evaluation import greedy_accuracy  # noqa: E402
 from primitives.generation import generate_rollouts  # noqa: E402
 from primitives.kl import create_reference_model  # noqa: E402
-from primitives.loggers import console_logger, jsonl_logger, multi_logger, plot_curves  # noqa: E402
+from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
 from primitives.logprobs import rollout_logprobs  # noqa: E402
 from primitives.rewards import score_rollouts  # noqa: E402
 from primitives.tasks import (ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task,  # noqa: E402
@@ -138,21 +138,11 @@ def grpo_train(model, tokenizer, train_items, args, logger, eval_fn=None) -> lis
     return history
 
 
-def mean_of(rows, key):
-    values = [r[key] for r in rows if key in r]
-    return round(float(np.mean(values)), 4) if values else None
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     start = time.time()
     seed_everything(args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    logger = multi_logger(jsonl_logger(metrics_path),
-                          console_logger(["loss/sft", "reward/mean", "loss/policy", "policy/entropy"], every=10))
+    logger, metrics_path = run_logger(args.out, ["loss/sft", "reward/mean", "eval/accuracy", "policy/entropy"])
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -190,10 +180,7 @@ def main(argv=None) -> dict:
         "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
         "seed": args.seed, "wall_s": round(time.time() - start, 1),
     }
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    return summary
+    return write_summary(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from cluster.groups import fan_out  # noqa: E402
 from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
 from primitives.algorithms import constant_schedule, get_algorithm  # noqa: E402
 from primitives.data import make_prompt_source, prepare_sft_text  # noqa: E402
-from primitives.loggers import console_logger, jsonl_logger, multi_logger, plot_curves  # noqa: E402
+from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
 from primitives.tasks import (ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task,  # noqa: E402
                               sft_demonstrations)
 from primitives.tiny import save_tiny_model  # noqa: E402
@@ -64,12 +64,7 @@ def main(argv=None) -> dict:
     job, cfg, sft, rl = parse(argv)
     start = time.time()
     reward_fn = load_function(job.reward_fn) if job.reward_fn else arithmetic_reward  # resolved once, here
-    os.makedirs(job.out, exist_ok=True)
-    metrics_path = os.path.join(job.out, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    logger = multi_logger(jsonl_logger(metrics_path),
-                          console_logger(["loss/sft", "reward/mean", "eval/accuracy", "kl/ref_k3"], every=10))
+    logger, metrics_path = run_logger(job.out, ["loss/sft", "reward/mean", "eval/accuracy", "kl/ref_k3"])
 
     from transformers import AutoTokenizer
 
@@ -118,14 +113,11 @@ def main(argv=None) -> dict:
         "algorithm": rl.algorithm, "sft_steps": sft.sft_steps, "rl_steps": rl.rl_steps,
         "sft_wrong_share": round(wrong_share, 4), "generators": cfg.generators, "trainer_ranks": cfg.trainers,
         "zero_stage": cfg.zero_stage, "reference_worker": with_reference, "ray_address": cluster.ray_address,
-        "reward_mean_first5": round(float(np.mean([m["reward/mean"] for m in history[:5]])), 4) if history else None,
-        "reward_mean_last5": round(float(np.mean([m["reward/mean"] for m in history[-5:]])), 4) if history else None,
+        "reward_mean_first5": mean_of(history[:5], "reward/mean"),
+        "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
         **phase_means(history), "seed": job.seed, "wall_s": round(time.time() - start, 1),
     }
-    with open(os.path.join(job.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    return summary
+    return write_summary(job.out, summary)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,27 @@ def plot_curves(history: Sequence[dict], keys: Sequence[str], path: str, title: 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def run_logger(out_dir: str, console_keys: Sequence[str], every: int = 10):
+    """``(logger, metrics_path)``: a fresh ``out_dir/metrics.jsonl`` plus a console line every
+    ``every`` steps showing ``console_keys`` - what an example script logs to."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        os.remove(path)
+    return multi_logger(jsonl_logger(path), console_logger(console_keys, every=every)), path
+
+
+def mean_of(rows: Sequence[dict], key: str) -> Optional[float]:
+    """Mean of ``key`` over the rows that have it (None if none do), rounded for summaries."""
+    values = [r[key] for r in rows if key in r]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def write_summary(out_dir: str, summary: dict) -> dict:
+    """Write ``out_dir/summary.json`` and print it."""
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    return summary

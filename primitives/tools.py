@@ -9,13 +9,12 @@ from __future__ import annotations
 import ast
 import json
 import operator
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 

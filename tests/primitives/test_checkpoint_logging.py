@@ -1,5 +1,4 @@
 """Atomic checkpoints with RNG state; loggers; curves."""
-import json
 import os
 import random
 

@@ -1,5 +1,4 @@
 """Batching and the training step: layout, advantages per group, micro-batch and shard equivalence."""
-import numpy as np
 import pytest
 import torch
 

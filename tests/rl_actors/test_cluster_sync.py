@@ -11,7 +11,7 @@ from primitives.algorithms import constant_schedule, grpo
 from primitives.data import make_prompt_source, prepare_sft_text
 from primitives.kl import create_periodic_updater
 from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
-from primitives.types import GenerationConfig, TrainState
+from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
 
