@@ -193,11 +193,12 @@ def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, 
 
 
 def copy_policy_to_reference(cluster: RLCluster) -> None:
-    """Make the reference equal to the current policy (after SFT, say): one object-store copy."""
+    """Make the reference equal to the current policy (after SFT, say). Rank 0's weights go
+    to the reference by ref, never through the driver; the other ranks join ZeRO-3 gathers."""
     if cluster.reference is None:
         return
-    states = gather(fan_out(cluster.trainers, "full_state"), cluster.timeout_s)  # collective under ZeRO-3
-    gather([call(cluster.reference, 0, "load_weights", states[0])], cluster.timeout_s)
+    states = fan_out(cluster.trainers, "full_state", True)
+    gather([call(cluster.reference, 0, "load_weights", states[0].ref)] + states[1:], cluster.timeout_s)
 
 
 def evaluate_accuracy(cluster: RLCluster, items: Sequence, max_new_tokens: int, correct: float = 1.0) -> float:

@@ -115,7 +115,14 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     tracks = with_reference and ref_update_fn is not None
     host, port = get(trainers.actors[0].endpoint.remote())
     world = 1 + generators.size + (1 if tracks else 0)
-    sync = SyncAddress(host, port, world, "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo")
+    backends = {info["backend"] for info in get([g.info.remote() for g in generators.actors])}
+    if backends == {"vllm"} and tracks:
+        raise ValueError("a policy-tracking reference cannot join vLLM's weight-transfer group; "
+                         "use a fixed reference (no ref_update_fn) or --generator-backend hf")
+    if len(backends) > 1:
+        raise ValueError(f"generators run mixed backends {sorted(backends)}; pin --generator-backend")
+    sync = SyncAddress(host, port, world, "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo",
+                       "vllm" if backends == {"vllm"} else "torch")
     joins = [trainers.actors[0].init_weight_sync.remote(sync)] + \
             [g.init_weight_sync.remote(sync, 1 + i) for i, g in enumerate(generators.actors)]
     if tracks:

@@ -88,7 +88,7 @@ def build_tiny_model(tokenizer, spec: TinyModelSpec = TinyModelSpec(), seed: int
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, torch_dtype="float32",
+        bos_token_id=tokenizer.eos_token_id,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from cluster.weight_sync import DTYPES as DTYPES_BY_NAME
 from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, dtype_name, init_sync_group,
                                  tensor_checksums)
 from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
@@ -200,13 +201,36 @@ class TrainerWorker:
         return meta
 
     def init_weight_sync(self, address: SyncAddress) -> bool:
-        """Rank 0 hosts the sync group's store and is its rank 0; other ranks only gather."""
-        if self.rank == 0:
+        """Rank 0 hosts the sync group's store and is its rank 0; other ranks only gather.
+        With vLLM generators (``protocol="vllm"``) rank 0 joins vLLM's own NCCL communicator."""
+        self.sync_protocol = address.protocol
+        if self.rank == 0 and address.protocol == "vllm":
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+            self.sync_group = stateless_init_process_group(address.host, address.port, 0, address.world_size,
+                                                           self.device)
+        elif self.rank == 0:
             self.sync_group = init_sync_group(address, 0)
         return True
 
+    def _send_to_vllm(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
+        """vLLM's trainer side of its NCCL weight transfer (packed buffers, names in ``meta``
+        order, as the generators' ``update_weights`` call expects)."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+
+        params = dict(self.module.named_parameters())
+        with self._gathered([m.name for m in meta]):
+            if self.rank == 0:
+                args = NCCLTrainerSendWeightsArgs(group=self.sync_group, packed=True,
+                                                  packed_buffer_size_bytes=bucket_bytes)
+                NCCLWeightTransferEngine.trainer_send_weights(
+                    ((m.name, params[m.name].data.to(DTYPES_BY_NAME[m.dtype])) for m in meta), args)
+        return sum(m.nbytes for m in meta)
+
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
         """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket."""
+        if getattr(self, "sync_protocol", "torch") == "vllm":
+            return self._send_to_vllm(meta, bucket_bytes)
         params = dict(self.module.named_parameters())
         moved = 0
         from cluster.weight_sync import bucket_plan
@@ -226,12 +250,14 @@ class TrainerWorker:
 
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.device)
 
-    def full_state(self) -> dict:
-        """Every parameter, gathered, as numpy fp32 (tests and checksums; small models only)."""
+    def full_state(self, rank0_only: bool = False) -> dict:
+        """Every parameter, gathered, as numpy fp32. All ranks must call it under ZeRO-3;
+        with ``rank0_only`` the other ranks only join the gathers and return {}."""
         out = {}
         for name, p in self.module.named_parameters():
             with self._gathered([name]):
-                out[name] = p.detach().float().cpu().numpy().copy()
+                if self.rank == 0 or not rank0_only:
+                    out[name] = p.detach().float().cpu().numpy().copy()
         return out
 
     def weight_checksums(self) -> dict:

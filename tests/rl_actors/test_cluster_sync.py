@@ -76,6 +76,29 @@ def test_generator_logprobs_equal_trainer_logprobs(rl_cluster, trained):
     assert diff < 1e-4
 
 
+def test_multiturn_generation_on_a_generator(rl_cluster, trained):
+    """The tool loop runs inside a generator actor; tool-output tokens stay out of the loss."""
+    from primitives.data import PromptItem
+    from primitives.tools import calculator_tool, create_tool_executor, parse_xml_tool_calls
+
+    items = [PromptItem(0, "What is 12*3? Use the calculator.", answer="36")]
+    gen = GenerationConfig(max_new_tokens=6, n=2, stop=("</tool_call>",))
+    rollouts = gather([call(rl_cluster.generators, 0, "generate_multiturn", items, gen, parse_xml_tool_calls,
+                            create_tool_executor({"calc": calculator_tool}), 3)], rl_cluster.timeout_s)[0]
+    assert [r.uid for r in rollouts] == ["e0/i0/s0", "e0/i0/s1"]
+    for r in rollouts:
+        assert len(r.completion_ids) == len(r.loss_mask) == len(r.logprobs) > 0
+        assert r.policy_version == 2 and (r.logprobs[r.loss_mask == 0] == 0).all()
+
+
+def test_reference_copy_goes_by_ref(rl_cluster, trained):
+    from cluster.driver import copy_policy_to_reference
+
+    copy_policy_to_reference(rl_cluster)
+    trainer = gather(fan_out(rl_cluster.trainers, "weight_checksums"), rl_cluster.timeout_s)[0]
+    assert gather(fan_out(rl_cluster.reference, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer
+
+
 def test_raising_reward_names_rollout_and_function(ray_local, rl_cluster, trained):
     from rl_actors.reward import RewardWorker
 
