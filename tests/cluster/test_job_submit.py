@@ -2,6 +2,7 @@
 the short default job succeeds and writes its summary; then the head is stopped."""
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -21,9 +22,10 @@ def ray_head():
     ray.shutdown()
     port, dash = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    # Ray 2.5x+ protects a head with a token (~/.ray/auth_token); name the mode explicitly so
-    # that the head, the `ray job` CLI and the SDK client all use it
+    # Ray 2.60 protects a head with a token. Give this head and its clients a fresh one
+    # through the environment (nothing written to ~/.ray; a new machine has no token there)
     env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8",
                     "--include-dashboard=true", "--disable-usage-stats"], check=True, env=env,
