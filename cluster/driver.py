@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.groups import Call, call, fan_out, fan_out_each, split_evenly
-from cluster.setup import RLCluster
+from cluster.setup import RLCluster, replace_actor
 from primitives.batching import make_batch, rollout_metrics
 from primitives.data import SFTSample, collate_sft
 from primitives.filters import dynamic_sampling_filter
@@ -26,6 +26,16 @@ from primitives.types import AlgorithmConfig, GenerationConfig, TrainState
 class ActorFailure(RuntimeError):
     """An actor died, raised, or did not answer in time; the message names role and rank."""
 
+    def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False):
+        super().__init__(message)
+        self.role, self.rank, self.died = role, rank, died
+
+    @property
+    def replaceable(self) -> bool:
+        """A dead generator or reward worker can be replaced and its step retried; a raising
+        user function (a bug) or a trainer/reference failure cannot."""
+        return self.died and self.role in ("generator", "reward")
+
 
 def gather(calls: Sequence[Call], timeout_s: float) -> list:
     """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor."""
@@ -35,20 +45,21 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
     refs = [c.ref for c in calls]
     done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
-        late = [f"{c.role} {c.rank}.{c.method}" for c in calls if c.ref in set(pending)]
-        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {', '.join(late)} (stuck or too slow; "
-                           f"raise --call-timeout-s if the work is simply long)")
+        late = [c for c in calls if c.ref in set(pending)]
+        names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
+        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
+                           f"raise --call-timeout-s if the work is simply long)", late[0].role, late[0].rank)
     out = []
     for c in calls:
         try:
             out.append(ray.get(c.ref, timeout=timeout_s))
         except RayActorError as e:
-            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}") from e
+            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}", c.role, c.rank, True) from e
         except RayTaskError as e:
             cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}") from e
+            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
         except GetTimeoutError as e:
-            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s") from e
+            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s", c.role, c.rank) from e
     return out
 
 
@@ -121,25 +132,50 @@ def collect_rollouts(cluster: RLCluster, prompt_source: Callable, state: TrainSt
     return kept, position, {**times, **extra}
 
 
+def with_replacement(cluster: RLCluster, work: Callable[[RLCluster], tuple], version: int, restarts: int,
+                     max_restarts: int):
+    """``work(cluster)``; if a generator or reward worker died, replace it (a new generator
+    first receives the weights of ``version``) and run ``work`` again with the same inputs.
+    Returns ``(result, cluster, restarts)``."""
+    while True:
+        try:
+            return work(cluster), cluster, restarts
+        except ActorFailure as failure:
+            if not failure.replaceable or restarts >= max_restarts:
+                raise
+            restarts += 1
+            tqdm.write(f"{failure}; replacing it and running the step's collection again")
+            cluster = replace_actor(cluster, failure.role, failure.rank)
+            if failure.role == "generator":
+                sync_weights(cluster, version)
+
+
 def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Callable[[int], AlgorithmConfig],
           gen: GenerationConfig, num_steps: int, prompts_per_step: int, lr_schedule: Callable[[int], float],
           state: TrainState = TrainState(), logger: Callable = noop_logger, eval_fn: Optional[Callable] = None,
           eval_every: int = 0, checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0,
-          max_resample_rounds: int = 4, progress: bool = True) -> TrainState:
+          max_resample_rounds: int = 4, max_actor_restarts: int = 3, progress: bool = True):
     """The RL loop: prompts -> rollouts (generate, reward, reference) -> batch -> train -> sync.
 
     ``algorithm_schedule(iteration)`` is evaluated every step, so switching algorithm or KL
     coefficient mid-run is a function. ``eval_fn(cluster, state) -> dict`` and
     ``checkpoint_fn(cluster, state)`` run every ``eval_every`` / ``checkpoint_every`` steps.
+    A generator or reward worker that dies is replaced (up to ``max_actor_restarts`` times)
+    and the step's prompts are collected again, so no prompt is lost or trained twice.
+    Returns ``(state, cluster)``: the cluster record changes when an actor was replaced.
     """
     import ray
 
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
+    restarts = 0
     for it in bar:
         t_step = time.perf_counter()
         algo = algorithm_schedule(it)
-        rollouts, position, metrics = collect_rollouts(cluster, prompt_source, state, algo, gen,
-                                                       prompts_per_step, max_resample_rounds)
+        collect = lambda c: collect_rollouts(c, prompt_source, state, algo, gen,  # noqa: E731
+                                             prompts_per_step, max_resample_rounds)
+        (rollouts, position, metrics), cluster, restarts = with_replacement(
+            cluster, collect, state.policy_version, restarts, max_actor_restarts)
+        metrics["recovery/actor_restarts"] = float(restarts)
         batch = make_batch(rollouts, algo, cluster.pad_token_id, seed=state.rng_seed + it)
         t0 = time.perf_counter()
         batch_ref = ray.put(batch)
@@ -160,7 +196,7 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         if checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0:
             checkpoint_fn(cluster, state)
-    return state
+    return state, cluster
 
 
 def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, batch_size: int,

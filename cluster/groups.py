@@ -5,7 +5,7 @@ decides when to wait, with a bound (``cluster.driver.gather``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from cluster.placement import RoleSpec
 
@@ -27,23 +27,22 @@ class Call(NamedTuple):
     method: str
 
 
-def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable[[int], tuple],
-                 runtime_env: Optional[dict] = None) -> WorkerGroup:
-    """``spec.count`` actors of ``actor_cls``; rank r is built with ``*make_args(r)`` and
-    pinned to bundle r of the placement group."""
+def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_args: Callable[[int], tuple]):
+    """One actor of ``actor_cls`` built with ``make_args(rank)``, pinned to bundle ``rank``."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    remote_cls = ray.remote(actor_cls)
-    actors = []
-    for rank in range(spec.count):
-        args, kwargs = make_args(rank)
-        options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
-                       max_restarts=0, max_concurrency=1,
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, rank))
-        if runtime_env:
-            options["runtime_env"] = runtime_env
-        actors.append(remote_cls.options(**options).remote(*args, **kwargs))
+    args, kwargs = make_args(rank)
+    options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
+                   max_restarts=0, max_concurrency=1,
+                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, rank))
+    return ray.remote(actor_cls).options(**options).remote(*args, **kwargs)
+
+
+def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable[[int], tuple]) -> WorkerGroup:
+    """``spec.count`` actors of ``actor_cls``; rank r is built with ``make_args(r)`` and
+    pinned to bundle r of the placement group."""
+    actors = [create_actor(actor_cls, spec, placement_group, r, make_args) for r in range(spec.count)]
     return WorkerGroup(spec.name, tuple(actors), placement_group)
 
 

@@ -9,7 +9,7 @@ import sys
 from typing import Callable, NamedTuple, Optional
 
 from cluster.config import ClusterConfig
-from cluster.groups import WorkerGroup, create_group, kill_group
+from cluster.groups import WorkerGroup, create_actor, create_group, kill_group
 from cluster.placement import RoleSpec, check_fits, cluster_resources, create_placement_group
 from cluster.weight_sync import SyncAddress
 from primitives.types import ModelConfig
@@ -34,6 +34,7 @@ class RLCluster(NamedTuple):
     timeout_s: float
     reference_tracks_policy: bool  # the reference joins every weight sync
     ray_address: str
+    factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
 
 
 def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None) -> list:
@@ -98,12 +99,17 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     threads = cfg.threads_per_actor
     get = lambda refs: ray.get(refs, timeout=cfg.call_timeout_s)  # noqa: E731  (set-up only)
 
+    gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads), {})  # noqa: E731
+    reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
     trainers = create_group(TrainerWorker, spec["trainer"], create_placement_group(spec["trainer"]),
                             lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads), {}))
     generators = create_group(GeneratorWorker, spec["generator"], create_placement_group(spec["generator"]),
-                              lambda r: ((model, r, cfg.generator_backend, seed, threads), {}))
-    rewards = create_group(RewardWorker, spec["reward"], create_placement_group(spec["reward"]),
-                           lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {}))
+                              gen_args)
+    rewards = create_group(RewardWorker, spec["reward"], create_placement_group(spec["reward"]), reward_args)
+    factories = {"generator": lambda r: create_actor(GeneratorWorker, spec["generator"], generators.placement_group,
+                                                     r, gen_args),
+                 "reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
+                                                  r, reward_args)}
     reference = None
     if with_reference:
         reference = create_group(RefLogprobWorker, spec["reference"], create_placement_group(spec["reference"]),
@@ -113,24 +119,56 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     get([t.setup.remote(*master) for t in trainers.actors])
     meta = tuple(get(trainers.actors[0].weight_meta.remote()))
     tracks = with_reference and ref_update_fn is not None
-    host, port = get(trainers.actors[0].endpoint.remote())
-    world = 1 + generators.size + (1 if tracks else 0)
     backends = {info["backend"] for info in get([g.info.remote() for g in generators.actors])}
     if backends == {"vllm"} and tracks:
         raise ValueError("a policy-tracking reference cannot join vLLM's weight-transfer group; "
                          "use a fixed reference (no ref_update_fn) or --generator-backend hf")
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; pin --generator-backend")
-    sync = SyncAddress(host, port, world, "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo",
-                       "vllm" if backends == {"vllm"} else "torch")
-    joins = [trainers.actors[0].init_weight_sync.remote(sync)] + \
-            [g.init_weight_sync.remote(sync, 1 + i) for i, g in enumerate(generators.actors)]
-    if tracks:
-        joins.append(reference.actors[0].init_weight_sync.remote(sync, world - 1))
-    get(joins + [t.init_weight_sync.remote(sync) for t in trainers.actors[1:]])
+    backend = "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo"
     pad_id = get(generators.actors[0].pad_token_id.remote())
-    return RLCluster(generators, trainers, rewards, reference, sync, meta, pad_id, int(bucket_mb * 2 ** 20),
-                     cfg.call_timeout_s, tracks, address)
+    cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
+                        "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
+                        cfg.call_timeout_s, tracks, address, factories)
+    return join_weight_sync(cluster)
+
+
+def join_weight_sync(cluster: RLCluster) -> RLCluster:
+    """(Re)build the weight-sync group on a fresh port: trainer rank 0, every generator, and a
+    policy-tracking reference. Called at start-up and after a generator is replaced."""
+    import ray
+
+    get = lambda refs: ray.get(refs, timeout=cluster.timeout_s)  # noqa: E731
+    host, port = get(cluster.trainers.actors[0].endpoint.remote())
+    world = 1 + cluster.generators.size + (1 if cluster.reference_tracks_policy else 0)
+    sync = cluster.sync_address._replace(host=host, port=port, world_size=world)
+    joins = [t.init_weight_sync.remote(sync) for t in cluster.trainers.actors]
+    joins += [g.init_weight_sync.remote(sync, 1 + i) for i, g in enumerate(cluster.generators.actors)]
+    if cluster.reference_tracks_policy:
+        joins.append(cluster.reference.actors[0].init_weight_sync.remote(sync, world - 1))
+    get(joins)
+    return cluster._replace(sync_address=sync)
+
+
+def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
+    """A new actor of ``role`` in the dead one's bundle; generators rejoin weight sync (the
+    caller then sends the current weights)."""
+    import ray
+
+    if not cluster.factories or role not in cluster.factories:
+        raise ValueError(f"no way to replace a {role}: only generators and reward workers are replaceable")
+    field = {"generator": "generators", "reward": "rewards"}[role]
+    group = getattr(cluster, field)
+    try:
+        ray.kill(group.actors[rank], no_restart=True)
+    except Exception:  # already gone
+        pass
+    actor = cluster.factories[role](rank)
+    ray.get(actor.info.remote(), timeout=cluster.timeout_s)
+    actors = list(group.actors)
+    actors[rank] = actor
+    cluster = cluster._replace(**{field: group._replace(actors=tuple(actors))})
+    return join_weight_sync(cluster) if role == "generator" else cluster
 
 
 def shutdown_cluster(cluster: RLCluster) -> None:

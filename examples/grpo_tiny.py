@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         gather(fan_out(cluster.trainers, "reset_optimizer", rl.rl_lr), cluster.timeout_s)
 
         gen = GenerationConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, n=rl.group_size)
-        state = train(cluster, make_prompt_source(train_items, seed=job.seed), constant_schedule(algo), gen,
+        state, cluster = train(cluster, make_prompt_source(train_items, seed=job.seed), constant_schedule(algo), gen,
                       rl.rl_steps, rl.prompts_per_step, lambda step: rl.rl_lr, TrainState(rng_seed=job.seed),
                       logger, evaluate, rl.eval_every or rl.rl_steps, max_resample_rounds=rl.max_resample_rounds)
         history = list(state.metrics_history)

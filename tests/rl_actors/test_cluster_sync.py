@@ -36,7 +36,7 @@ def trained(rl_cluster, tiny_model_path):
     sft = train_sft(rl_cluster, samples, num_steps=3, batch_size=16, lr_schedule=lambda s: 1e-3, progress=False)
     sync_weights(rl_cluster, version=0)
     logged = []
-    state = train(rl_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
+    state, _ = train(rl_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
                   GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=4,
                   lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False,
                   eval_fn=lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, 4)}, eval_every=2)
@@ -145,11 +145,47 @@ def test_missing_model_path_names_role(ray_local):
         gather([Call(worker.info.remote(), "generator", 5, "info")], 60)
 
 
+def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, trained):
+    """Invariant 3: generator 0 dies after step 1 and reward worker 0 after step 3; both are
+    replaced, their steps collected again, and every prompt is trained exactly once per epoch."""
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=12, num_heldout=1, seed=5))[0]
+    source, served, calls = make_prompt_source(items, seed=2), {}, []
+
+    def recording_source(position, n):
+        got, nxt = source(position, n)
+        calls.append(position)
+        served[position] = [(it.epoch, it.index) for it in got]  # a retried step asks for the same position
+        return got, nxt
+
+    kills = {1: rl_cluster.generators.actors[0], 3: rl_cluster.rewards.actors[0]}
+    logged = []
+
+    def killing_logger(metrics):
+        logged.append(metrics)
+        if metrics["step"] in kills:
+            ray_local.kill(kills[metrics["step"]], no_restart=True)
+
+    state, cluster = train(rl_cluster, recording_source, constant_schedule(grpo(kl_coef=0.05)),
+                           GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
+                           lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
+    assert state.iteration == 6 and logged[-1]["recovery/actor_restarts"] == 2
+    assert len(calls) == 8 and len(served) == 6  # two steps were collected twice, from the same position
+    trained = [key for pos in sorted(served) for key in served[pos]]
+    for epoch in (0, 1):
+        assert sorted(i for e, i in trained if e == epoch) == list(range(12))  # each prompt once per epoch
+    assert all(m["batch/rows"] == 8 for m in logged)  # every step trained all 4 prompts x 2 samples
+    assert cluster.generators.actors[0] != rl_cluster.generators.actors[0]
+    trainer = gather(fan_out(cluster.trainers, "weight_checksums"), cluster.timeout_s)[0]
+    for sums in gather(fan_out(cluster.generators, "weight_checksums"), cluster.timeout_s):
+        assert sums == trainer  # the replacement generator holds the current weights
+
+
 def test_dead_generator_surfaces_as_named_error(ray_local, rl_cluster, trained):
     """Last in this module: it kills generator 1."""
     ray_local.kill(rl_cluster.generators.actors[1], no_restart=True)
-    with pytest.raises(ActorFailure, match=r"generator 1 died during info"):
-        gather(fan_out(rl_cluster.generators, "info"), 60)
+    with pytest.raises(ActorFailure, match=r"generator 1 died during info") as e:
+        gather([call(rl_cluster.generators, 1, "info")], 60)
+    assert e.value.replaceable and (e.value.role, e.value.rank) == ("generator", 1)
 
 
 def _flat(lists):
