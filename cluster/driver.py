@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from cluster.groups import Call, call, fan_out, fan_out_each, split_evenly
+from cluster.groups import ActorFailure, call, fan_out, fan_out_each, gather, split_evenly
 from cluster.setup import RLCluster, replace_actor
 from primitives.batching import make_batch, rollout_metrics
 from primitives.data import SFTSample, collate_sft
@@ -21,52 +21,6 @@ from primitives.filters import dynamic_sampling_filter
 from primitives.loggers import noop_logger
 from primitives.training import add_metrics
 from primitives.types import AlgorithmConfig, GenerationConfig, TrainState
-
-
-class ActorFailure(RuntimeError):
-    """An actor died, raised, or did not answer in time; the message names role and rank."""
-
-    def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False):
-        super().__init__(message)
-        self.role, self.rank, self.died = role, rank, died
-
-    @property
-    def replaceable(self) -> bool:
-        """A dead generator or reward worker can be replaced and its step retried; a raising
-        user function (a bug) or a trainer/reference failure cannot."""
-        return self.died and self.role in ("generator", "reward")
-
-
-def gather(calls: Sequence[Call], timeout_s: float) -> list:
-    """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    refs = [c.ref for c in calls]
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = [c for c in calls if c.ref in set(pending)]
-        names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
-        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
-                           f"raise --call-timeout-s if the work is simply long)", late[0].role, late[0].rank)
-    out = []
-    for c in calls:
-        try:
-            out.append(ray.get(c.ref, timeout=timeout_s))
-        except RayActorError as e:
-            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}", c.role, c.rank, True) from e
-        except RayTaskError as e:
-            cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
-        except GetTimeoutError as e:
-            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s", c.role, c.rank) from e
-    return out
-
-
-def _cause(error: Exception) -> str:
-    """The most specific error line in a Ray actor failure (e.g. the constructor's exception)."""
-    lines = [ln.strip() for ln in str(error).splitlines() if "Error: " in ln or "Exception: " in ln]
-    return lines[-1] if lines else error.__class__.__name__
 
 
 def _flat(lists) -> list:

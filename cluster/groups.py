@@ -1,7 +1,8 @@
 """Create N actors of a role in its placement group; fan calls out and get refs back.
 
-Nothing here blocks: methods return ``Call``s (a ref and who computes it) and the driver
-decides when to wait, with a bound (``cluster.driver.gather``).
+Calls return ``Call``s (a ref and who computes it) without blocking; ``gather`` is the one
+place that waits - always with a bound - and turns a dead, raising or silent actor into
+an ``ActorFailure`` that names its role and rank. The driver decides when to gather.
 """
 from __future__ import annotations
 
@@ -74,3 +75,49 @@ def kill_group(group: WorkerGroup) -> None:
         ray.kill(actor, no_restart=True)
     if group.placement_group is not None:
         remove_placement_group(group.placement_group)
+
+
+class ActorFailure(RuntimeError):
+    """An actor died, raised, or did not answer in time; the message names role and rank."""
+
+    def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False):
+        super().__init__(message)
+        self.role, self.rank, self.died = role, rank, died
+
+    @property
+    def replaceable(self) -> bool:
+        """A dead generator or reward worker can be replaced and its step retried; a raising
+        user function (a bug) or a trainer/reference failure cannot."""
+        return self.died and self.role in ("generator", "reward")
+
+
+def gather(calls: Sequence[Call], timeout_s: float) -> list:
+    """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    refs = [c.ref for c in calls]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [c for c in calls if c.ref in set(pending)]
+        names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
+        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
+                           f"raise --call-timeout-s if the work is simply long)", late[0].role, late[0].rank)
+    out = []
+    for c in calls:
+        try:
+            out.append(ray.get(c.ref, timeout=timeout_s))
+        except RayActorError as e:
+            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}", c.role, c.rank, True) from e
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
+        except GetTimeoutError as e:
+            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s", c.role, c.rank) from e
+    return out
+
+
+def _cause(error: Exception) -> str:
+    """The most specific error line in a Ray actor failure (e.g. the constructor's exception)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if "Error: " in ln or "Exception: " in ln]
+    return lines[-1] if lines else error.__class__.__name__

@@ -9,7 +9,7 @@ import sys
 from typing import Callable, NamedTuple, Optional
 
 from cluster.config import ClusterConfig
-from cluster.groups import WorkerGroup, create_actor, create_group, kill_group
+from cluster.groups import Call, WorkerGroup, call, create_actor, create_group, fan_out, gather, kill_group
 from cluster.placement import RoleSpec, check_fits, cluster_resources, create_placement_group
 from cluster.weight_sync import SyncAddress
 from primitives.types import ModelConfig
@@ -82,8 +82,6 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
                      shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
                      node_resources: Optional[dict] = None) -> RLCluster:
     """Check resources, place each role, create and set up every actor, wire weight sync."""
-    import ray
-
     from rl_actors.generator import GeneratorWorker
     from rl_actors.reference import RefLogprobWorker
     from rl_actors.reward import RewardWorker
@@ -97,7 +95,7 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     spec = {r.name: r for r in roles}
     model = ModelConfig(model_path)
     threads = cfg.threads_per_actor
-    get = lambda refs: ray.get(refs, timeout=cfg.call_timeout_s)  # noqa: E731  (set-up only)
+    wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
 
     gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads), {})  # noqa: E731
     reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
@@ -115,18 +113,20 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
         reference = create_group(RefLogprobWorker, spec["reference"], create_placement_group(spec["reference"]),
                                  lambda r: ((model, r, ref_update_fn, 1.0, None, threads), {}))
 
-    master = get(trainers.actors[0].endpoint.remote())
-    get([t.setup.remote(*master) for t in trainers.actors])
-    meta = tuple(get(trainers.actors[0].weight_meta.remote()))
+    groups = [generators, rewards] + ([reference] if reference else [])
+    wait([c for g in groups for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
+    master = wait([call(trainers, 0, "endpoint")])[0]
+    wait(fan_out(trainers, "setup", *master))
+    meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
     tracks = with_reference and ref_update_fn is not None
-    backends = {info["backend"] for info in get([g.info.remote() for g in generators.actors])}
+    backends = {info["backend"] for info in wait(fan_out(generators, "info"))}
     if backends == {"vllm"} and tracks:
         raise ValueError("a policy-tracking reference cannot join vLLM's weight-transfer group; "
                          "use a fixed reference (no ref_update_fn) or --generator-backend hf")
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; pin --generator-backend")
     backend = "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo"
-    pad_id = get(generators.actors[0].pad_token_id.remote())
+    pad_id = wait([call(generators, 0, "pad_token_id")])[0]
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories)
@@ -136,17 +136,14 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
     """(Re)build the weight-sync group on a fresh port: trainer rank 0, every generator, and a
     policy-tracking reference. Called at start-up and after a generator is replaced."""
-    import ray
-
-    get = lambda refs: ray.get(refs, timeout=cluster.timeout_s)  # noqa: E731
-    host, port = get(cluster.trainers.actors[0].endpoint.remote())
+    host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     world = 1 + cluster.generators.size + (1 if cluster.reference_tracks_policy else 0)
     sync = cluster.sync_address._replace(host=host, port=port, world_size=world)
-    joins = [t.init_weight_sync.remote(sync) for t in cluster.trainers.actors]
-    joins += [g.init_weight_sync.remote(sync, 1 + i) for i, g in enumerate(cluster.generators.actors)]
+    joins = fan_out(cluster.trainers, "init_weight_sync", sync)
+    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i) for i in range(cluster.generators.size)]
     if cluster.reference_tracks_policy:
-        joins.append(cluster.reference.actors[0].init_weight_sync.remote(sync, world - 1))
-    get(joins)
+        joins.append(call(cluster.reference, 0, "init_weight_sync", sync, world - 1))
+    gather(joins, cluster.timeout_s)
     return cluster._replace(sync_address=sync)
 
 
@@ -164,7 +161,7 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     except Exception:  # already gone
         pass
     actor = cluster.factories[role](rank)
-    ray.get(actor.info.remote(), timeout=cluster.timeout_s)
+    gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
     actors = list(group.actors)
     actors[rank] = actor
     cluster = cluster._replace(**{field: group._replace(actors=tuple(actors))})
