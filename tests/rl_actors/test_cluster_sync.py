@@ -99,6 +99,38 @@ def test_reference_copy_goes_by_ref(rl_cluster, trained):
     assert gather(fan_out(rl_cluster.reference, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer
 
 
+def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_cluster, trained):
+    """DAPO on the cluster: groups whose rewards are all equal are dropped and more prompts are
+    drawn until the step has its quota of informative groups (or the rounds run out)."""
+    from cluster.groups import WorkerGroup
+    from primitives.algorithms import dapo
+    from rl_actors.reward import RewardWorker
+
+    def parity_reward(rollout):  # equal within a group often enough to exercise the filter
+        return float(int(rollout.completion_ids[0]) % 2)
+
+    reward = ray_local.remote(RewardWorker).remote(parity_reward)
+    cluster = rl_cluster._replace(rewards=WorkerGroup("reward", (reward,)))
+    items = trained[3]
+    served = []
+
+    def recording_source(position, n):
+        got, nxt = make_prompt_source(items)(position, n)
+        served.append(len(got))
+        return got, nxt
+
+    logged = []
+    state, _ = train(cluster, recording_source, constant_schedule(dapo(max_completion_len=4, overlong_buffer=2)),
+                     GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
+                     lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
+    m = logged[0]
+    assert m["data/prompts_drawn"] == sum(served) and served[0] == 6
+    assert m["data/resample_rounds"] == len(served) - 1
+    assert m["batch/rows"] % 3 == 0 and m["batch/rows"] >= 3
+    assert m["reward/std"] > 0  # only groups with spread were trained
+    ray_local.kill(reward)
+
+
 def test_raising_reward_names_rollout_and_function(ray_local, rl_cluster, trained):
     from rl_actors.reward import RewardWorker
 
