@@ -42,7 +42,7 @@ class SFTConfig(NamedTuple):
 
 class RLConfig(NamedTuple):
     algorithm: Annotated[str, "preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo"] = "grpo"
-    rl_steps: Annotated[int, "RL iterations (one optimizer step each)"] = 80
+    rl_steps: Annotated[int, "RL iterations in all (one optimizer step each; a resumed run counts on)"] = 80
     prompts_per_step: Annotated[int, "prompts per RL step"] = 32
     group_size: Annotated[int, "completions per prompt (G)"] = 8
     max_new_tokens: Annotated[int, "completion length limit"] = 5
@@ -61,6 +61,7 @@ class JobConfig(NamedTuple):
     model: Annotated[Optional[str], "local HF model path (default: build the embedded tiny model)"] = None
     reward_fn: Annotated[Optional[str], "reward hook as module:function (default: the task's exact match)"] = None
     heldout: Annotated[int, "held-out problems for accuracy"] = 256
+    resume: Annotated[Optional[str], "a checkpoint directory written by --checkpoint-every: continue from it"] = None
     carry_error_rate: Annotated[float, "share of carry problems whose SFT demonstration drops the carry"] = 0.7
 
 
@@ -125,6 +126,8 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
         (job.heldout >= 1, "--heldout must be at least 1"),
     ]
     errors = [msg for ok, msg in checks if not ok]
+    if job.resume is not None and not os.path.isfile(os.path.join(job.resume, "train_state.json")):
+        errors.append(f"--resume {job.resume}: not a checkpoint directory (no train_state.json)")
     if job.model is not None and not os.path.isfile(os.path.join(job.model, "config.json")):
         errors.append(f"--model {job.model}: not a local Hugging Face model directory (no config.json)")
     if errors:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from cluster.groups import ActorFailure, call, fan_out, fan_out_each, gather, split_evenly
 from cluster.setup import RLCluster, replace_actor
 from primitives.batching import make_batch, rollout_metrics
+from primitives.checkpoint import state_from_json, state_to_json
 from primitives.data import SFTSample, collate_sft
 from primitives.filters import dynamic_sampling_filter
 from primitives.loggers import noop_logger
@@ -197,3 +198,31 @@ def evaluate_accuracy(cluster: RLCluster, items: Sequence, max_new_tokens: int, 
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
     rollouts, _ = generate_and_score(cluster, items, gen, with_ref=False)
     return float(np.mean([r.reward >= correct for r in rollouts]))
+
+
+def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) -> str:
+    """Trainer shards with optimizer and RNG, an HF copy, the reference weights and the
+    ``TrainState`` (data position, versions, metrics), written atomically to ``path``."""
+    import shutil
+
+    extra = {}
+    if cluster.reference is not None:
+        ref_tmp = path.rstrip("/") + ".reference.tmp"
+        shutil.rmtree(ref_tmp, ignore_errors=True)
+        gather([call(cluster.reference, 0, "save_weights", ref_tmp)], cluster.timeout_s)
+        extra["reference"] = ref_tmp
+    gather(fan_out(cluster.trainers, "save_checkpoint", path, state_to_json(state), extra), cluster.timeout_s)
+    return path
+
+
+def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
+    """Restore what ``save_cluster_checkpoint`` wrote and send the weights to the generators;
+    training continues exactly where it stopped."""
+    import os
+
+    saved = gather(fan_out(cluster.trainers, "load_checkpoint", path), cluster.timeout_s)[0]
+    state = state_from_json(saved)
+    if cluster.reference is not None and os.path.isdir(os.path.join(path, "reference")):
+        gather([call(cluster.reference, 0, "load_weights_from", os.path.join(path, "reference"))], cluster.timeout_s)
+    sync_weights(cluster, state.policy_version)
+    return state

@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.config import build_parser, load_function, records_from_args, validate  # noqa: E402
-from cluster.driver import (copy_policy_to_reference, evaluate_accuracy, gather, sync_weights, train,  # noqa: E402
-                            train_sft)
+from cluster.driver import (copy_policy_to_reference, evaluate_accuracy, gather, load_cluster_checkpoint,  # noqa: E402
+                            save_cluster_checkpoint, sync_weights, train, train_sft)
 from cluster.groups import fan_out  # noqa: E402
 from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
 from primitives.algorithms import constant_schedule, get_algorithm  # noqa: E402
@@ -84,23 +84,30 @@ def main(argv=None) -> dict:
                                bucket_mb=rl.sync_bucket_mb)
     try:
         evaluate = lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, rl.max_new_tokens)}  # noqa: E731
-        train_sft(cluster, samples, sft.sft_steps, sft.sft_batch, linear_warmup(sft.sft_lr, sft.sft_warmup),
-                  seed=job.seed, logger=logger)
-        sync_weights(cluster, version=0)
-        copy_policy_to_reference(cluster)
+        save = lambda c, s: save_cluster_checkpoint(  # noqa: E731
+            c, os.path.join(job.out, "checkpoints", f"step_{s.iteration}"), s)
+        if job.resume:  # weights, optimizer, reference, data position and versions from the checkpoint
+            start_state = load_cluster_checkpoint(cluster, job.resume)
+        else:
+            train_sft(cluster, samples, sft.sft_steps, sft.sft_batch, linear_warmup(sft.sft_lr, sft.sft_warmup),
+                      seed=job.seed, logger=logger)
+            sync_weights(cluster, version=0)
+            copy_policy_to_reference(cluster)
+            gather(fan_out(cluster.trainers, "reset_optimizer", rl.rl_lr), cluster.timeout_s)
+            start_state = TrainState(rng_seed=job.seed)
         acc_before = evaluate_accuracy(cluster, heldout, rl.max_new_tokens)
-        print(f"held-out accuracy after SFT (before RL): {acc_before:.3f}", flush=True)
-        gather(fan_out(cluster.trainers, "reset_optimizer", rl.rl_lr), cluster.timeout_s)
+        print(f"held-out accuracy {'at the checkpoint' if job.resume else 'after SFT (before RL)'}: "
+              f"{acc_before:.3f}", flush=True)
 
         gen = GenerationConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, n=rl.group_size)
         state, cluster = train(cluster, make_prompt_source(train_items, seed=job.seed), constant_schedule(algo), gen,
-                      rl.rl_steps, rl.prompts_per_step, lambda step: rl.rl_lr, TrainState(rng_seed=job.seed),
-                      logger, evaluate, rl.eval_every or rl.rl_steps, max_resample_rounds=rl.max_resample_rounds)
-        history = list(state.metrics_history)
+                               rl.rl_steps, rl.prompts_per_step, lambda step: rl.rl_lr, start_state, logger,
+                               evaluate, rl.eval_every or rl.rl_steps, save, rl.checkpoint_every,
+                               max_resample_rounds=rl.max_resample_rounds)
+        history = list(state.metrics_history[len(start_state.metrics_history):])
         acc_after = history[-1]["eval/accuracy"] if history else acc_before
         print(f"held-out accuracy after {rl.algorithm}: {acc_after:.3f}", flush=True)
-        gather(fan_out(cluster.trainers, "save_checkpoint", os.path.join(job.out, "final_model"),
-                       state._replace(metrics_history=())._asdict()), cluster.timeout_s)
+        save_cluster_checkpoint(cluster, os.path.join(job.out, "final_model"), state)
     finally:
         shutdown_cluster(cluster)
 

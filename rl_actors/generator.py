@@ -137,10 +137,17 @@ class GeneratorWorker:
             else HFEngine(model, f"generator {rank}")
         self.policy_version = 0
         self.sync_group, self.sync_rank = None, None
-        self.sampler = torch.Generator(device="cpu").manual_seed(seed + 7919 * (rank + 1))
 
     def info(self) -> dict:
         return {**actor_info(self.role, self.rank), "backend": self.engine.name}
+
+    def _sampler(self, items: Sequence) -> torch.Generator:
+        """A generator seeded by (seed, rank, policy version, first prompt): the same call after
+        a resume - or on a replacement actor - samples the same tokens."""
+        import zlib
+
+        key = f"{self.seed}/{self.rank}/{self.policy_version}/{items[0].epoch}/{items[0].index}" if items else "-"
+        return torch.Generator(device="cpu").manual_seed(zlib.crc32(key.encode()))
 
     def pad_token_id(self) -> int:
         return int(self.engine.tokenizer.pad_token_id)
@@ -149,11 +156,11 @@ class GeneratorWorker:
         """``gen.n`` rollouts per item, stamped with the current policy version."""
         if not items:
             return []
-        return self.engine.generate(list(items), gen, self.policy_version, self.sampler)
+        return self.engine.generate(list(items), gen, self.policy_version, self._sampler(items))
 
     def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tool_parser: Callable,
                            tool_executor: Callable, max_turns: int = 4, stop_condition: Optional[Callable] = None) -> list:
-        turn = self.engine.turn_generator(gen, self.sampler)
+        turn = self.engine.turn_generator(gen, self._sampler(items))
         kwargs = {"stop_condition": stop_condition} if stop_condition is not None else {}
         return [multiturn_rollout(it, self.engine.tokenizer, turn, tool_parser, tool_executor, max_turns=max_turns,
                                   sample=k, policy_version=self.policy_version, **kwargs)

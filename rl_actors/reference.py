@@ -79,3 +79,14 @@ class RefLogprobWorker:
         if self.ref_state is not None:
             self.ref_state = ref_state_from_model(self.model, state.last_reset_step)
         return True
+
+    def save_weights(self, path: str) -> str:
+        """The reference model in HF format (it may differ from the policy: SFT model, EMA)."""
+        self.model.save_pretrained(path)
+        return path
+
+    def load_weights_from(self, path: str) -> bool:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
+        return self.load_weights({k: v.detach().numpy() for k, v in loaded.named_parameters()})

@@ -273,11 +273,12 @@ class TrainerWorker:
         return rollout_logprobs(self.module, rollouts, self.tokenizer.pad_token_id, self.config.temperature)
 
     # --------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str, train_state: Optional[dict] = None) -> str:
+    def save_checkpoint(self, path: str, train_state: Optional[dict] = None, extra_dirs: Optional[dict] = None) -> str:
         """DeepSpeed shards (optimizer included) + an HF copy of the weights + RNG, atomically.
 
         Every rank writes its shard into one temporary directory that rank 0 renames when all
-        are done; the driver calls this on all ranks together.
+        are done; the driver calls this on all ranks together. ``extra_dirs`` (name -> finished
+        directory, e.g. the reference weights) are moved into the checkpoint in the same rename.
         """
         import torch.distributed as dist
 
@@ -295,6 +296,8 @@ class TrainerWorker:
                 os.rename(tmp, os.path.join(staging, "deepspeed"))
                 self.module.save_pretrained(os.path.join(staging, "hf"), state_dict=state)
                 self.tokenizer.save_pretrained(os.path.join(staging, "hf"))
+                for name, directory in (extra_dirs or {}).items():
+                    os.rename(directory, os.path.join(staging, name))
                 with open(os.path.join(staging, "train_state.json"), "w") as f:
                     json.dump(train_state or {}, f)
             atomic_directory(path, write)

@@ -46,3 +46,26 @@ def test_bad_flags_fail_before_ray(capsys):
         grpo_tiny.parse(["--zero-stage", "5", "--generators", "0"])
     err = capsys.readouterr().err
     assert "--zero-stage must be 1, 2 or 3" in err and "--generators must be at least 1" in err
+
+
+@pytest.mark.slow
+def test_checkpoint_then_resume_from_the_command_line(tmp_path):
+    import ray
+
+    import grpo_tiny
+
+    out = str(tmp_path / "run")
+    short = ["--sft-steps", "20", "--eval-every", "0", "--heldout", "16"]
+    ray.shutdown()
+    try:
+        grpo_tiny.main(["--out", out, "--rl-steps", "2", "--checkpoint-every", "2", *short])
+        ckpt = os.path.join(out, "checkpoints", "step_2")
+        assert os.path.isfile(os.path.join(ckpt, "train_state.json"))
+        assert os.path.isdir(os.path.join(ckpt, "reference")) and os.path.isdir(os.path.join(ckpt, "deepspeed"))
+        summary = grpo_tiny.main(["--out", out + "_resumed", "--rl-steps", "3", "--resume", ckpt, *short])
+    finally:
+        ray.shutdown()
+    rows = [json.loads(line) for line in open(os.path.join(out + "_resumed", "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [2]  # continued at step 2; no SFT again
+    assert not any("loss/sft" in r for r in rows)
+    assert summary["rl_steps"] == 3
