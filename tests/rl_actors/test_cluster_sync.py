@@ -195,7 +195,7 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
     def killing_logger(metrics):
         logged.append(metrics)
         if metrics["step"] in kills:
-            ray_local.kill(kills[metrics["step"]], no_restart=True)
+            _kill_and_wait(ray_local, kills[metrics["step"]])
 
     state, cluster = train(rl_cluster, recording_source, constant_schedule(grpo(kl_coef=0.05)),
                            GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
@@ -214,10 +214,27 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
 
 def test_dead_generator_surfaces_as_named_error(ray_local, rl_cluster, trained):
     """Last in this module: it kills generator 1."""
-    ray_local.kill(rl_cluster.generators.actors[1], no_restart=True)
+    _kill_and_wait(ray_local, rl_cluster.generators.actors[1])
     with pytest.raises(ActorFailure, match=r"generator 1 died during info") as e:
         gather([call(rl_cluster.generators, 1, "info")], 60)
     assert e.value.replaceable and (e.value.role, e.value.rank) == ("generator", 1)
+
+
+def _kill_and_wait(ray, actor, timeout_s=60.0):
+    """``ray.kill`` is asynchronous: return only once calls on the actor fail."""
+    import time
+
+    from ray.exceptions import RayActorError
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=10)
+        except RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("actor still answers after ray.kill")
 
 
 def _flat(lists):
