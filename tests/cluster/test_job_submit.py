@@ -15,12 +15,32 @@ from tests.conftest import ROOT
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
+def _stop_head(temp_dir: str, timeout_s: float = 60.0) -> None:
+    """Stop only the Ray processes of this head (their command lines name its temp dir);
+    `ray stop` would stop every Ray on the machine."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        p.kill()
+
+
 @pytest.fixture
 def ray_head():
+    import shutil
+    import tempfile
+
     import ray
 
     ray.shutdown()
     port, dash = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     # Ray 2.60 protects a head with a token. Give this head and its clients a fresh one
     # through the environment (nothing written to ~/.ray; a new machine has no token there)
@@ -28,12 +48,13 @@ def ray_head():
     env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8",
-                    "--include-dashboard=true", "--disable-usage-stats"], check=True, env=env,
-                   capture_output=True, timeout=120)
+                    "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}"], check=True,
+                   env=env, capture_output=True, timeout=120)
     try:
         yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_head(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
