@@ -14,6 +14,9 @@ import random
 from typing import NamedTuple, Optional
 
 from primitives.data import PromptItem
+from primitives.rewards import exact_match_reward, parse_first_number
+
+_EXACT_SUM = exact_match_reward(parse_first_number)
 
 
 class ArithmeticTaskSpec(NamedTuple):
@@ -72,13 +75,5 @@ def sft_demonstrations(items, spec: ArithmeticTaskSpec, seed: Optional[int] = No
 
 def arithmetic_reward(rollout) -> float:
     """1.0 when the first number of the completion equals the sum, else 0.0."""
-    return _exact(rollout)
+    return _EXACT_SUM(rollout)
 
-
-def _make_exact():
-    from primitives.rewards import exact_match_reward, parse_first_number
-
-    return exact_match_reward(parse_first_number)
-
-
-_exact = _make_exact()

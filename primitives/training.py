@@ -53,14 +53,13 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
     step = micro_batch_size or batch.size
     if algo.policy_loss == "online_dpo" and step % 2:
         step += 1  # keep (chosen, rejected) pairs in one micro-batch
-    need_entropy = True
     t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     metrics: dict = {}
     model.train()
     for s in range(0, batch.size, step):
         mb = batch.select(range(s, min(s + step, batch.size)))
         logp, entropy = completion_logprobs(model, t(mb.input_ids), t(mb.attention_mask), mb.prompt_len,
-                                            temperature, with_entropy=need_entropy)
+                                            temperature, with_entropy=True)
         inputs = LossInputs(logp=logp, old_logp=t(mb.old_logprobs), advantages=t(mb.advantages),
                             mask=t(mb.loss_mask), counts=counts, ref_logp=t(mb.ref_logprobs), entropy=entropy)
         loss, m = loss_fn(inputs, algo)

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from cluster.weight_sync import DTYPES as DTYPES_BY_NAME
-from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, dtype_name, init_sync_group,
-                                 tensor_checksums)
+from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, bucket_plan, dtype_name,
+                                 init_sync_group, tensor_checksums)
 from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.logprobs import rollout_logprobs
 from primitives.training import forward_backward, sft_forward_backward, step_counts
@@ -149,8 +150,8 @@ class TrainerWorker:
             metrics = forward_backward(self.engine, shard, algo, counts, self.config.micro_batch_size,
                                        self.config.temperature, backward=self._backward,
                                        loss_scale=float(self.world_size))
-        else:  # more ranks than rows: still join the collective reduction with zero gradients
-            self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+        else:
+            self._empty_backward()
         return self._finish_step(metrics, lr)
 
     def sft_step(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
@@ -163,8 +164,12 @@ class TrainerWorker:
                                        num_tokens, self.config.micro_batch_size, backward=self._backward,
                                        loss_scale=float(self.world_size)) if len(rows) else {}
         if not len(rows):
-            self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+            self._empty_backward()
         return self._finish_step(metrics, lr)
+
+    def _empty_backward(self) -> None:
+        """A rank with no rows this step still joins the gradient reduction, with zeros."""
+        self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._backwards_left -= 1
@@ -181,15 +186,13 @@ class TrainerWorker:
     # --------------------------------------------------------------- weights
     def _gathered(self, names: Sequence[str]):
         """Context in which the named parameters are whole on this rank (ZeRO-3 gathers)."""
-        import contextlib
-
         import deepspeed
 
         params = dict(self.module.named_parameters())
         chosen = [params[n] for n in names]
         if self.config.zero_stage == 3:
             return deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
-        return contextlib.nullcontext()
+        return nullcontext()
 
     def weight_meta(self) -> list:
         """Names, full shapes and dtypes of the parameters (what a sync sends)."""
@@ -233,8 +236,6 @@ class TrainerWorker:
             return self._send_to_vllm(meta, bucket_bytes)
         params = dict(self.module.named_parameters())
         moved = 0
-        from cluster.weight_sync import bucket_plan
-
         for idx in bucket_plan(meta, bucket_bytes):
             metas = [meta[i] for i in idx]
             with self._gathered([m.name for m in metas]):
