@@ -110,3 +110,9 @@ def test_multiturn_with_real_model(tiny_model, tokenizer):
                             torch.Generator().manual_seed(0))
     r = multiturn_rollout(PromptItem(0, "2+2?"), tokenizer, gen, tool_executor=create_tool_executor({}))
     assert len(r.completion_ids) == len(r.loss_mask) >= 1
+    # the behaviour logprobs of policy tokens are what a trainer recomputes on the whole sequence
+    from primitives.logprobs import rollout_logprobs
+
+    again = rollout_logprobs(tiny_model, [r], tokenizer.pad_token_id)[0]
+    policy = r.loss_mask == 1
+    assert np.abs(again[policy] - r.logprobs[policy]).max() < 1e-4

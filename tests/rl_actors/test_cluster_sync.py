@@ -89,6 +89,11 @@ def test_multiturn_generation_on_a_generator(rl_cluster, trained):
     for r in rollouts:
         assert len(r.completion_ids) == len(r.loss_mask) == len(r.logprobs) > 0
         assert r.policy_version == 2 and (r.logprobs[r.loss_mask == 0] == 0).all()
+    # the trainers (same weights after the sync) score the policy tokens as the generator did
+    trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts), rl_cluster.timeout_s)[0]
+    for t, r in zip(trainer, rollouts):
+        policy = r.loss_mask == 1
+        assert policy.any() and np.abs(t[policy] - r.logprobs[policy]).max() < 1e-4
 
 
 def test_reference_copy_goes_by_ref(rl_cluster, trained):
@@ -106,8 +111,9 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
     from primitives.algorithms import dapo
     from rl_actors.reward import RewardWorker
 
-    def parity_reward(rollout):  # equal within a group often enough to exercise the filter
-        return float(int(rollout.completion_ids[0]) % 2)
+    def parity_reward(rollout):  # even prompts: all 0 (flat group); odd prompts: 0/1 by sample index
+        index, sample = int(rollout.group.split("/i")[1]), int(rollout.uid.rsplit("/s", 1)[1])
+        return float(sample % 2) if index % 2 else 0.0
 
     reward = ray_local.remote(RewardWorker).remote(parity_reward)
     cluster = rl_cluster._replace(rewards=WorkerGroup("reward", (reward,)))
@@ -116,7 +122,7 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
 
     def recording_source(position, n):
         got, nxt = make_prompt_source(items)(position, n)
-        served.append(len(got))
+        served.append([it.index for it in got])
         return got, nxt
 
     logged = []
@@ -124,10 +130,12 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
                      GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
                      lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
     m = logged[0]
-    assert m["data/prompts_drawn"] == sum(served) and served[0] == 6
-    assert m["data/resample_rounds"] == len(served) - 1
-    assert m["batch/rows"] % 3 == 0 and m["batch/rows"] >= 3
-    assert m["reward/std"] > 0  # only groups with spread were trained
+    drawn = [i for draw in served for i in draw]
+    assert m["data/prompts_drawn"] == len(drawn) and len(served[0]) == 6
+    assert m["data/resample_rounds"] == len(served) - 1 >= 1  # flat groups forced more draws
+    # exactly the informative (odd-index) groups were trained, 3 samples each
+    assert m["batch/rows"] == 3 * sum(i % 2 for i in drawn) > 0
+    assert m["reward/std"] > 0
     ray_local.kill(reward)
 
 
