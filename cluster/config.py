@@ -41,7 +41,8 @@ class SFTConfig(NamedTuple):
 
 
 class RLConfig(NamedTuple):
-    algorithm: Annotated[str, "preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo"] = "grpo"
+    algorithm: Annotated[str, "preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo "
+                              "(ppo needs a critic, which this job does not build yet)"] = "grpo"
     rl_steps: Annotated[int, "RL iterations in all (one optimizer step each; a resumed run counts on)"] = 80
     prompts_per_step: Annotated[int, "prompts per RL step"] = 32
     group_size: Annotated[int, "completions per prompt (G)"] = 8
@@ -49,6 +50,11 @@ class RLConfig(NamedTuple):
     temperature: Annotated[float, "sampling temperature"] = 1.0
     rl_lr: Annotated[float, "RL learning rate"] = 3e-4
     kl_coef: Annotated[float, "KL coefficient (0 disables the reference worker for GRPO)"] = 0.0
+    ppo_epochs: Annotated[int, "passes over each rollout batch"] = 1
+    mini_batches: Annotated[int, "optimizer updates per pass (the rollout batch split into this many parts)"] = 1
+    is_level: Annotated[str, "truncated importance weight against the generator's logprobs: off, token "
+                             "or sequence"] = "token"
+    is_cap: Annotated[float, "cap of the truncated importance weight"] = 2.0
     sync_bucket_mb: Annotated[float, "weight-sync bucket size in MB"] = 64.0
     max_resample_rounds: Annotated[int, "DAPO dynamic sampling: extra generation rounds per step"] = 4
     eval_every: Annotated[int, "evaluate every N steps (0: only at the end)"] = 20
@@ -106,7 +112,9 @@ def records_from_args(ns: argparse.Namespace, records=RECORDS) -> tuple:
 def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfig) -> None:
     """Every check that needs no Ray: raise ``ValueError`` naming the flag and what is allowed."""
     from primitives.algorithms import PRESETS
+    from primitives.losses import IS_LEVELS
 
+    rows = rl.prompts_per_step * rl.group_size
     checks = [
         (cluster.generators >= 1, "--generators must be at least 1"),
         (cluster.trainers >= 1, "--trainers must be at least 1"),
@@ -116,6 +124,19 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
         (cluster.generator_backend in ("auto", "hf", "vllm"),
          f"--generator-backend must be auto, hf or vllm, got {cluster.generator_backend}"),
         (rl.algorithm in PRESETS, f"--algorithm '{rl.algorithm}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
+        (rl.algorithm != "ppo", "--algorithm ppo needs a critic (a value model), which this job does not build yet; "
+                                "use reinforce_pp (REINFORCE++, critic-free) or grpo"),
+        (rl.temperature > 0, f"--temperature must be > 0 for RL sampling, got {rl.temperature} "
+                             "(logprobs are of softmax(logits / T); evaluation is greedy anyway)"),
+        (rl.rl_lr > 0, f"--rl-lr must be positive, got {rl.rl_lr}"),
+        (sft.sft_lr > 0, f"--sft-lr must be positive, got {sft.sft_lr}"),
+        (rl.ppo_epochs >= 1, f"--ppo-epochs must be at least 1, got {rl.ppo_epochs}"),
+        (rl.mini_batches >= 1, f"--mini-batches must be at least 1, got {rl.mini_batches}"),
+        (rl.mini_batches < 1 or rows // rl.mini_batches >= cluster.trainers,
+         f"--mini-batches {rl.mini_batches} leaves {rows // max(rl.mini_batches, 1)} rows per mini-batch for "
+         f"{cluster.trainers} trainer ranks; every rank needs rows (raise --prompts-per-step or lower --mini-batches)"),
+        (rl.is_level in IS_LEVELS, f"--is-level must be one of {', '.join(IS_LEVELS)}, got {rl.is_level}"),
+        (rl.is_cap > 0, f"--is-cap must be positive, got {rl.is_cap}"),
         (rl.group_size >= 2, "--group-size must be at least 2: group advantages compare completions of one prompt"),
         (rl.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
         (rl.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
@@ -126,12 +147,24 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
         (job.heldout >= 1, "--heldout must be at least 1"),
     ]
     errors = [msg for ok, msg in checks if not ok]
-    if job.resume is not None and not os.path.isfile(os.path.join(job.resume, "train_state.json")):
-        errors.append(f"--resume {job.resume}: not a checkpoint directory (no train_state.json)")
+    if job.resume is not None:
+        errors += resume_errors(job.resume)
     if job.model is not None and not os.path.isfile(os.path.join(job.model, "config.json")):
         errors.append(f"--model {job.model}: not a local Hugging Face model directory (no config.json)")
     if errors:
         raise ValueError("bad configuration:\n  - " + "\n  - ".join(errors))
+
+
+def resume_errors(path: str) -> list:
+    """Why ``path`` is not a cluster checkpoint (as ``--checkpoint-every`` writes), if it is not."""
+    if not os.path.isfile(os.path.join(path, "train_state.json")):
+        return [f"--resume {path}: not a checkpoint directory (no train_state.json)"]
+    if not os.path.isdir(os.path.join(path, "deepspeed")):
+        kind = ("a single-process checkpoint (primitives.checkpoint.save_checkpoint: optimizer.pt, rng.pt)"
+                if os.path.isfile(os.path.join(path, "rng.pt")) else "not a cluster checkpoint")
+        return [f"--resume {path}: {kind}; the Ray job resumes from a cluster checkpoint written by "
+                "--checkpoint-every (deepspeed/, train_state.json)"]
+    return []
 
 
 def load_function(spec: str) -> Callable:

@@ -15,12 +15,13 @@ from tqdm import tqdm
 
 from cluster.groups import ActorFailure, call, fan_out, fan_out_each, gather, split_evenly
 from cluster.setup import RLCluster, replace_actor
+from primitives.algorithms import uses_reference
 from primitives.batching import make_batch, rollout_metrics
 from primitives.checkpoint import state_from_json, state_to_json
 from primitives.data import SFTSample, collate_sft
 from primitives.filters import dynamic_sampling_filter
 from primitives.loggers import noop_logger
-from primitives.training import add_metrics
+from primitives.metrics import merge_metrics, merge_rank_updates
 from primitives.types import AlgorithmConfig, GenerationConfig, TrainState
 
 
@@ -43,24 +44,27 @@ def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[f
 
 def generate_and_score(cluster: RLCluster, items: Sequence, gen: GenerationConfig, with_ref: bool,
                        generate_method: str = "generate", extra_args: tuple = ()):
-    """Generators -> reward workers -> reference, chained by ref; returns (rollouts, timings).
+    """Generators -> reference -> reward workers, chained by ref; returns (rollouts, timings).
 
+    Reference logprobs come before rewards so that a shaping function may use them (KL in
+    the reward); they are scored at the sampling temperature ``gen.temperature``.
     ``generate_method="generate_multiturn"`` with ``extra_args=(tool_parser, tool_executor,
     max_turns)`` runs tool-using rollouts instead."""
     t0 = time.perf_counter()
     chunks = split_evenly(list(items), cluster.generators.size)
     gen_calls = fan_out_each(cluster.generators, generate_method,
                              [(c, gen, *extra_args) if c else None for c in chunks])
-    score_calls = [call(cluster.rewards, i % cluster.rewards.size, "score", c.ref) for i, c in enumerate(gen_calls)]
-    ref_calls = [call(cluster.reference, 0, "logprobs", c.ref) for c in score_calls] if with_ref else []
+    ref_calls = [call(cluster.reference, 0, "logprobs", c.ref, gen.temperature) for c in gen_calls] if with_ref else []
+    score_calls = [call(cluster.rewards, i % cluster.rewards.size, "score", c.ref)
+                   for i, c in enumerate(ref_calls or gen_calls)]
     gather(gen_calls, cluster.timeout_s)
     t1 = time.perf_counter()
-    scored = gather(score_calls, cluster.timeout_s)
+    gather(ref_calls, cluster.timeout_s)
     t2 = time.perf_counter()
-    final = gather(ref_calls, cluster.timeout_s) if with_ref else scored
+    scored = gather(score_calls, cluster.timeout_s)
     t3 = time.perf_counter()
-    times = {"time/generate": t1 - t0, "time/reward": t2 - t1, "time/ref": t3 - t2}
-    return _flat(final), times
+    times = {"time/generate": t1 - t0, "time/ref": t2 - t1, "time/reward": t3 - t2}
+    return _flat(scored), times
 
 
 def collect_rollouts(cluster: RLCluster, prompt_source: Callable, state: TrainState, algo: AlgorithmConfig,
@@ -68,14 +72,14 @@ def collect_rollouts(cluster: RLCluster, prompt_source: Callable, state: TrainSt
     """One step's rollouts. With DAPO dynamic sampling, groups whose rewards are all equal are
     dropped and more prompts are drawn (up to ``max_rounds`` extra rounds) until the step has
     ``prompts_per_step`` informative groups."""
-    with_ref = algo.needs_reference and (algo.kl_coef > 0 or algo.policy_loss == "online_dpo")
+    with_ref = cluster.reference is not None and (uses_reference(algo) or cluster.reward_needs_reference)
     position, kept, times, rounds, drawn = state.data_position, [], {}, 0, 0
     while True:
         want = prompts_per_step - len({r.group for r in kept}) if algo.dynamic_sampling else prompts_per_step
         items, position = prompt_source(position, want)
         drawn += len(items)
         rollouts, t = generate_and_score(cluster, items, gen, with_ref)
-        times = add_metrics(times, t)
+        times = merge_metrics([times, t])
         kept += dynamic_sampling_filter(rollouts) if algo.dynamic_sampling else rollouts
         if not algo.dynamic_sampling or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
             break
@@ -121,6 +125,9 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
     """
     import ray
 
+    if gen.temperature <= 0:
+        raise ValueError(f"RL sampling needs temperature > 0, got {gen.temperature}: logprobs are of "
+                         "softmax(logits / T), and T = 0 (greedy) samples nothing to learn from")
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
     restarts = 0
     for it in bar:
@@ -131,16 +138,16 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
         (rollouts, position, metrics), cluster, restarts = with_replacement(
             cluster, collect, state.policy_version, restarts, max_actor_restarts)
         metrics["recovery/actor_restarts"] = float(restarts)
-        batch = make_batch(rollouts, algo, cluster.pad_token_id, seed=state.rng_seed + it)
+        batch = make_batch(rollouts, algo, cluster.pad_token_id, seed=state.rng_seed + it, budget=gen.max_new_tokens)
         t0 = time.perf_counter()
         batch_ref = ray.put(batch)
-        stats = gather(fan_out(cluster.trainers, "train_step", batch_ref, algo, lr_schedule(it)), cluster.timeout_s)
+        per_rank = gather(fan_out(cluster.trainers, "train_step", batch_ref, algo, gen.temperature, lr_schedule(it)),
+                          cluster.timeout_s)
         metrics["time/train"] = time.perf_counter() - t0
-        trained = add_metrics({}, {k: v for s in stats for k, v in s.items() if k not in ("grad_norm", "lr")})
+        trained, _ = merge_rank_updates(per_rank)
         version = state.policy_version + 1
         metrics.update(sync_weights(cluster, version, it + 1, trained.get("kl/ref_k3")))
-        metrics.update({**trained, **rollout_metrics(batch), "grad_norm": stats[0]["grad_norm"],
-                        "lr": stats[0]["lr"], "step": it, "algorithm": algo.name,
+        metrics.update({**trained, **rollout_metrics(batch), "step": it, "algorithm": algo.name,
                         "time/step": time.perf_counter() - t_step})
         state = state._replace(iteration=it + 1, global_step=state.global_step + 1, policy_version=version,
                                data_position=position)
@@ -175,9 +182,7 @@ def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, 
         ids, attn, loss_mask = collate_sft([samples[i] for i in picked], pad)
         refs = [ray.put(ids), ray.put(attn), ray.put(loss_mask)]
         stats = gather(fan_out(cluster.trainers, "sft_step", *refs, lr_schedule(step)), cluster.timeout_s)
-        metrics = {**add_metrics({}, {k: v for s in stats for k, v in s.items() if k not in ("grad_norm", "lr")}),
-                   "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"], "step": step, "phase": "sft"}
-        metrics["sft/tokens"] = float(loss_mask[:, 1:].sum())
+        metrics = {**merge_metrics(stats), "step": step, "phase": "sft"}
         if step % log_every == 0 or step == num_steps - 1:
             logger(metrics)
     return metrics

@@ -35,6 +35,7 @@ class RLCluster(NamedTuple):
     reference_tracks_policy: bool  # the reference joins every weight sync
     ray_address: str
     factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
+    reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
 
 
 def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None) -> list:
@@ -73,7 +74,11 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
         needed = sum(r.num_cpus * r.count for r in roles)
         num_cpus = cfg.local_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
         env_vars["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env_vars})
+        # "local": always a new Ray of our own. With no address, Ray would otherwise join the cluster
+        # named in /tmp/ray/ray_current_cluster, which a killed `ray start` leaves behind, and then
+        # refuse num_cpus ("When connecting to an existing cluster, num_cpus ... must not be provided")
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": env_vars})
     return ray.get_runtime_context().gcs_address
 
 
@@ -89,6 +94,8 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
 
     if node_resources is None and cfg.pin_roles:
         node_resources = NODE_GROUP_PINS
+    reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
+    with_reference = with_reference or reward_needs_reference
     roles = role_specs(cfg, with_reference, node_resources)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
@@ -111,7 +118,7 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     reference = None
     if with_reference:
         reference = create_group(RefLogprobWorker, spec["reference"], create_placement_group(spec["reference"]),
-                                 lambda r: ((model, r, ref_update_fn, 1.0, None, threads), {}))
+                                 lambda r: ((model, r, ref_update_fn, None, threads), {}))
 
     groups = [generators, rewards] + ([reference] if reference else [])
     wait([c for g in groups for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
@@ -129,7 +136,7 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     pad_id = wait([call(generators, 0, "pad_token_id")])[0]
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
-                        cfg.call_timeout_s, tracks, address, factories)
+                        cfg.call_timeout_s, tracks, address, factories, reward_needs_reference)
     return join_weight_sync(cluster)
 
 

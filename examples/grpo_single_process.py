@@ -43,7 +43,8 @@ from primitives.rewards import score_rollouts  # noqa: E402
 from primitives.tasks import (ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task,  # noqa: E402
                               sft_demonstrations)
 from primitives.tiny import save_tiny_model  # noqa: E402
-from primitives.training import forward_backward, optim_step, sft_forward_backward, step_counts  # noqa: E402
+from primitives.metrics import mean_over_updates  # noqa: E402
+from primitives.training import optim_step, sft_forward_backward, train_on_batch  # noqa: E402
 from primitives.types import DataPosition, GenerationConfig  # noqa: E402
 
 MAX_NEW_TOKENS = 5  # answers have at most 3 digits, plus eos
@@ -77,6 +78,10 @@ def parse_args(argv=None):
         p.error("--sft-steps and --rl-steps must be >= 0")
     if args.eval_every < 0:
         p.error("--eval-every must be >= 0")
+    if args.temperature <= 0:
+        p.error(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
+    if args.sft_lr <= 0 or args.rl_lr <= 0:
+        p.error("--sft-lr and --rl-lr must be positive")
     return args
 
 
@@ -120,14 +125,13 @@ def grpo_train(model, tokenizer, train_items, args, logger, eval_fn=None) -> lis
         if ref_model is not None:
             refs = rollout_logprobs(ref_model, rollouts, tokenizer.pad_token_id, args.temperature)
             rollouts = [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
-        batch = make_batch(rollouts, algo, tokenizer.pad_token_id)
+        batch = make_batch(rollouts, algo, tokenizer.pad_token_id, budget=gen_config.max_new_tokens)
         t2 = time.perf_counter()
-        m = forward_backward(model, batch, algo, step_counts(batch), temperature=args.temperature)
-        grad_norm = optim_step(model, opt, 1.0)
+        m = mean_over_updates(train_on_batch(model, opt, batch, algo, temperature=args.temperature, max_grad_norm=1.0))
         t3 = time.perf_counter()
         rewards = batch.rewards
         metrics = {"step": step, "phase": "rl", **m, "reward/mean": float(rewards.mean()),
-                   "reward/std": float(rewards.std()), "grad_norm": grad_norm,
+                   "reward/std": float(rewards.std()),
                    "response/len_mean": float(batch.loss_mask.sum(1).mean()),
                    "time/generate": t1 - t0, "time/reward_ref_batch": t2 - t1, "time/train": t3 - t2,
                    "data/epoch": position.epoch}

@@ -31,7 +31,7 @@ from cluster.driver import (copy_policy_to_reference, evaluate_accuracy, gather,
                             save_cluster_checkpoint, sync_weights, train, train_sft)
 from cluster.groups import fan_out  # noqa: E402
 from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
-from primitives.algorithms import constant_schedule, get_algorithm  # noqa: E402
+from primitives.algorithms import constant_schedule, get_algorithm, uses_reference  # noqa: E402
 from primitives.data import make_prompt_source, prepare_sft_text  # noqa: E402
 from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
 from primitives.tasks import (ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task,  # noqa: E402
@@ -42,17 +42,24 @@ from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 
 PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step")
+# the learning signal and the generator/trainer gap, summarised as medians over the RL steps
+SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/entropy", "grad_norm",
+           "mismatch/k3", "mismatch/max_abs_logp_diff", "mismatch/is_weight_mean", "mismatch/is_clipped_frac")
 
 
 def parse(argv=None):
+    """``(job, cluster, sft, rl, reward_fn, algo)``: every check that needs no Ray, as a clean usage error."""
     parser = build_parser(__doc__.split("\n\n")[0])
     parser.set_defaults(kl_coef=0.01)
-    records = records_from_args(parser.parse_args(argv))
+    job, cfg, sft, rl = records_from_args(parser.parse_args(argv))
     try:
-        validate(*records)
+        validate(job, cfg, sft, rl)
+        reward_fn = load_function(job.reward_fn) if job.reward_fn else arithmetic_reward  # resolved once, here
+        algo = get_algorithm(rl.algorithm, kl_coef=rl.kl_coef, ppo_epochs=rl.ppo_epochs,
+                             mini_batches=rl.mini_batches, is_level=rl.is_level, is_cap=rl.is_cap)
     except ValueError as e:
         parser.error(str(e))
-    return records
+    return job, cfg, sft, rl, reward_fn, algo
 
 
 def phase_means(history) -> dict:
@@ -61,9 +68,8 @@ def phase_means(history) -> dict:
 
 
 def main(argv=None) -> dict:
-    job, cfg, sft, rl = parse(argv)
+    job, cfg, sft, rl, reward_fn, algo = parse(argv)
     start = time.time()
-    reward_fn = load_function(job.reward_fn) if job.reward_fn else arithmetic_reward  # resolved once, here
     logger, metrics_path = run_logger(job.out, ["loss/sft", "reward/mean", "eval/accuracy", "kl/ref_k3"])
 
     from transformers import AutoTokenizer
@@ -75,11 +81,8 @@ def main(argv=None) -> dict:
     demos, wrong_share = sft_demonstrations(train_items, spec)
     samples = [prepare_sft_text(tokenizer, p, c) for p, c in demos]
 
-    algo = get_algorithm(rl.algorithm, kl_coef=rl.kl_coef)
-    if algo.overlong_buffer:  # DAPO's length shaping, sized to this task
-        algo = algo._replace(max_completion_len=rl.max_new_tokens, overlong_buffer=max(1, rl.max_new_tokens // 4))
-    with_reference = algo.needs_reference and (algo.kl_coef > 0 or algo.policy_loss == "online_dpo")
-    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=sft.sft_lr, temperature=rl.temperature)
+    with_reference = uses_reference(algo)
+    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=sft.sft_lr)
     cluster = build_rl_cluster(model_path, cfg, trainer_cfg, reward_fn, with_reference, seed=job.seed,
                                bucket_mb=rl.sync_bucket_mb)
     try:
@@ -122,7 +125,10 @@ def main(argv=None) -> dict:
         "zero_stage": cfg.zero_stage, "reference_worker": with_reference, "ray_address": cluster.ray_address,
         "reward_mean_first5": mean_of(history[:5], "reward/mean"),
         "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
-        **phase_means(history), "seed": job.seed, "wall_s": round(time.time() - start, 1),
+        **phase_means(history),
+        "median_over_rl_steps": {k: float(np.median([m[k] for m in history if k in m]))
+                                 for k in SIGNALS if any(k in m for m in history)},
+        "seed": job.seed, "wall_s": round(time.time() - start, 1),
     }
     return write_summary(job.out, summary)
 

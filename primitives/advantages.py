@@ -105,11 +105,15 @@ def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.
 
 
 def discounted_returns(token_r: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """``G_t = r_t + gamma * G_{t+1}`` within each row's valid tokens. (B, T) -> (B, T)"""
+    """``G_t = r_t + gamma * G_{t'}`` where t' is the next policy token (mask 1) after t.
+
+    Masked positions inside a completion (tool output in a multi-turn rollout) are skipped,
+    not terminals: the return flows across them undiscounted, so tokens before a tool call
+    still see the outcome reward. Right padding carries nothing. (B, T) -> (B, T)"""
     out = torch.zeros_like(token_r)
     running = torch.zeros(token_r.shape[0], dtype=token_r.dtype)
     for t in reversed(range(token_r.shape[1])):
-        running = token_r[:, t] + gamma * running * mask[:, t]
+        running = torch.where(mask[:, t] > 0, token_r[:, t] + gamma * running, running)
         out[:, t] = running
     return out * mask
 
@@ -134,7 +138,9 @@ def gae_advantages(token_r: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     """Generalised advantage estimation over right-padded rows, batched over B.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` (V past the last token is 0),
-    ``A_t = delta_t + gamma * lam * A_{t+1}``. Returns ``(advantages, returns = A + V)`` (B, T).
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, where t+1 is the next policy token: masked
+    positions inside a completion (tool output) are skipped, not terminals, and padding after
+    the last token passes on nothing. Returns ``(advantages, returns = A + V)`` (B, T).
     """
     if not (token_r.shape == values.shape == mask.shape):
         raise ValueError(f"gae: rewards {tuple(token_r.shape)}, values {tuple(values.shape)}, "
@@ -148,9 +154,9 @@ def gae_advantages(token_r: torch.Tensor, values: torch.Tensor, mask: torch.Tens
         delta = token_r[:, t] + gamma * next_value - values[:, t]
         a = (delta + gamma * lam * next_adv) * m
         adv[:, t] = a
-        # a padded position passes on nothing: the row's episode ended before it
-        next_value = values[:, t] * m
-        next_adv = a
+        # a masked position is skipped: the next policy token's value and advantage pass through
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, a, next_adv)
     return adv, (adv + values) * mask
 
 

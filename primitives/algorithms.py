@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
-from primitives.losses import AGGREGATIONS
+from primitives.losses import AGGREGATIONS, IS_LEVELS
 from primitives.types import AlgorithmConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none")
@@ -22,11 +22,14 @@ def grpo(**overrides) -> AlgorithmConfig:
                    kl_coef=0.04, kl_estimator="k3")
 
 
-def dapo(max_completion_len: int = 1024, overlong_buffer: int = 256, **overrides) -> AlgorithmConfig:
-    """DAPO: eps_low 0.2 / eps_high 0.28, dynamic sampling, token-mean, overlong shaping, no KL."""
+def dapo(overlong_buffer_frac: float = 0.2, max_completion_len: int = 0, **overrides) -> AlgorithmConfig:
+    """DAPO: eps_low 0.2 / eps_high 0.28, dynamic sampling, token-mean, overlong shaping, no KL.
+
+    The overlong penalty's hard limit is the generation budget unless ``max_completion_len``
+    is given; its buffer is ``overlong_buffer_frac`` of that limit (the paper: 4096 of 20480)."""
     return _preset("dapo", overrides, advantage="grpo", aggregation="token-mean", clip_eps_low=0.2,
                    clip_eps_high=0.28, kl_coef=0.0, needs_reference=False, dynamic_sampling=True,
-                   max_completion_len=max_completion_len, overlong_buffer=overlong_buffer)
+                   max_completion_len=max_completion_len, overlong_buffer_frac=overlong_buffer_frac)
 
 
 def dr_grpo(**overrides) -> AlgorithmConfig:
@@ -95,9 +98,28 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
         raise ValueError(f"algorithm '{algo.name}': unknown KL estimator '{algo.kl_estimator}' (k1, k2, k3)")
     if algo.clip_eps_low < 0 or algo.clip_eps_high < 0:
         raise ValueError(f"algorithm '{algo.name}': clip ranges must be >= 0")
-    if algo.overlong_buffer and not algo.max_completion_len:
-        raise ValueError(f"algorithm '{algo.name}': overlong_buffer needs max_completion_len")
+    if not 0.0 <= algo.overlong_buffer_frac <= 1.0:
+        raise ValueError(f"algorithm '{algo.name}': overlong_buffer_frac must be in [0, 1], "
+                         f"got {algo.overlong_buffer_frac}")
+    if algo.policy_loss == "gspo" and algo.aggregation != "seq-mean-token-mean":
+        raise ValueError(f"algorithm '{algo.name}': GSPO's loss is per sequence and needs aggregation "
+                         f"'seq-mean-token-mean', got '{algo.aggregation}'")
+    if algo.policy_loss == "gspo" and algo.dual_clip is not None:
+        raise ValueError(f"algorithm '{algo.name}': GSPO clips a sequence ratio; dual_clip "
+                         f"({algo.dual_clip}) applies to token ratios only - set dual_clip=None")
+    if algo.is_level not in IS_LEVELS:
+        raise ValueError(f"algorithm '{algo.name}': unknown is_level '{algo.is_level}' ({', '.join(IS_LEVELS)})")
+    if algo.is_cap <= 0:
+        raise ValueError(f"algorithm '{algo.name}': is_cap must be positive, got {algo.is_cap}")
+    if algo.ppo_epochs < 1 or algo.mini_batches < 1:
+        raise ValueError(f"algorithm '{algo.name}': ppo_epochs and mini_batches must be >= 1, "
+                         f"got {algo.ppo_epochs} and {algo.mini_batches}")
     return algo
+
+
+def uses_reference(algo: AlgorithmConfig) -> bool:
+    """Whether a step of ``algo`` needs reference logprobs (KL anywhere, or online DPO)."""
+    return algo.needs_reference and (algo.kl_coef > 0 or algo.policy_loss == "online_dpo")
 
 
 def get_algorithm(name: str, **overrides) -> AlgorithmConfig:

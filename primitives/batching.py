@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from primitives import advantages as adv
-from primitives.filters import PAIR_SELECTORS, overlong_filter, select_pairs
+from primitives.filters import PAIR_SELECTORS, select_pairs
 from primitives.kl import get_kl_fn
 from primitives.logprobs import pack_completions
 from primitives.rewards import overlong_penalty
@@ -37,7 +37,7 @@ def check_rollouts(rollouts: Sequence) -> None:
             raise ValueError(f"rollout {r.uid}: reward is {r.reward!r}; expected a finite float")
 
 
-def collate(rollouts: Sequence, advantages_BT: np.ndarray, pad_id: int,
+def collate(rollouts: Sequence, advantages_BT: np.ndarray, pad_id: int, budget: int = 0,
             returns: Optional[np.ndarray] = None, values: Optional[np.ndarray] = None) -> Batch:
     """Pad rollouts into the Batch layout (prompts left, completions right)."""
     ids, attn, P, T = pack_completions([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
@@ -45,12 +45,15 @@ def collate(rollouts: Sequence, advantages_BT: np.ndarray, pad_id: int,
     has_ref = all(r.ref_logprobs is not None for r in rollouts)
     return Batch(
         rollouts=tuple(rollouts), input_ids=ids, attention_mask=attn, prompt_len=P,
-        loss_mask=loss_mask, old_logprobs=pad_right([r.logprobs for r in rollouts], T),
+        loss_mask=loss_mask, behaviour_logprobs=pad_right([r.logprobs for r in rollouts], T),
         rewards=np.asarray([r.reward for r in rollouts], dtype=np.float32),
         advantages=(advantages_BT[:, :T] * loss_mask).astype(np.float32),
         ref_logprobs=pad_right([r.ref_logprobs for r in rollouts], T) if has_ref else None,
-        returns=returns, values=values,
+        returns=returns, values=values, budget=int(budget),
     )
+
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def compute_advantages(rollouts: Sequence, algo: AlgorithmConfig, kl_fn: Optional[Callable] = None,
@@ -68,7 +71,9 @@ def compute_advantages(rollouts: Sequence, algo: AlgorithmConfig, kl_fn: Optiona
             torch.from_numpy(pad_right([r.logprobs for r in rollouts], T)),
             torch.from_numpy(pad_right([r.ref_logprobs for r in rollouts], T)), mask)
     returns = None
-    if algo.advantage in ("grpo", "dr_grpo", "rloo"):
+    if algo.advantage in GROUP_ESTIMATORS:
+        if kl is not None:  # the sequence's KL leaves its reward before the group statistics
+            rewards = rewards - algo.kl_coef * kl.sum(-1)
         a = adv.broadcast_to_tokens(adv.group_advantages(algo.advantage, rewards, groups, algo.adv_eps), mask)
     elif algo.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         base = groups if algo.advantage == "reinforce_pp_baseline" else None
@@ -88,28 +93,47 @@ def compute_advantages(rollouts: Sequence, algo: AlgorithmConfig, kl_fn: Optiona
     return adv.to_numpy(a), returns
 
 
-def apply_overlong_penalty(rollouts: Sequence, algo: AlgorithmConfig) -> list:
-    """DAPO soft overlong punishment added to each reward when ``algo.overlong_buffer > 0``."""
-    if not algo.overlong_buffer:
+def overlong_limit(algo: AlgorithmConfig, budget: int) -> int:
+    """The overlong penalty's hard limit: ``algo.max_completion_len``, else the generation budget."""
+    limit = algo.max_completion_len or budget
+    if limit <= 0:
+        raise ValueError(f"algorithm '{algo.name}': the overlong penalty needs the generation budget; pass "
+                         "budget=GenerationConfig.max_new_tokens to make_batch")
+    return limit
+
+
+def apply_overlong_penalty(rollouts: Sequence, algo: AlgorithmConfig, budget: int = 0) -> list:
+    """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13) added to each reward when
+    ``algo.overlong_buffer_frac > 0``; the buffer is that share of the hard limit."""
+    if not algo.overlong_buffer_frac:
         return list(rollouts)
-    value = overlong_penalty(algo.max_completion_len, algo.overlong_buffer, algo.overlong_penalty)
+    limit = overlong_limit(algo, budget)
+    value = overlong_penalty(limit, max(1, round(algo.overlong_buffer_frac * limit)), algo.overlong_penalty)
     return [r._replace(reward=float(r.reward) + value(r.num_tokens)) for r in rollouts]
+
+
+def mask_truncated(batch: Batch) -> Batch:
+    """DAPO overlong filtering: completions cut off by the length limit keep their place in
+    the group statistics but get no loss (loss mask and advantages 0 on their row)."""
+    keep = np.asarray([r.finish_reason != "length" for r in batch.rollouts], dtype=np.float32)[:, None]
+    return batch._replace(loss_mask=batch.loss_mask * keep, advantages=batch.advantages * keep)
 
 
 def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Optional[Callable] = None,
                values: Optional[Sequence[np.ndarray]] = None, pair_selector: Optional[Callable] = None,
-               seed: int = 0) -> Batch:
-    """Scored rollouts -> Batch: overlong filter and penalty, advantages, (pairs for online
-    DPO), padding.
+               seed: int = 0, budget: int = 0) -> Batch:
+    """Scored rollouts -> Batch: overlong penalty, advantages, (pairs for online DPO),
+    padding, overlong filtering.
 
-    For ``policy_loss == "online_dpo"`` the rows are (chosen, rejected) pairs, adjacent,
-    with advantage +1 / -1 marking the role. Dynamic sampling is the driver's job (it
-    needs to generate more); this function only batches what it is given.
+    ``budget`` is the generation budget the rollouts were sampled with
+    (``GenerationConfig.max_new_tokens``): Dr.GRPO's constant normaliser and the default
+    limit of DAPO's overlong penalty. For ``policy_loss == "online_dpo"`` the rows are
+    (chosen, rejected) pairs, adjacent, with advantage +1 / -1 marking the role. Dynamic
+    sampling is the driver's job (it needs to generate more); this function only batches
+    what it is given.
     """
     check_rollouts(rollouts)
-    rollouts = apply_overlong_penalty(rollouts, algo)
-    if algo.filter_overlong:
-        rollouts = overlong_filter(rollouts) or rollouts  # never empty the step entirely
+    rollouts = apply_overlong_penalty(rollouts, algo, budget)
     if algo.policy_loss == "online_dpo":
         selector = pair_selector or PAIR_SELECTORS.get(algo.pair_selection)
         if selector is None:
@@ -120,11 +144,12 @@ def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Op
         rows = [r for pair in pairs for r in pair]
         T = max(len(r.completion_ids) for r in rows)
         sign = np.tile(np.array([1.0, -1.0], dtype=np.float32), len(pairs))[:, None]
-        return collate(rows, np.broadcast_to(sign, (len(rows), T)).copy(), pad_id)
-    a, returns = compute_advantages(rollouts, algo, kl_fn, values)
-    T = a.shape[1]
-    v = pad_right(values, T) if values is not None else None
-    return collate(rollouts, a, pad_id, returns, v)
+        batch = collate(rows, np.broadcast_to(sign, (len(rows), T)).copy(), pad_id, budget)
+    else:
+        a, returns = compute_advantages(rollouts, algo, kl_fn, values)
+        v = pad_right(values, a.shape[1]) if values is not None else None
+        batch = collate(rollouts, a, pad_id, budget, returns, v)
+    return mask_truncated(batch) if algo.filter_overlong else batch
 
 
 def rollout_metrics(batch: Batch) -> dict:

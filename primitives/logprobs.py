@@ -28,6 +28,26 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(logp.exp() * logp).sum(-1)
 
 
+def disable_dropout(model) -> None:
+    """Set every dropout probability in ``model`` to 0, in place (as TRL and OpenRLHF do).
+
+    Logprobs must be a function of the weights alone: with dropout the trainer's ratio
+    and KL compare two random draws. ``nn.Dropout`` modules get ``p = 0``; float attributes
+    named ``*dropout*`` (Qwen2's ``attention_dropout``, read at forward time) and config
+    fields likewise. Train mode stays usable (gradient checkpointing needs it).
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        for name, value in (vars(config).items() if config is not None and hasattr(config, "__dict__") else ()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                         temperature: float = 1.0, micro_batch_size: Optional[int] = None,
                         with_entropy: bool = False):
@@ -36,12 +56,14 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     ``input_ids``/``attention_mask`` are (B, P + T) with prompts left-padded to ``prompt_len``
     (P). Returns ``(logp (B, T), entropy (B, T) or None)``; gradients flow unless the
     caller disables them. ``micro_batch_size`` bounds the rows in one forward pass.
+    Dropout is switched off first (``disable_dropout``).
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                          f"{tuple(attention_mask.shape)} differ in shape")
     if not 0 < prompt_len < input_ids.shape[1]:
         raise ValueError(f"prompt_len {prompt_len} must lie inside the sequence length {input_ids.shape[1]}")
+    disable_dropout(model)
     step = micro_batch_size or input_ids.shape[0]
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], step):
@@ -92,6 +114,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """
     if loss_mask.shape != input_ids.shape:
         raise ValueError(f"loss_mask {tuple(loss_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    disable_dropout(model)
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
     return token_logprobs(logits[:, :-1], input_ids[:, 1:])

@@ -8,7 +8,9 @@ the unsharded batch (as in OpenRLHF's ``test_loss_aggregation``).
 Sources: PPO clip - Schulman et al. 2017 (arXiv 1707.06347); clip-higher and token-mean -
 DAPO, Yu et al. 2025 (arXiv 2503.14476); dual clip - Ye et al. 2020 (arXiv 1912.09729);
 GSPO - Zheng et al. 2025 (arXiv 2507.18071); Dr.GRPO's constant normaliser - Liu et al.
-2025 (arXiv 2503.20783); DPO - Rafailov et al. 2023 (arXiv 2305.18290).
+2025 (arXiv 2503.20783); DPO - Rafailov et al. 2023 (arXiv 2305.18290); truncated
+importance sampling against the generator - Yao et al. 2025, "Your Efficient RL Framework
+Secretly Brings You Off-Policy RL Training" (fengyao.notion.site/off-policy-rl).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class LossCounts(NamedTuple):
 
     num_tokens: int  # loss tokens in the whole step
     num_sequences: int  # sequences in the whole step
-    max_len: int = 0  # the constant length normaliser of seq-mean-token-sum-norm
+    max_len: int = 0  # seq-mean-token-sum-norm's constant: the generation budget (tokens)
 
 
 def aggregate_loss(loss_BT: torch.Tensor, mask: torch.Tensor, mode: str, counts: LossCounts) -> torch.Tensor:
@@ -46,8 +48,11 @@ def aggregate_loss(loss_BT: torch.Tensor, mask: torch.Tensor, mode: str, counts:
         per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / max(counts.num_sequences, 1)
     if mode == "seq-mean-token-sum-norm":
-        norm = counts.max_len or loss_BT.shape[1]
-        return masked.sum() / (max(counts.num_sequences, 1) * norm)
+        # Dr.GRPO divides by a constant, the generation budget, never this step's padded width
+        if counts.max_len <= 0:
+            raise ValueError("seq-mean-token-sum-norm divides by the generation budget: pass "
+                             "budget=GenerationConfig.max_new_tokens to make_batch (LossCounts.max_len is 0)")
+        return masked.sum() / (max(counts.num_sequences, 1) * counts.max_len)
     raise ValueError(f"unknown loss aggregation '{mode}' (choose from {', '.join(AGGREGATIONS)})")
 
 
@@ -71,6 +76,29 @@ def ppo_clip_loss(logp, old_logp, advantages, eps_low: float = 0.2, eps_high: fl
         loss = torch.where(dual, bound, loss)
         was_clipped = was_clipped | dual
     return loss, was_clipped
+
+
+IS_LEVELS = ("off", "token", "sequence")
+
+
+def truncated_is_weights(old_logp, behaviour_logp, mask, level: str = "token", cap: float = 2.0):
+    """Capped importance weights of the trainer's policy over the generator's (no gradient).
+
+    ``token``: ``w_t = min(exp(old_t - behaviour_t), cap)``; ``sequence``: one weight per
+    row, ``min(exp(sum_t mask_t (old_t - behaviour_t)), cap)``, on every token. The loss of
+    each token is multiplied by ``w``, so samples the generator over-drew are down-weighted
+    and the truncation bounds the variance. Returns ``(w (B, T), capped (B, T) bool)``;
+    both are 0 / False where ``mask`` is 0.
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance-sampling level must be token or sequence, got '{level}'")
+    if cap <= 0:
+        raise ValueError(f"importance-sampling cap must be positive, got {cap}")
+    log_ratio = ((old_logp - behaviour_logp) * mask).detach()
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    raw = torch.exp(log_ratio.clamp(max=20.0))
+    return raw.clamp(max=cap) * mask, (raw > cap) & (mask > 0)
 
 
 def gspo_loss(logp, old_logp, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from primitives import losses as L
+from primitives.kl import kl_k3
 from primitives.types import AlgorithmConfig
 
 
@@ -18,10 +19,11 @@ class LossInputs(NamedTuple):
     """Torch tensors of one micro-batch (B, T) plus the step's global counts."""
 
     logp: torch.Tensor  # current policy, with grad
-    old_logp: torch.Tensor  # behaviour policy (generator)
+    old_logp: Optional[torch.Tensor]  # the trainer's policy before this step's first update; None = logp.detach()
     advantages: torch.Tensor
     mask: torch.Tensor  # loss mask
     counts: L.LossCounts
+    behaviour_logp: Optional[torch.Tensor] = None  # the generator's logprobs (capped IS weight, mismatch)
     ref_logp: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None  # critic, with grad (PPO value step)
@@ -33,9 +35,24 @@ def _mean(x, mask):
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
+def mismatch_metrics(old_logp, behaviour_logp, weights, capped, mask, share: float) -> dict:
+    """How far the generator's logprobs are from the trainer's (DESIGN section 6), as shares.
+
+    ``mismatch/k3`` estimates KL(generator || trainer) on the generator's samples;
+    ``mismatch/max_abs_logp_diff`` is a maximum (it merges by max, not by sum)."""
+    diff = (old_logp - behaviour_logp).detach() * mask
+    return {"mismatch/k3": _mean(kl_k3(behaviour_logp.detach(), old_logp.detach(), mask), mask) * share,
+            "mismatch/max_abs_logp_diff": float(diff.abs().max()) if mask.any() else 0.0,
+            "mismatch/is_weight_mean": _mean(weights, mask) * share,
+            "mismatch/is_clipped_frac": _mean(capped.float(), mask) * share}
+
+
 def policy_objective(inputs: LossInputs, algo: AlgorithmConfig):
     """``(loss, metrics)`` for ppo_clip / gspo / online_dpo plus KL-in-loss and entropy terms.
 
+    The clip ratio is ``pi / pi_old`` with the trainer's own old logprobs (``logp.detach()``
+    when the batch gets one update); the generator's logprobs enter only through the capped
+    importance weight ``algo.is_level`` / ``algo.is_cap`` (DESIGN section 6).
     Metrics are sums over this micro-batch's tokens weighted to the step's global token
     count, so adding them over micro-batches and ranks gives step means.
     """
@@ -44,19 +61,26 @@ def policy_objective(inputs: LossInputs, algo: AlgorithmConfig):
     metrics = {}
     if algo.policy_loss == "online_dpo":
         return _online_dpo(x, algo)
+    old = x.old_logp if x.old_logp is not None else x.logp.detach()
     if algo.policy_loss == "ppo_clip":
-        per_tok, clipped = L.ppo_clip_loss(x.logp, x.old_logp, x.advantages, algo.clip_eps_low,
+        per_tok, clipped = L.ppo_clip_loss(x.logp, old, x.advantages, algo.clip_eps_low,
                                            algo.clip_eps_high, algo.dual_clip)
     elif algo.policy_loss == "gspo":
-        per_tok, clipped = L.gspo_loss(x.logp, x.old_logp, x.advantages, mask, algo.clip_eps_low, algo.clip_eps_high)
+        per_tok, clipped = L.gspo_loss(x.logp, old, x.advantages, mask, algo.clip_eps_low, algo.clip_eps_high)
     else:
         raise ValueError(f"unknown policy loss '{algo.policy_loss}' (ppo_clip, gspo, online_dpo)")
+    if x.behaviour_logp is not None:
+        level = algo.is_level if algo.is_level != "off" else "token"  # off: measured, not applied
+        weights, capped = L.truncated_is_weights(old, x.behaviour_logp, mask, level, algo.is_cap)
+        metrics.update(mismatch_metrics(old, x.behaviour_logp, weights, capped, mask, share))
+        if algo.is_level != "off":
+            per_tok = per_tok * weights
     pg = L.aggregate_loss(per_tok, mask, algo.aggregation, x.counts)
     loss = pg
     metrics["loss/policy"] = float(pg.detach())
     metrics["policy/clip_frac"] = _mean(clipped.float(), mask) * share
-    metrics["policy/ratio_mean"] = _mean(torch.exp(x.logp - x.old_logp).detach(), mask) * share
-    metrics["policy/approx_kl_old"] = _mean(0.5 * (x.logp - x.old_logp).detach() ** 2, mask) * share
+    metrics["policy/ratio_mean"] = _mean(torch.exp(x.logp - old).detach(), mask) * share
+    metrics["policy/approx_kl_old"] = _mean(0.5 * (x.logp - old).detach() ** 2, mask) * share
     if algo.kl_coef and not algo.kl_in_reward:
         if x.ref_logp is None:
             raise ValueError(f"algorithm '{algo.name}' has kl_coef={algo.kl_coef} in the loss but no ref_logprobs")

@@ -158,7 +158,11 @@ def dapo_overlong_shaping(max_len: int, buffer: int, penalty: float = 1.0) -> Ca
 
 def kl_penalty_shaping(coef: float) -> Callable:
     """``shaping_fn`` subtracting ``coef * sum_t k1`` (sequence KL to the reference; needs
-    ref_logprobs on the rollout). Used for sequence-level KL-in-reward."""
+    ref_logprobs on the rollout). Used for sequence-level KL-in-reward.
+
+    The returned function has ``needs_reference = True``: on Ray the cluster then creates a
+    reference worker and scores rollouts after their reference logprobs exist. A user's
+    shaping function that reads ``ref_logprobs`` sets the same attribute."""
 
     def shape(rollout, reward: float) -> float:
         if rollout.ref_logprobs is None:
@@ -166,15 +170,19 @@ def kl_penalty_shaping(coef: float) -> Callable:
         m = rollout.loss_mask
         return reward - coef * float(((rollout.logprobs - rollout.ref_logprobs) * m).sum())
 
+    shape.needs_reference = True
     return shape
 
 
 def chain_shaping(*fns: Callable) -> Callable:
+    """One ``shaping_fn`` applying ``fns`` in order (it needs the reference if any of them does)."""
+
     def shape(rollout, reward: float) -> float:
         for f in fns:
             reward = f(rollout, reward)
         return reward
 
+    shape.needs_reference = any(getattr(f, "needs_reference", False) for f in fns)
     return shape
 
 

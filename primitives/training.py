@@ -13,25 +13,29 @@ import torch
 
 from primitives.logprobs import completion_logprobs, sequence_logprobs
 from primitives.losses import LossCounts, sft_loss
+from primitives.metrics import merge_metrics
 from primitives.objectives import LossInputs, policy_objective
 from primitives.types import AlgorithmConfig, Batch
 
 
-def step_counts(batch: Batch, max_len: int = 0) -> LossCounts:
-    """Global denominators of a (whole, unsharded) step batch."""
-    return LossCounts(num_tokens=batch.num_loss_tokens, num_sequences=batch.size,
-                      max_len=max_len or batch.loss_mask.shape[1])
+def step_counts(batch: Batch) -> LossCounts:
+    """Global denominators of one optimizer update's (whole, unsharded) batch. The length
+    normaliser is the generation budget the batch carries, not its padded width."""
+    return LossCounts(num_tokens=batch.num_loss_tokens, num_sequences=batch.num_loss_sequences,
+                      max_len=batch.budget)
 
 
 def _default_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
-def add_metrics(total: dict, new: dict) -> dict:
-    out = dict(total)
-    for k, v in new.items():
-        out[k] = out.get(k, 0.0) + v
-    return out
+def _tensor(a, device):
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def pair_unit(algo: AlgorithmConfig) -> int:
+    """Rows that must stay together when a batch is split: 2 keeps online-DPO pairs whole."""
+    return 2 if algo.policy_loss == "online_dpo" else 1
 
 
 def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCounts,
@@ -43,29 +47,80 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
     Each micro-batch's loss is already divided by the step's global counts, so the
     accumulated gradient is the gradient of the whole step's loss. ``loss_scale``
     compensates a backend that averages gradients over ranks (DeepSpeed: world size).
+    ``temperature`` is the sampling temperature: logprobs are of ``softmax(logits / T)``.
     ``loss_fn(LossInputs, algo) -> (loss, metrics)`` replaces ``policy_objective``.
-    Returns metrics summed over micro-batches (they are built to add up to step values).
+    Returns the micro-batches' metrics merged (``primitives.metrics.merge_metrics``).
     """
     if batch.size == 0:
         raise ValueError("forward_backward: empty batch")
     loss_fn = loss_fn or policy_objective
     device = next(model.parameters()).device
     step = micro_batch_size or batch.size
-    if algo.policy_loss == "online_dpo" and step % 2:
+    if pair_unit(algo) == 2 and step % 2:
         step += 1  # keep (chosen, rejected) pairs in one micro-batch
-    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    metrics: dict = {}
+    parts = []
     model.train()
     for s in range(0, batch.size, step):
         mb = batch.select(range(s, min(s + step, batch.size)))
-        logp, entropy = completion_logprobs(model, t(mb.input_ids), t(mb.attention_mask), mb.prompt_len,
-                                            temperature, with_entropy=True)
-        inputs = LossInputs(logp=logp, old_logp=t(mb.old_logprobs), advantages=t(mb.advantages),
-                            mask=t(mb.loss_mask), counts=counts, ref_logp=t(mb.ref_logprobs), entropy=entropy)
+        logp, entropy = completion_logprobs(model, _tensor(mb.input_ids, device), _tensor(mb.attention_mask, device),
+                                            mb.prompt_len, temperature, with_entropy=True)
+        inputs = LossInputs(logp=logp, old_logp=_tensor(mb.old_logprobs, device), advantages=_tensor(mb.advantages, device),
+                            mask=_tensor(mb.loss_mask, device), counts=counts,
+                            behaviour_logp=_tensor(mb.behaviour_logprobs, device),
+                            ref_logp=_tensor(mb.ref_logprobs, device), entropy=entropy)
         loss, m = loss_fn(inputs, algo)
         backward(loss * loss_scale)
-        metrics = add_metrics(metrics, m)
-    return metrics
+        parts.append(m)
+    return merge_metrics(parts)
+
+
+@torch.no_grad()
+def with_old_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: Optional[int] = None) -> Batch:
+    """``batch`` with ``old_logprobs`` set to the model's current logprobs (0 off the loss
+    mask): the clip ratio's denominator when the batch gets several optimizer updates."""
+    if batch.size == 0:
+        return batch
+    device = next(model.parameters()).device
+    logp, _ = completion_logprobs(model, _tensor(batch.input_ids, device), _tensor(batch.attention_mask, device),
+                                  batch.prompt_len, temperature, micro_batch_size)
+    return batch._replace(old_logprobs=(logp.float().cpu().numpy() * batch.loss_mask).astype(np.float32))
+
+
+def minibatches(batch: Batch, algo: AlgorithmConfig) -> list:
+    """``algo.mini_batches`` contiguous parts of ``batch`` (whole units), in order."""
+    unit = pair_unit(algo)
+    if batch.size % unit:
+        raise ValueError(f"batch of {batch.size} rows is not a whole number of units of {unit}")
+    units = batch.size // unit
+    if algo.mini_batches > units:
+        raise ValueError(f"mini_batches={algo.mini_batches} is more than the batch's {units} "
+                         f"{'pairs' if unit == 2 else 'rows'}")
+    bounds = [unit * (units * k // algo.mini_batches) for k in range(algo.mini_batches + 1)]
+    return [batch.select(range(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def update_order(algo: AlgorithmConfig) -> list:
+    """Mini-batch index of each optimizer update: every mini-batch once per PPO epoch."""
+    return [k for _ in range(algo.ppo_epochs) for k in range(algo.mini_batches)]
+
+
+def train_on_batch(model, optimizer, batch: Batch, algo: AlgorithmConfig, temperature: float = 1.0,
+                   max_grad_norm: Optional[float] = 1.0, micro_batch_size: Optional[int] = None,
+                   loss_fn: Optional[Callable] = None) -> list:
+    """One rollout batch in one process: ``algo.ppo_epochs`` passes of ``algo.mini_batches``
+    optimizer updates. The old logprobs of the clip ratio are fixed before the first update
+    (with a single update they are ``logp.detach()``). Returns one metric dict per update;
+    ``primitives.metrics.mean_over_updates`` summarises them."""
+    parts = minibatches(batch, algo)
+    if len(update_order(algo)) > 1:
+        parts = [with_old_logprobs(model, p, temperature, micro_batch_size) for p in parts]
+    updates = []
+    for k in update_order(algo):
+        m = forward_backward(model, parts[k], algo, step_counts(parts[k]), micro_batch_size, temperature,
+                             loss_fn=loss_fn)
+        m["grad_norm"] = optim_step(model, optimizer, max_grad_norm)
+        updates.append(m)
+    return updates
 
 
 def optim_step(model, optimizer, max_grad_norm: Optional[float] = 1.0, scheduler=None) -> float:

@@ -92,26 +92,48 @@ class Rollout(NamedTuple):
         return int(len(self.completion_ids))
 
 
-class Batch(NamedTuple):
-    """The rollouts of one step and the padded arrays the loss needs.
-
-    Layout (as in veRL): prompts left-padded to P, completions right-padded to T, so the
-    logit that predicts completion token t sits at position P - 1 + t for every row.
-    """
+class BatchFields(NamedTuple):
+    """The fields of a ``Batch`` (see there)."""
 
     rollouts: tuple  # B Rollouts
     input_ids: np.ndarray  # (B, P + T) int64
     attention_mask: np.ndarray  # (B, P + T) int64, 0 on padding
     prompt_len: int  # P
     loss_mask: np.ndarray  # (B, T) float32
-    old_logprobs: np.ndarray  # (B, T) float32 behaviour logprobs (0 on padding)
+    behaviour_logprobs: np.ndarray  # (B, T) float32 the generator's logprobs (0 on padding)
     rewards: np.ndarray  # (B,) float32
     advantages: np.ndarray  # (B, T) float32 (0 where loss_mask is 0)
     ref_logprobs: Optional[np.ndarray] = None  # (B, T) float32
     returns: Optional[np.ndarray] = None  # (B, T) float32, PPO value targets
     values: Optional[np.ndarray] = None  # (B, T) float32, critic values at rollout time
+    # (B, T) float32 the trainer's own logprobs before this step's first update: the clip
+    # ratio's denominator. None: one update per batch, where they equal ``logp.detach()``.
+    old_logprobs: Optional[np.ndarray] = None
+    budget: int = 0  # the generation budget (max completion tokens): Dr.GRPO's constant normaliser
 
-    # NamedTuple's _replace checks len(), so a Batch keeps tuple length; rows are `size`.
+
+class Batch(BatchFields):
+    """The rollouts of one step and the padded arrays the loss needs.
+
+    Layout (as in veRL): prompts left-padded to P, completions right-padded to T, so the
+    logit that predicts completion token t sits at position P - 1 + t for every row.
+    ``len(batch)`` is the number of rows.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def _make(cls, iterable):
+        # NamedTuple's _make (behind _replace) checks len(); __len__ counts rows, so check fields here
+        result = tuple.__new__(cls, iterable)
+        if tuple.__len__(result) != len(cls._fields):
+            raise TypeError(f"Batch expects {len(cls._fields)} fields, got {tuple.__len__(result)}")
+        return result
+
+    def __len__(self) -> int:
+        """The number of rows (rollouts), as for any batch."""
+        return len(self.rollouts)
+
     @property
     def size(self) -> int:
         return len(self.rollouts)
@@ -123,10 +145,10 @@ class Batch(NamedTuple):
         return self._replace(
             rollouts=tuple(self.rollouts[i] for i in idx),
             input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
-            loss_mask=self.loss_mask[idx], old_logprobs=self.old_logprobs[idx],
+            loss_mask=self.loss_mask[idx], behaviour_logprobs=self.behaviour_logprobs[idx],
             rewards=self.rewards[idx], advantages=self.advantages[idx],
             ref_logprobs=pick(self.ref_logprobs), returns=pick(self.returns),
-            values=pick(self.values),
+            values=pick(self.values), old_logprobs=pick(self.old_logprobs),
         )
 
     def filter(self, predicate: Callable[[Rollout], bool]) -> "Batch":
@@ -145,6 +167,11 @@ class Batch(NamedTuple):
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def num_loss_sequences(self) -> int:
+        """Rows with at least one loss token (a masked-out truncated row does not count)."""
+        return int((self.loss_mask.sum(1) > 0).sum())
 
 
 class AlgorithmConfig(NamedTuple):
@@ -166,10 +193,12 @@ class AlgorithmConfig(NamedTuple):
     kl_in_reward: bool = False  # True: PPO / REINFORCE++ style; False: GRPO style (in the loss)
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    overlong_buffer: int = 0  # DAPO soft overlong penalty: buffer length (0 = off)
+    # DAPO soft overlong penalty: the buffer as a share of max_completion_len (0 = off; the
+    # paper's 4096 of 20480 tokens is 0.2)
+    overlong_buffer_frac: float = 0.0
     overlong_penalty: float = 1.0  # DAPO: penalty at the hard limit
-    max_completion_len: int = 0  # needed by the overlong penalty / filter
-    filter_overlong: bool = False  # drop truncated completions from the loss
+    max_completion_len: int = 0  # the overlong penalty's hard limit; 0 = the generation budget
+    filter_overlong: bool = False  # DAPO overlong filtering: truncated completions get no loss (masked)
     dpo_beta: float = 0.1  # online DPO
     pair_selection: str = "top_bottom"  # online DPO pair selector
     gamma: float = 1.0  # discount (GAE / REINFORCE++)
@@ -179,6 +208,14 @@ class AlgorithmConfig(NamedTuple):
     whiten_advantages: bool = False  # batch whitening after the advantage function
     adv_eps: float = 1e-6
     needs_reference: bool = True  # fetch reference logprobs for this step
+    # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    # brings you off-policy RL training"): the loss of each token is weighted by
+    # min(pi_old / pi_behaviour, is_cap), per token or per sequence, so a generator that
+    # differs from the trainer (vLLM, bf16, top-p, stale weights) is corrected explicitly.
+    is_level: str = "token"  # off | token | sequence
+    is_cap: float = 2.0  # the truncation C of the importance weight
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer updates per pass (the batch split into this many parts)
 
 
 class TrainingStats(NamedTuple):

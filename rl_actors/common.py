@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from primitives.logprobs import disable_dropout
 from primitives.types import ModelConfig
 
 
@@ -32,6 +33,7 @@ def load_causal_lm(config: ModelConfig, role: str):
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, **kwargs).to(config.device)
+    disable_dropout(model)  # every logprob forward of every role is deterministic
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -73,7 +73,10 @@ class VLLMEngine:
 
         check_model_path(config.model_name_or_path, role)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+        # processed logprobs: of the distribution actually sampled (after temperature), the
+        # quantity the trainer's importance weight compares with (vLLM's default is raw logits)
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
+                       logprobs_mode="processed_logprobs",
                        weight_transfer_config=WeightTransferConfig(backend="nccl"), **(engine_kwargs or {}))
         self.device = torch.device("cuda")
 
@@ -196,6 +199,6 @@ class GeneratorWorker:
 
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], self.sync_rank, self.engine.device)
 
-    def logprobs(self, rollouts: Sequence, temperature: float = 1.0) -> list:
+    def logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """Recompute logprobs of given rollouts with this worker's weights (parity checks)."""
         return rollout_logprobs(self.engine.model, rollouts, self.engine.tokenizer.pad_token_id, temperature)

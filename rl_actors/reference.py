@@ -22,9 +22,9 @@ class RefLogprobWorker:
     role = "reference"
 
     def __init__(self, model: ModelConfig, rank: int = 0, ref_update_fn: Optional[Callable] = None,
-                 temperature: float = 1.0, micro_batch_size: Optional[int] = None, num_threads: int = 1):
+                 micro_batch_size: Optional[int] = None, num_threads: int = 1):
         setup_process(num_threads)
-        self.rank, self.temperature, self.micro_batch_size = rank, temperature, micro_batch_size
+        self.rank, self.micro_batch_size = rank, micro_batch_size
         self.model, self.tokenizer = load_causal_lm(model, f"reference {rank}")
         self.model.eval()
         for p in self.model.parameters():
@@ -40,11 +40,12 @@ class RefLogprobWorker:
     def tracks_policy(self) -> bool:
         return self.ref_update_fn is not None
 
-    def logprobs(self, rollouts: Sequence) -> list:
-        """The rollouts with ``ref_logprobs`` set (new records)."""
+    def logprobs(self, rollouts: Sequence, temperature: float) -> list:
+        """The rollouts with ``ref_logprobs`` set (new records), scored at the sampling
+        ``temperature`` the policy's logprobs use (a KL between two temperatures is not 0)."""
         if not rollouts:
             return []
-        refs = rollout_logprobs(self.model, rollouts, self.tokenizer.pad_token_id, self.temperature,
+        refs = rollout_logprobs(self.model, rollouts, self.tokenizer.pad_token_id, temperature,
                                 self.micro_batch_size)
         return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
 

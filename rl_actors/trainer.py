@@ -26,7 +26,8 @@ from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, buc
                                  init_sync_group, tensor_checksums)
 from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.logprobs import rollout_logprobs
-from primitives.training import forward_backward, sft_forward_backward, step_counts
+from primitives.training import (forward_backward, minibatches, pair_unit, sft_forward_backward, step_counts,
+                                 update_order, with_old_logprobs)
 from primitives.types import AlgorithmConfig, Batch, ModelConfig
 from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
 
@@ -48,7 +49,6 @@ class TrainerConfig(NamedTuple):
     betas: tuple = (0.9, 0.999)
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # rows per forward/backward on one rank
-    temperature: float = 1.0  # logprobs are recomputed at the sampling temperature
     bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
 
 
@@ -136,20 +136,30 @@ class TrainerWorker:
         return metrics
 
     # --------------------------------------------------------------- training
-    def train_step(self, batch: Batch, algo: AlgorithmConfig, lr: Optional[float] = None) -> dict:
-        """One optimizer step on this rank's shard of ``batch``; metrics add up over ranks."""
-        unit = 2 if algo.policy_loss == "online_dpo" else 1
-        shard = batch.shard(self.rank, self.world_size, unit)
-        counts = step_counts(batch)
-        metrics = {}
+    def train_step(self, batch: Batch, algo: AlgorithmConfig, temperature: float, lr: Optional[float] = None) -> list:
+        """Train on ``batch``: ``algo.ppo_epochs`` passes of ``algo.mini_batches`` optimizer
+        updates, each on this rank's shard of a mini-batch of the whole batch. ``temperature``
+        is the sampling temperature the rollouts were drawn at. Returns one metric dict per
+        update, this rank's shares (``primitives.metrics.merge_rank_updates`` adds the ranks)."""
+        unit = pair_unit(algo)
+        parts = minibatches(batch, algo)
+        shards = [part.shard(self.rank, self.world_size, unit) for part in parts]
+        if any(not s.size for s in shards) and self.config.zero_stage == 3:
+            raise ValueError(f"trainer {self.rank}: a mini-batch of {min(p.size for p in parts)} rows leaves this "
+                             f"rank none; under ZeRO-3 every rank must run a forward - use at least "
+                             f"{self.world_size * unit} rows per mini-batch")
+        if len(update_order(algo)) > 1:  # the policy moves within this batch: fix the ratio's denominator first
+            shards = [with_old_logprobs(self.module, s, temperature, self.config.micro_batch_size) for s in shards]
+        return [self._update(shards[k], step_counts(parts[k]), algo, temperature, lr) for k in update_order(algo)]
+
+    def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
+        """One optimizer update on this rank's shard; the loss is divided by global counts."""
+        unit = pair_unit(algo)
         self._backwards_left = max(1, micro_batch_count(shard.size, self.config.micro_batch_size, unit))
-        if not shard.size and self.config.zero_stage == 3:
-            raise ValueError(f"trainer {self.rank}: a batch of {batch.size} rows leaves this rank none; under "
-                             f"ZeRO-3 every rank must run a forward - use at least {self.world_size * unit} rows")
+        metrics = {}
         if shard.size:
             metrics = forward_backward(self.engine, shard, algo, counts, self.config.micro_batch_size,
-                                       self.config.temperature, backward=self._backward,
-                                       loss_scale=float(self.world_size))
+                                       temperature, backward=self._backward, loss_scale=float(self.world_size))
         else:
             self._empty_backward()
         return self._finish_step(metrics, lr)
@@ -268,10 +278,10 @@ class TrainerWorker:
                 sums.update(tensor_checksums([(name, p.data)]))
         return sums
 
-    def logprobs(self, rollouts: Sequence) -> list:
-        """Trainer-side logprobs of rollouts (the parity check against generators). Under
-        ZeRO-3 the forward is collective: call it on every rank (each returns the same)."""
-        return rollout_logprobs(self.module, rollouts, self.tokenizer.pad_token_id, self.config.temperature)
+    def logprobs(self, rollouts: Sequence, temperature: float) -> list:
+        """Trainer-side logprobs of rollouts at the sampling temperature (the parity check
+        against generators). Under ZeRO-3 the forward is collective: call it on every rank."""
+        return rollout_logprobs(self.module, rollouts, self.tokenizer.pad_token_id, temperature)
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, train_state: Optional[dict] = None, extra_dirs: Optional[dict] = None) -> str:

@@ -68,9 +68,9 @@ def test_micro_batches_and_shards_give_the_global_gradient(name, scored, tiny_mo
     """Invariant 2: the data-parallel (sharded) loss and gradient equal the single-process ones."""
     algo = algos.get_algorithm(name, kl_coef=0.0)
     model = tiny_model
-    b = make_batch(scored, algo, tokenizer.pad_token_id)
+    b = make_batch(scored, algo, tokenizer.pad_token_id, budget=6)
     # make the ratio differ from 1 so clipping paths are exercised
-    b = b._replace(old_logprobs=b.old_logprobs - 0.1 * b.loss_mask)
+    b = b._replace(old_logprobs=b.behaviour_logprobs - 0.1 * b.loss_mask)
     counts = step_counts(b)
     model.zero_grad()
     m_full = forward_backward(model, b, algo, counts)
@@ -96,7 +96,7 @@ def test_grpo_kl_in_loss_needs_reference(scored, tiny_model, tokenizer):
         forward_backward(tiny_model, b, algo, step_counts(b))
     tiny_model.zero_grad()
     # with ref == behaviour logprobs the KL term is ~0 at the first step
-    b = b._replace(ref_logprobs=b.old_logprobs.copy())
+    b = b._replace(ref_logprobs=b.behaviour_logprobs.copy())
     m = forward_backward(tiny_model, b, algo, step_counts(b))
     assert abs(m["loss/kl"]) < 1e-4
     tiny_model.zero_grad()
@@ -114,8 +114,8 @@ def test_reinforce_pp_kl_in_reward(scored, tokenizer):
 
 
 def test_dapo_overlong_penalty_applied_in_batch(scored, tokenizer):
-    algo = algos.dapo(max_completion_len=6, overlong_buffer=4)
-    b = make_batch(scored, algo, tokenizer.pad_token_id)
+    algo = algos.dapo(max_completion_len=6, overlong_buffer_frac=4 / 6)
+    b = make_batch(scored, algo, tokenizer.pad_token_id, budget=99)  # max_completion_len wins over the budget
     for r, got in zip(scored, b.rewards):
         n = len(r.completion_ids)
         expected = r.reward + (0.0 if n <= 2 else -(n - 2) / 4)

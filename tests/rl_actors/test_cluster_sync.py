@@ -71,7 +71,7 @@ def test_generator_logprobs_equal_trainer_logprobs(rl_cluster, trained):
     rollouts = _flat(gather(fan_out(rl_cluster.generators, "generate", items, GenerationConfig(max_new_tokens=5, n=2)),
                             rl_cluster.timeout_s))
     assert {r.policy_version for r in rollouts} == {2}
-    trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts), rl_cluster.timeout_s)[0]  # collective (ZeRO-3)
+    trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts, 1.0), rl_cluster.timeout_s)[0]  # collective (ZeRO-3)
     diff = max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts))
     assert diff < 1e-4
 
@@ -90,7 +90,7 @@ def test_multiturn_generation_on_a_generator(rl_cluster, trained):
         assert len(r.completion_ids) == len(r.loss_mask) == len(r.logprobs) > 0
         assert r.policy_version == 2 and (r.logprobs[r.loss_mask == 0] == 0).all()
     # the trainers (same weights after the sync) score the policy tokens as the generator did
-    trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts), rl_cluster.timeout_s)[0]
+    trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts, 1.0), rl_cluster.timeout_s)[0]
     for t, r in zip(trainer, rollouts):
         policy = r.loss_mask == 1
         assert policy.any() and np.abs(t[policy] - r.logprobs[policy]).max() < 1e-4
@@ -126,7 +126,7 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
         return got, nxt
 
     logged = []
-    state, _ = train(cluster, recording_source, constant_schedule(dapo(max_completion_len=4, overlong_buffer=2)),
+    state, _ = train(cluster, recording_source, constant_schedule(dapo(overlong_buffer_frac=0.5)),
                      GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
                      lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
     m = logged[0]

@@ -46,14 +46,14 @@ def _trainer_group(ray, path, stage, world=2):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage):
     rollouts, tok = scored_rollouts(tiny_model_path)
-    algo = dapo(max_completion_len=4, overlong_buffer=2)  # token-mean + clip-higher
-    batch = make_batch(rollouts, algo, tok.pad_token_id)
-    batch = batch._replace(old_logprobs=batch.old_logprobs - 0.05 * batch.loss_mask)  # ratios != 1
+    algo = dapo(overlong_buffer_frac=0.5)  # token-mean + clip-higher
+    batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
+    batch = batch._replace(old_logprobs=batch.behaviour_logprobs - 0.05 * batch.loss_mask)  # ratios != 1
     ref_loss, ref_norm, ref_weights = _single_process(tiny_model_path, batch, algo)
 
     actors = _trainer_group(ray_local, tiny_model_path, stage)
     try:
-        stats = ray_local.get([a.train_step.remote(batch, algo) for a in actors], timeout=300)
+        stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
         states = ray_local.get([a.full_state.remote() for a in actors], timeout=300)
     finally:
         for a in actors:
@@ -81,11 +81,11 @@ def test_grpo_with_kl_and_three_ranks(ray_local, tiny_model_path):
     rollouts, tok = scored_rollouts(tiny_model_path)
     rollouts = [r._replace(ref_logprobs=r.logprobs - 0.1) for r in rollouts]
     algo = grpo(kl_coef=0.05)
-    batch = make_batch(rollouts, algo, tok.pad_token_id)
+    batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
     ref_loss, ref_norm, ref_weights = _single_process(tiny_model_path, batch, algo)
     actors = _trainer_group(ray_local, tiny_model_path, 2, world=3)
     try:
-        stats = ray_local.get([a.train_step.remote(batch, algo) for a in actors], timeout=300)
+        stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
         state = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
     finally:
         for a in actors:
