@@ -94,3 +94,49 @@ def test_grpo_with_kl_and_three_ranks(ray_local, tiny_model_path):
     assert sum(s["loss/kl"] for s in stats) > 0
     assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     _compare_weights(state, ref_weights, "ZeRO-2 over 3 ranks")
+
+
+KEYS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/entropy", "policy/clip_frac", "policy/ratio_mean",
+        "grad_norm", "mismatch/k3", "mismatch/max_abs_logp_diff", "mismatch/is_weight_mean",
+        "mismatch/is_clipped_frac")
+
+
+def _logged(ray, path, batch, algo, world):
+    """What the driver logs for ``batch`` on a ``world``-rank trainer group (its merge function)."""
+    from primitives.metrics import merge_rank_updates
+
+    remote = ray.remote(num_cpus=1)(TrainerWorker)
+    cfg = TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=3, max_grad_norm=1.0)
+    actors = [remote.remote(ModelConfig(path), r, world, cfg, 0) for r in range(world)]
+    try:
+        addr = ray.get(actors[0].endpoint.remote())
+        ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+        per_rank = ray.get([a.train_step.remote(batch, algo, 0.7) for a in actors], timeout=300)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    return merge_rank_updates(per_rank)
+
+
+def test_logged_metrics_do_not_depend_on_the_number_of_ranks(ray_local, tiny_model_path):
+    """Invariant 6, with two PPO epochs of two mini-batches (the clip ratio moves), sampling
+    temperature 0.7, a reference other than the policy and generator logprobs off the
+    trainer's (the capped importance weight acts): 1, 2 and 3 ranks log the same numbers."""
+    rollouts, tok = scored_rollouts(tiny_model_path)
+    rng = np.random.default_rng(0)
+    rollouts = [r._replace(ref_logprobs=r.logprobs - 0.2, logprobs=r.logprobs + rng.normal(0, 0.3, r.num_tokens)
+                           .astype(np.float32)) for r in rollouts]
+    algo = grpo(kl_coef=0.05, clip_eps_low=0.005, clip_eps_high=0.005, ppo_epochs=2, mini_batches=2, is_cap=1.5)
+    batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
+    one, updates = _logged(ray_local, tiny_model_path, batch, algo, 1)
+    assert one["policy/updates"] == 4.0
+    assert updates[0]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["policy/clip_frac"] == 0.0
+    assert max(u["policy/clip_frac"] for u in updates[1:]) > 0.1  # the later updates do clip
+    assert 0 < one["mismatch/is_clipped_frac"] < 1 and one["mismatch/k3"] > 0.01  # the weight acts
+    for world in (2, 3):
+        many, many_updates = _logged(ray_local, tiny_model_path, batch, algo, world)
+        for key in KEYS:
+            assert many[key] == pytest.approx(one[key], abs=1e-6), (world, key, many[key], one[key])
+        for u1, un in zip(updates, many_updates):
+            assert un["policy/clip_frac"] == pytest.approx(u1["policy/clip_frac"], abs=1e-6)
+            assert un["loss/policy"] == pytest.approx(u1["loss/policy"], abs=1e-6)

@@ -1,0 +1,79 @@
+"""One sampling temperature on Ray (T = 0.7): generator, trainer and reference all score
+``softmax(logits / 0.7)``; KL shaping in the reward sees reference logprobs; the generator /
+trainer gap is measured every step and is fp32-small on CPU."""
+import numpy as np
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.driver import gather, generate_and_score, train
+from cluster.groups import fan_out
+from cluster.setup import build_rl_cluster, shutdown_cluster
+from primitives.algorithms import constant_schedule, grpo
+from primitives.data import make_prompt_source
+from primitives.rewards import kl_penalty_shaping
+from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.types import GenerationConfig
+from rl_actors.trainer import TrainerConfig
+
+T = 0.7
+KL_SHAPING = 0.1
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, tiny_model_path):
+    cfg = ClusterConfig(generators=1, trainers=1, zero_stage=2, call_timeout_s=300)
+    # a fixed reference loaded from the same weights: policy == reference until the first update
+    c = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-2), arithmetic_reward,
+                         with_reference=True, shaping_fn=kl_penalty_shaping(KL_SHAPING))
+    yield c
+    shutdown_cluster(c)
+
+
+@pytest.fixture(scope="module")
+def first_step(cluster):
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=32, num_heldout=1))[0]
+    logged = []
+    train(cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
+          GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=1, prompts_per_step=4,
+          lr_schedule=lambda s: 1e-2, logger=logged.append, progress=False)
+    return logged[0], items
+
+
+def test_kl_to_an_identical_reference_is_zero_at_t07(first_step):
+    metrics, _ = first_step
+    assert metrics["kl/ref_k3"] < 1e-7  # a reference at T=1 gives about 0.1 here
+    assert metrics["mismatch/k3"] < 1e-6
+    assert metrics["mismatch/max_abs_logp_diff"] < 1e-4
+    assert metrics["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["mismatch/is_clipped_frac"] == 0.0
+
+
+def test_generator_reference_and_trainer_score_at_the_sampling_temperature(cluster, first_step, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from primitives.logprobs import rollout_logprobs
+
+    _, items = first_step
+    rollouts, _ = generate_and_score(cluster, items[:4], GenerationConfig(max_new_tokens=4, n=2, temperature=T),
+                                     with_ref=True)
+    assert {r.policy_version for r in rollouts} == {1}  # after the first update and sync
+    trainer = gather(fan_out(cluster.trainers, "logprobs", rollouts, T), cluster.timeout_s)[0]
+    assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts)) < 1e-4
+    # the fixed reference is the initial model, scored at T = 0.7 (not 1.0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    at_t = rollout_logprobs(base, rollouts, cluster.pad_token_id, T)
+    at_1 = rollout_logprobs(base, rollouts, cluster.pad_token_id, 1.0)
+    assert max(float(np.abs(a - r.ref_logprobs).max()) for a, r in zip(at_t, rollouts)) < 1e-5
+    assert max(float(np.abs(a - r.ref_logprobs).max()) for a, r in zip(at_1, rollouts)) > 1e-2
+    # KL shaping ran on the reward worker after the reference: reward = task - coef * sum(k1)
+    shaped = [arithmetic_reward(r) - KL_SHAPING * float(((r.logprobs - r.ref_logprobs) * r.loss_mask).sum())
+              for r in rollouts]
+    assert [r.reward for r in rollouts] == pytest.approx(shaped, abs=1e-6)
+    assert max(abs(r.reward - arithmetic_reward(r)) for r in rollouts) > 1e-4  # the policy has moved
+
+
+def test_rl_refuses_a_non_positive_temperature_before_any_work(cluster):
+    with pytest.raises(ValueError, match="temperature > 0"):
+        train(cluster, lambda position, n: (_ for _ in ()).throw(AssertionError("no prompt may be drawn")),
+              constant_schedule(grpo()), GenerationConfig(temperature=0.0, n=4), num_steps=1, prompts_per_step=1,
+              lr_schedule=lambda s: 1e-3, progress=False)
