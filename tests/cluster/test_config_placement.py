@@ -64,3 +64,45 @@ def test_split_evenly_and_bucket_plan():
     assert bucket_plan(meta, 10 ** 6) == [[0, 1], [2], [3, 4]]
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         bucket_plan(meta, 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--temperature", "-1"], "--temperature must be > 0"),
+    (["--rl-lr", "-1"], "--rl-lr must be positive"),
+    (["--sft-lr", "0"], "--sft-lr must be positive"),
+    (["--algorithm", "ppo"], "--algorithm ppo needs a critic"),
+    (["--mini-batches", "200", "--prompts-per-step", "4"], "every rank needs rows"),
+    (["--is-level", "tokens"], "--is-level must be one of off, token, sequence"),
+    (["--reward-fn", "no_such_module:reward"], "cannot import 'no_such_module'"),
+    (["--algorithm", "gspo", "--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
+])
+def test_bad_flags_are_usage_errors_before_ray(argv, message, capsys, monkeypatch):
+    """Each is a clean usage error (exit 2, no traceback) from parse(), which runs before Ray
+    starts and before the SFT warm-up."""
+    import sys
+
+    from examples.grpo_tiny import parse
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+    assert "ray" not in sys.modules  # nothing imported Ray, let alone started it
+
+
+def test_resume_names_the_checkpoint_format(tmp_path):
+    from cluster.config import resume_errors
+    from primitives.checkpoint import save_checkpoint
+    from primitives.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    single = save_checkpoint(str(tmp_path / "single"), build_tiny_model(tok), tok)
+    (errors,) = resume_errors(single)
+    assert "single-process checkpoint" in errors and "--checkpoint-every" in errors
+    assert "no train_state.json" in resume_errors(str(tmp_path))[0]
+    cluster_ckpt = tmp_path / "cluster"
+    (cluster_ckpt / "deepspeed").mkdir(parents=True)
+    (cluster_ckpt / "train_state.json").write_text("{}")
+    assert resume_errors(str(cluster_ckpt)) == []
