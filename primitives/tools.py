@@ -1,24 +1,24 @@
 """Tool use: parsers, a safe calculator, a sandboxed Python executor, multi-turn rollouts.
 
 Model output is data, never code to run in this process: the calculator parses arithmetic
-with ``ast`` and a whitelist; Python runs in a separate, resource-limited process with no
-network. An unparseable call becomes a tool *error message* in the conversation.
+with ``ast`` and a whitelist; Python runs in a separate process isolated by bubblewrap, a
+seccomp filter, rlimits and an audit hook (``primitives.sandbox``). An unparseable call
+becomes a tool *error message* in the conversation.
 """
 from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from primitives.generation import GenerationOutput, render_prompt
+from primitives.sandbox import SandboxUnavailable, run_python_sandboxed  # noqa: F401 (part of this module's API)
 from primitives.types import Conversation, Message, Rollout, group_id, make_uid
 
 
@@ -26,7 +26,7 @@ class ToolCall(NamedTuple):
     name: str
     arguments: dict
     id: str = ""
-    error: Optional[str] = None  # set when the call could not be parsed
+    error: str | None = None  # set when the call could not be parsed
 
 
 class ToolResult(NamedTuple):
@@ -93,29 +93,43 @@ def parse_json_tool_calls(text: str) -> list:
     return calls
 
 
-# ----------------------------------------------------------------------------- calculator
+# ----------------------------------------------------------------------------- calculator and python tool
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
-def safe_calculate(expression: str, max_len: int = 200, max_power: int = 100):
-    """Evaluate + - * / // % ** and parentheses on numbers by walking the AST (no ``eval``)."""
+def safe_calculate(expression: str, max_len: int = 200, max_power: int = 100, max_bits: int = 4096):
+    """Evaluate + - * / // % ** and parentheses on int and float literals by walking the AST
+    (no ``eval``). Anything else (names, calls, strings, bools, containers, attributes) is a
+    ValueError, and so is an exponent above ``max_power`` or an integer above ``max_bits`` bits:
+    a bound checked *before* multiplying, so ``((9**99)**99)**99`` never allocates."""
     if len(expression) > max_len:
         raise ValueError(f"expression longer than {max_len} characters")
     tree = ast.parse(expression, mode="eval")
+
+    def bounded(value):
+        if isinstance(value, int) and value.bit_length() > max_bits:
+            raise ValueError(f"result has more than {max_bits} bits")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"result is not finite: {value}")
+        return value
 
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+            return bounded(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > max_power:
                 raise ValueError(f"exponent {right} too large (max {max_power})")
-            return _BINOPS[type(node.op)](left, right)
+            _check_size(node.op, left, right, max_bits)
+            try:
+                return bounded(_BINOPS[type(node.op)](left, right))
+            except OverflowError as e:
+                raise ValueError(f"result too large: {e}") from None
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
             return _UNOPS[type(node.op)](ev(node.operand))
         raise ValueError(f"unsupported syntax: {type(node).__name__}")
@@ -123,64 +137,34 @@ def safe_calculate(expression: str, max_len: int = 200, max_power: int = 100):
     return ev(tree)
 
 
+def _check_size(op: ast.operator, left, right, max_bits: int) -> None:
+    """Refuse an integer product or power whose size bound exceeds ``max_bits`` before computing it."""
+    if not (type(left) is int and type(right) is int):
+        return
+    if isinstance(op, ast.Mult):
+        bits = left.bit_length() + right.bit_length()
+    elif isinstance(op, ast.Pow) and right > 0:
+        bits = left.bit_length() * right
+    else:
+        return
+    if bits > max_bits:
+        raise ValueError(f"result would have about {bits} bits (max {max_bits})")
+
+
 def calculator_tool(arguments: dict) -> str:
     expr = arguments.get("expression")
     if not isinstance(expr, str):
-        raise ValueError("calculator needs a string argument 'expression'")
+        raise TypeError("calculator needs a string argument 'expression'")
     value = safe_calculate(expr)
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-# ----------------------------------------------------------------------------- python sandbox
-
-_SANDBOX_PRELUDE = """
-import resource, socket, sys
-resource.setrlimit(resource.RLIMIT_AS, ({mem}, {mem}))
-resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))
-def _no_network(*a, **k):
-    raise OSError("network access is disabled in the sandbox")
-socket.socket = _no_network
-socket.create_connection = _no_network
-socket.getaddrinfo = _no_network
-sys.argv = ["sandbox"]
-del resource, socket, sys, _no_network
-"""
-
-
-def _can_unshare_net() -> bool:
-    exe = shutil.which("unshare")
-    if exe is None:
-        return False
-    try:
-        return subprocess.run([exe, "--net", "--map-root-user", "true"], capture_output=True,
-                              timeout=5).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def run_python_sandboxed(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4000):
-    """Run ``code`` in a fresh ``python -I`` process: own temp dir, empty environment,
-    address-space and CPU limits, sockets disabled (and a private network namespace when
-    ``unshare`` is allowed). Returns ``(ok, output)``; never raises on the code's failure."""
-    mem = memory_mb * 1024 * 1024
-    program = _SANDBOX_PRELUDE.format(mem=mem, cpu=max(1, int(timeout) + 1)) + "\n" + code
-    cmd = [sys.executable, "-I", "-c", program]
-    if _can_unshare_net():
-        cmd = [shutil.which("unshare"), "--net", "--map-root-user"] + cmd
-    with tempfile.TemporaryDirectory(prefix="sandbox-") as cwd:
-        try:
-            proc = subprocess.run(cmd, cwd=cwd, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                                  timeout=timeout, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return False, f"timed out after {timeout}s"
-    out = (proc.stdout + proc.stderr)[-max_output:]
-    return proc.returncode == 0, out.strip()
-
-
 def python_tool(arguments: dict, timeout: float = 5.0, memory_mb: int = 512) -> str:
+    """The ``python`` tool: runs ``arguments["code"]`` with ``run_python_sandboxed``; its output,
+    or a RuntimeError carrying the traceback (an error result for the model)."""
     code = arguments.get("code")
     if not isinstance(code, str):
-        raise ValueError("python tool needs a string argument 'code'")
+        raise TypeError("python tool needs a string argument 'code'")
     ok, out = run_python_sandboxed(code, timeout, memory_mb)
     if not ok:
         raise RuntimeError(out or "python exited with an error")
@@ -199,7 +183,9 @@ def create_tool_executor(tools: dict) -> Callable:
             return ToolResult(call.id, call.name, f"error: unknown tool '{call.name}' (have {sorted(tools)})", True)
         try:
             return ToolResult(call.id, call.name, str(fn(call.arguments)))
-        except Exception as e:  # the tool's failure is information for the model, not a crash
+        except SandboxUnavailable:  # a machine set-up problem, not information for the model
+            raise
+        except Exception as e:  # noqa: BLE001 - the tool's failure is information for the model, not a crash
             return ToolResult(call.id, call.name, f"error: {type(e).__name__}: {e}", True)
 
     return tool_executor

@@ -1,14 +1,22 @@
 """Atomic checkpoints with RNG state; loggers; curves."""
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from primitives.checkpoint import load_checkpoint, save_checkpoint
-from primitives.loggers import (console_logger, jsonl_logger, multi_logger, noop_logger, plot_curves,
-                                read_jsonl_metrics, wandb_logger)
+from primitives.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
+from primitives.loggers import (
+    console_logger,
+    jsonl_logger,
+    multi_logger,
+    noop_logger,
+    plot_curves,
+    read_jsonl_metrics,
+    wandb_logger,
+)
 from primitives.tiny import save_tiny_model
 from primitives.types import DataPosition, TrainState
 
@@ -81,3 +89,50 @@ def test_wandb_offline_without_api_key(tmp_path, monkeypatch):
     log.finish()
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run")]
     assert len(runs) == 1
+
+
+def _tree(path) -> dict:
+    """{relative file path: content} under ``path``."""
+    return {os.path.relpath(os.path.join(d, f), path): Path(d, f).read_text()
+            for d, _, files in os.walk(path) for f in files}
+
+
+def test_atomic_directory_failed_write_leaves_old_checkpoint_and_no_temporaries(tmp_path):
+    path = tmp_path / "ckpt"
+    (path / "sub").mkdir(parents=True)
+    (path / "weights.txt").write_text("old weights")
+    (path / "sub" / "state.json").write_text('{"step": 1}')
+    before = _tree(path)
+
+    def write(staging):
+        assert os.path.abspath(staging) != os.path.abspath(path)  # written elsewhere, renamed in
+        assert not os.path.abspath(staging).startswith(os.path.abspath(path) + os.sep)
+        with open(os.path.join(staging, "weights.txt"), "w") as f:
+            f.write("half-written new weights")
+        assert _tree(path) == before  # the old checkpoint is untouched while writing
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_directory(str(path), write)
+    assert _tree(path) == before == {"weights.txt": "old weights", os.path.join("sub", "state.json"): '{"step": 1}'}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging or backup directory left behind
+
+
+def test_atomic_directory_success_replaces_exactly(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "old_only.txt").write_text("stale")
+    staged = []
+
+    def write(staging):
+        staged.append(staging)
+        assert os.path.abspath(staging) != os.path.abspath(path)
+        with open(os.path.join(staging, "weights.txt"), "w") as f:
+            f.write("new weights")
+
+    assert atomic_directory(str(path), write) == str(path)
+    assert _tree(path) == {"weights.txt": "new weights"}  # nothing of the old checkpoint survives
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and not os.path.exists(staged[0])
+    atomic_directory(str(tmp_path / "fresh"), write)  # no previous checkpoint
+    assert _tree(tmp_path / "fresh") == {"weights.txt": "new weights"}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "fresh"]

@@ -156,3 +156,47 @@ def test_http_reward_unreachable_names_url():
     fn = R.create_http_reward_fn(f"http://127.0.0.1:{port}/x", timeout=0.5, retries=1, backoff=0.01)
     with pytest.raises(R.RewardError, match=f"127.0.0.1:{port}.*ConnectionError"):
         fn(_rollout("1", answer="1"))
+
+
+class _FakeResponse:
+    def __init__(self, status_code: int, body=None):
+        self.status_code, self._body, self.text = status_code, body, json.dumps(body) if body else "go away"
+
+    def json(self):
+        return self._body
+
+
+class _FakeSession:
+    """``session.post`` answering from a script of (status, body) pairs; counts calls; no network."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = list(answers), []
+
+    def post(self, url, json=None, timeout=None):
+        self.calls.append((url, json, timeout))
+        return _FakeResponse(*self.answers[min(len(self.calls), len(self.answers)) - 1])
+
+
+@pytest.mark.parametrize("status", [400, 404])
+def test_http_reward_client_errors_are_not_retried(status):
+    session = _FakeSession((status, None))
+    fn = R.create_http_reward_fn("http://scorer.test/score", retries=3, backoff=0, session=session)
+    with pytest.raises(R.RewardError, match=f"http://scorer.test/score rejected rollout e0/i0/s0: HTTP {status}"):
+        fn(_rollout("7", answer="7"))
+    assert len(session.calls) == 1
+    assert session.calls[0][1] == {"uid": "e0/i0/s0", "completion": "7", "prompt": "p", "answer": "7"}
+
+
+def test_http_reward_server_errors_are_retried_then_named():
+    session = _FakeSession((503, None))
+    fn = R.create_http_reward_fn("http://scorer.test/score", retries=2, backoff=0, session=session)
+    with pytest.raises(R.RewardError, match=r"http://scorer.test/score failed .* after 3 attempts .*HTTP 503"):
+        fn(_rollout("7", answer="7"))
+    assert len(session.calls) == 3  # retries + 1
+
+
+def test_http_reward_recovers_after_a_server_error():
+    session = _FakeSession((503, None), (200, {"reward": 0.25}))
+    fn = R.create_http_reward_fn("http://scorer.test/score", retries=2, backoff=0, session=session)
+    assert fn(_rollout("7", answer="7")) == 0.25
+    assert len(session.calls) == 2

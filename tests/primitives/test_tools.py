@@ -2,11 +2,20 @@
 import numpy as np
 import pytest
 
+from primitives import sandbox
 from primitives.data import PromptItem
 from primitives.generation import GenerationOutput
-from primitives.tools import (ToolCall, calculator_tool, create_tool_executor, multiturn_rollout,
-                              parse_json_tool_calls, parse_xml_tool_calls, python_tool, run_python_sandboxed,
-                              safe_calculate)
+from primitives.tools import (
+    ToolCall,
+    calculator_tool,
+    create_tool_executor,
+    multiturn_rollout,
+    parse_json_tool_calls,
+    parse_xml_tool_calls,
+    python_tool,
+    run_python_sandboxed,
+    safe_calculate,
+)
 
 
 def test_xml_parser():
@@ -39,6 +48,51 @@ def test_calculator_never_evaluates_code():
         safe_calculate("9 ** 999999")
 
 
+def test_xml_call_without_a_name_is_an_error():
+    for tag in ['<tool_call name="">{"a": 1}</tool_call>', '<tool_call name="  ">{"a": 1}</tool_call>']:
+        (call,) = parse_xml_tool_calls(tag)
+        assert call.error == "tool call without a name" and call.name == ""
+
+
+@pytest.mark.parametrize("expression, value", [("2+3*4", 14), ("-(2**10)", -1024), ("7//2", 3), ("7/2", 3.5),
+                                               ("7 % 4 - 2 ** -1", 2.5), ("(10**100) // 10**99", 10)])
+def test_calculator_hand_values(expression, value):
+    result = safe_calculate(expression)
+    assert result == value and type(result) is type(value)
+
+
+@pytest.mark.parametrize("expression", [
+    "'x' * 10**9", "True + 1", '"abc"', "[1]*10**9", "(1).__class__", "__import__('os')", "x", "lambda: 1",
+    "abs(-1)", "None", "1j", "{1: 2}", "(1, 2)", "1 if 1 else 2", "1 < 2", "1 << 10", "~1", "not 1",
+])
+def test_calculator_refuses_everything_but_arithmetic_on_numbers(expression):
+    with pytest.raises(ValueError, match="unsupported syntax"):
+        safe_calculate(expression)
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("2**1000", "exponent 1000 too large"),
+    ("(10**100)**100", "bits"),  # the exponent is allowed; the result's size is not
+    ("((9**99)**99)**99", "bits"),  # would be ~3 million bits: refused before computing
+    ("*".join(["10**100"] * 24), "bits"),  # repeated multiplication, 191 characters
+    ("1e308 * 10", "not finite"),
+    ("(10**99)**10 / 3", "too large"),  # int too large for a float
+])
+def test_calculator_bounds_magnitude_before_computing(expression, message):
+    assert len(expression) <= 200
+    with pytest.raises(ValueError, match=message):
+        safe_calculate(expression)
+
+
+def test_calculator_size_bound_is_a_parameter():
+    assert safe_calculate("2**64 * 2**64", max_bits=130) == 2 ** 128
+    with pytest.raises(ValueError, match="bits"):
+        safe_calculate("2**64 * 2**64", max_bits=120)
+    assert safe_calculate("*".join(["10**100"] * 12)) == 10 ** 1200  # 3987 bits: under the default 4096
+
+
+@pytest.mark.skipif(sandbox._probe_bwrap()[0] is None, reason="no bubblewrap namespaces here; "
+                    "tests/primitives/test_sandbox.py covers the unisolated mode")
 def test_python_sandbox_runs_and_limits():
     ok, out = run_python_sandboxed("print(sum(range(10)))")
     assert ok and out == "45"
@@ -102,9 +156,10 @@ def test_multiturn_stops_without_tool_calls(tokenizer):
 
 
 def test_multiturn_with_real_model(tiny_model, tokenizer):
+    import torch
+
     from primitives.tools import hf_turn_generator
     from primitives.types import GenerationConfig
-    import torch
 
     gen = hf_turn_generator(tiny_model, tokenizer, GenerationConfig(max_new_tokens=8, seed=0),
                             torch.Generator().manual_seed(0))
