@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make run    - set up .venv if missing, then run the default job (examples/grpo_tiny.py)
 #   make test   - set up .venv if missing, then run the test suite
+#   make lint   - ruff with the rules chosen in pyproject.toml (CI runs it too)
 # Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
 # then DeepSpeed from source without build isolation (it must see that torch), then the project.
 
@@ -11,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test venv clean
+.PHONY: run test lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ run: venv
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache

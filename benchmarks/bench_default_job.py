@@ -10,7 +10,6 @@ import sys
 import tempfile
 
 import numpy as np
-
 from common import ROOT, table
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -29,7 +28,8 @@ def main():
     rows = [r for r in rows if "time/step" in r][1:]  # the first step includes warm-up
     phases = ["time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step"]
     step = np.median([r["time/step"] for r in rows])
-    out_rows = [[k, f"{np.median([r[k] for r in rows]) * 1000:.1f}", f"{np.percentile([r[k] for r in rows], 90) * 1000:.1f}",
+    out_rows = [[k, f"{np.median([r[k] for r in rows]) * 1000:.1f}",
+                 f"{np.percentile([r[k] for r in rows], 90) * 1000:.1f}",
                  f"{100 * np.median([r[k] for r in rows]) / step:.0f}%"] for k in phases]
     print(table(out_rows, ["phase", "median ms", "p90 ms", "share of step"]))
     print(f"steps measured: {len(rows)}; accuracy {summary['accuracy_before_rl']:.3f} -> "

@@ -29,7 +29,8 @@ def main():
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n)
     results = {}
     for workers in (1, 2):
-        actors = [ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker).remote(ModelConfig(path), r, "hf") for r in range(workers)]
+        remote = ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker)
+        actors = [remote.remote(ModelConfig(path), r, "hf") for r in range(workers)]
         ray.get([a.info.remote() for a in actors])
         ray.get([a.generate.remote(c, gen) for a, c in zip(actors, split_evenly(items[:8], workers))])  # warm-up
         rates = []

@@ -31,7 +31,8 @@ def main():
     model = ModelConfig(path)
     trainer = ray.remote(num_cpus=1, num_gpus=args.gpus)(TrainerWorker).remote(model, 0, 1, TrainerConfig(zero_stage=2))
     ray.get(trainer.setup.remote(*ray.get(trainer.endpoint.remote())))
-    gens = [ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker).remote(model, r, "hf") for r in range(args.generators)]
+    remote = ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker)
+    gens = [remote.remote(model, r, "hf") for r in range(args.generators)]
     meta = ray.get(trainer.weight_meta.remote())
     host, port = ray.get(trainer.endpoint.remote())
     address = SyncAddress(host, port, 1 + args.generators, "nccl" if args.gpus else "gloo")

@@ -123,7 +123,8 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
         (cluster.placement in ("PACK", "SPREAD"), f"--placement must be PACK or SPREAD, got {cluster.placement}"),
         (cluster.generator_backend in ("auto", "hf", "vllm"),
          f"--generator-backend must be auto, hf or vllm, got {cluster.generator_backend}"),
-        (rl.algorithm in PRESETS, f"--algorithm '{rl.algorithm}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
+        (rl.algorithm in PRESETS,
+         f"--algorithm '{rl.algorithm}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
         (rl.algorithm != "ppo", "--algorithm ppo needs a critic (a value model), which this job does not build yet; "
                                 "use reinforce_pp (REINFORCE++, critic-free) or grpo"),
         (rl.temperature > 0, f"--temperature must be > 0 for RL sampling, got {rl.temperature} "

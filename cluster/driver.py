@@ -7,6 +7,7 @@ role and rank. Each phase is timed (``time/generate``, ``time/reward``, ``time/r
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Optional, Sequence
 
@@ -133,8 +134,8 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
     for it in bar:
         t_step = time.perf_counter()
         algo = algorithm_schedule(it)
-        collect = lambda c: collect_rollouts(c, prompt_source, state, algo, gen,  # noqa: E731
-                                             prompts_per_step, max_resample_rounds)
+        collect = functools.partial(collect_rollouts, prompt_source=prompt_source, state=state, algo=algo, gen=gen,
+                                    prompts_per_step=prompts_per_step, max_rounds=max_resample_rounds)
         (rollouts, position, metrics), cluster, restarts = with_replacement(
             cluster, collect, state.policy_version, restarts, max_actor_restarts)
         metrics["recovery/actor_restarts"] = float(restarts)

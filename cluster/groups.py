@@ -113,7 +113,8 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
             cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
             raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
         except GetTimeoutError as e:
-            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s", c.role, c.rank) from e
+            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s",
+                               c.role, c.rank) from e
     return out
 
 

@@ -43,7 +43,8 @@ def check_fits(roles: Sequence[RoleSpec], cluster_total: dict, node_totals: Sequ
         if role.count < 1:
             problems.append(f"role '{role.name}' has count {role.count}; it needs at least 1")
         if role.strategy not in STRATEGIES:
-            problems.append(f"role '{role.name}': unknown placement strategy '{role.strategy}' ({', '.join(STRATEGIES)})")
+            problems.append(f"role '{role.name}': unknown placement strategy '{role.strategy}' "
+                            f"({', '.join(STRATEGIES)})")
         for key, amount in role.bundle().items():
             if amount and not any(node.get(key, 0.0) >= amount for node in node_totals):
                 have = max((node.get(key, 0.0) for node in node_totals), default=0.0)

@@ -43,7 +43,8 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
     it to matching nodes (e.g. {"generator": {"generator_node": 0.01}})."""
     extra = node_resources or {}
     strategy = cfg.placement
-    roles = [RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus, extra.get("generator"), strategy),
+    roles = [RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus, extra.get("generator"),
+                      strategy),
              RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
              RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
     if with_reference:

@@ -39,11 +39,10 @@ from primitives.generation import generate_rollouts  # noqa: E402
 from primitives.kl import create_reference_model  # noqa: E402
 from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
 from primitives.logprobs import rollout_logprobs  # noqa: E402
-from primitives.rewards import score_rollouts  # noqa: E402
-from primitives.tasks import (ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task,  # noqa: E402
-                              sft_demonstrations)
-from primitives.tiny import save_tiny_model  # noqa: E402
 from primitives.metrics import mean_over_updates  # noqa: E402
+from primitives.rewards import score_rollouts  # noqa: E402
+from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
+from primitives.tiny import save_tiny_model  # noqa: E402
 from primitives.training import optim_step, sft_forward_backward, train_on_batch  # noqa: E402
 from primitives.types import DataPosition, GenerationConfig  # noqa: E402
 

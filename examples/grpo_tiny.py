@@ -27,15 +27,22 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.config import build_parser, load_function, records_from_args, validate  # noqa: E402
-from cluster.driver import (copy_policy_to_reference, evaluate_accuracy, gather, load_cluster_checkpoint,  # noqa: E402
-                            save_cluster_checkpoint, sync_weights, train, train_sft)
+from cluster.driver import (  # noqa: E402
+    copy_policy_to_reference,
+    evaluate_accuracy,
+    gather,
+    load_cluster_checkpoint,
+    save_cluster_checkpoint,
+    sync_weights,
+    train,
+    train_sft,
+)
 from cluster.groups import fan_out  # noqa: E402
 from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
 from primitives.algorithms import constant_schedule, get_algorithm, uses_reference  # noqa: E402
 from primitives.data import make_prompt_source, prepare_sft_text  # noqa: E402
 from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
-from primitives.tasks import (ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task,  # noqa: E402
-                              sft_demonstrations)
+from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
 from primitives.tiny import save_tiny_model  # noqa: E402
 from primitives.training import linear_warmup  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402

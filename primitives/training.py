@@ -64,9 +64,9 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
         mb = batch.select(range(s, min(s + step, batch.size)))
         logp, entropy = completion_logprobs(model, _tensor(mb.input_ids, device), _tensor(mb.attention_mask, device),
                                             mb.prompt_len, temperature, with_entropy=True)
-        inputs = LossInputs(logp=logp, old_logp=_tensor(mb.old_logprobs, device), advantages=_tensor(mb.advantages, device),
-                            mask=_tensor(mb.loss_mask, device), counts=counts,
-                            behaviour_logp=_tensor(mb.behaviour_logprobs, device),
+        inputs = LossInputs(logp=logp, old_logp=_tensor(mb.old_logprobs, device),
+                            advantages=_tensor(mb.advantages, device), mask=_tensor(mb.loss_mask, device),
+                            counts=counts, behaviour_logp=_tensor(mb.behaviour_logprobs, device),
                             ref_logp=_tensor(mb.ref_logprobs, device), entropy=entropy)
         loss, m = loss_fn(inputs, algo)
         backward(loss * loss_scale)

@@ -13,9 +13,15 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, copy_into_model, init_sync_group,
-                                 tensor_checksums)
-from primitives.generation import create_rollout, encode_prompts, generate_rollouts, GenerationOutput
+from cluster.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    copy_into_model,
+    init_sync_group,
+    tensor_checksums,
+)
+from primitives.generation import GenerationOutput, create_rollout, encode_prompts, generate_rollouts
 from primitives.logprobs import rollout_logprobs
 from primitives.tools import hf_turn_generator, multiturn_rollout
 from primitives.types import GenerationConfig, ModelConfig
@@ -162,7 +168,8 @@ class GeneratorWorker:
         return self.engine.generate(list(items), gen, self.policy_version, self._sampler(items))
 
     def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tool_parser: Callable,
-                           tool_executor: Callable, max_turns: int = 4, stop_condition: Optional[Callable] = None) -> list:
+                           tool_executor: Callable, max_turns: int = 4,
+                           stop_condition: Optional[Callable] = None) -> list:
         turn = self.engine.turn_generator(gen, self._sampler(items))
         kwargs = {"stop_condition": stop_condition} if stop_condition is not None else {}
         return [multiturn_rollout(it, self.engine.tokenizer, turn, tool_parser, tool_executor, max_turns=max_turns,

@@ -22,12 +22,26 @@ import numpy as np
 import torch
 
 from cluster.weight_sync import DTYPES as DTYPES_BY_NAME
-from cluster.weight_sync import (SyncAddress, TensorMeta, broadcast_buckets, bucket_plan, dtype_name,
-                                 init_sync_group, tensor_checksums)
+from cluster.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    bucket_plan,
+    dtype_name,
+    init_sync_group,
+    tensor_checksums,
+)
 from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.logprobs import rollout_logprobs
-from primitives.training import (forward_backward, minibatches, pair_unit, sft_forward_backward, step_counts,
-                                 update_order, with_old_logprobs)
+from primitives.training import (
+    forward_backward,
+    minibatches,
+    pair_unit,
+    sft_forward_backward,
+    step_counts,
+    update_order,
+    with_old_logprobs,
+)
 from primitives.types import AlgorithmConfig, Batch, ModelConfig
 from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
 

@@ -1,8 +1,16 @@
 """Config validation, hooks, placement checks and helpers - all before any Ray work."""
 import pytest
 
-from cluster.config import ClusterConfig, JobConfig, RLConfig, SFTConfig, build_parser, load_function, \
-    records_from_args, validate
+from cluster.config import (
+    ClusterConfig,
+    JobConfig,
+    RLConfig,
+    SFTConfig,
+    build_parser,
+    load_function,
+    records_from_args,
+    validate,
+)
 from cluster.groups import split_evenly
 from cluster.placement import RoleSpec, check_fits, total_request
 from cluster.weight_sync import TensorMeta, bucket_plan

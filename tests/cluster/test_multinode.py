@@ -13,7 +13,6 @@ from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
 
-
 @pytest.fixture(scope="module")
 def two_nodes():
     import ray

@@ -13,9 +13,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 @pytest.mark.slow
 def test_default_ray_job_lifts_heldout_accuracy(tmp_path):
-    import ray
-
     import grpo_tiny
+    import ray
 
     ray.shutdown()
     out = str(tmp_path / "run")
@@ -50,9 +49,8 @@ def test_bad_flags_fail_before_ray(capsys):
 
 @pytest.mark.slow
 def test_checkpoint_then_resume_from_the_command_line(tmp_path):
-    import ray
-
     import grpo_tiny
+    import ray
 
     out = str(tmp_path / "run")
     short = ["--sft-steps", "20", "--eval-every", "0", "--heldout", "16"]

@@ -71,7 +71,8 @@ def test_worker_groups_advertise_the_pinned_resources():
     groups = {g["groupName"]: g for g in _manifest("raycluster.yaml")["spec"]["workerGroupSpecs"]}
     assert "generator_node" in groups["generators"]["rayStartParams"]["resources"]
     assert "trainer_node" in groups["trainers"]["rayStartParams"]["resources"]
-    assert set(NODE_GROUP_PINS["generator"]) == {"generator_node"} and set(NODE_GROUP_PINS["trainer"]) == {"trainer_node"}
+    assert set(NODE_GROUP_PINS["generator"]) == {"generator_node"}
+    assert set(NODE_GROUP_PINS["trainer"]) == {"trainer_node"}
 
 
 def test_rayjob_entrypoint_is_a_valid_command_line():

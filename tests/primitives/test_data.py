@@ -4,8 +4,17 @@ import json
 import numpy as np
 import pytest
 
-from primitives.data import (FieldMap, PromptItem, collate_sft, load_prompts_dataset, load_prompts_jsonl,
-                             make_prompt_source, prepare_sft_chat, prepare_sft_text, take_prompts)
+from primitives.data import (
+    FieldMap,
+    PromptItem,
+    collate_sft,
+    load_prompts_dataset,
+    load_prompts_jsonl,
+    make_prompt_source,
+    prepare_sft_chat,
+    prepare_sft_text,
+    take_prompts,
+)
 from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task, needs_carry, sft_demonstrations
 from primitives.types import DataPosition
 

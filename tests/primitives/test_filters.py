@@ -2,8 +2,15 @@
 import numpy as np
 import pytest
 
-from primitives.filters import (all_pairs, by_group, create_random_pairs, dynamic_sampling_filter, overlong_filter,
-                                select_pairs, top_bottom_pairs)
+from primitives.filters import (
+    all_pairs,
+    by_group,
+    create_random_pairs,
+    dynamic_sampling_filter,
+    overlong_filter,
+    select_pairs,
+    top_bottom_pairs,
+)
 from primitives.types import Rollout
 
 

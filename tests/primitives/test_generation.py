@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from primitives.data import PromptItem
-from primitives.generation import (encode_prompts, filter_logits, generate_rollouts, generate_tokens, left_pad,
-                                   parse_thinking, position_ids_from_mask, render_prompt)
+from primitives.generation import (
+    encode_prompts,
+    filter_logits,
+    generate_rollouts,
+    generate_tokens,
+    left_pad,
+    parse_thinking,
+    position_ids_from_mask,
+    render_prompt,
+)
 from primitives.logprobs import completion_logprobs, pack_completions, rollout_logprobs, token_entropy
 from primitives.types import Conversation, GenerationConfig, Message
 

@@ -25,9 +25,9 @@ def test_mask_zeroes_positions():
 
 def test_k3_nonnegative_everywhere():
     g = torch.Generator().manual_seed(0)
-    l = torch.randn(10000, generator=g) * 5
-    assert (K.kl_k3(l, torch.zeros_like(l)) >= 0).all()
-    assert (K.kl_k2(l, torch.zeros_like(l)) >= 0).all()
+    log_ratio = torch.randn(10000, generator=g) * 5
+    assert (K.kl_k3(log_ratio, torch.zeros_like(log_ratio)) >= 0).all()
+    assert (K.kl_k2(log_ratio, torch.zeros_like(log_ratio)) >= 0).all()
 
 
 def test_k1_k3_unbiased_for_reverse_kl():
