@@ -49,7 +49,8 @@ class RLConfig(NamedTuple):
     max_new_tokens: Annotated[int, "completion length limit"] = 5
     temperature: Annotated[float, "sampling temperature"] = 1.0
     rl_lr: Annotated[float, "RL learning rate"] = 3e-4
-    kl_coef: Annotated[float, "KL coefficient (0 disables the reference worker for GRPO)"] = 0.0
+    kl_coef: Annotated[Optional[float], "KL coefficient (default: the preset's own; any value > 0 adds a "
+                                        "reference worker)"] = None
     ppo_epochs: Annotated[int, "passes over each rollout batch"] = 1
     mini_batches: Annotated[int, "optimizer updates per pass (the rollout batch split into this many parts)"] = 1
     is_level: Annotated[str, "truncated importance weight against the generator's logprobs: off, token "
@@ -114,7 +115,7 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
     from primitives.algorithms import PRESETS
     from primitives.losses import IS_LEVELS
 
-    rows = rl.prompts_per_step * rl.group_size
+    rows = rl.prompts_per_step * (2 if rl.algorithm == "online_dpo" else rl.group_size)  # DPO: a pair per prompt
     checks = [
         (cluster.generators >= 1, "--generators must be at least 1"),
         (cluster.trainers >= 1, "--trainers must be at least 1"),
@@ -138,6 +139,7 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
          f"{cluster.trainers} trainer ranks; every rank needs rows (raise --prompts-per-step or lower --mini-batches)"),
         (rl.is_level in IS_LEVELS, f"--is-level must be one of {', '.join(IS_LEVELS)}, got {rl.is_level}"),
         (rl.is_cap > 0, f"--is-cap must be positive, got {rl.is_cap}"),
+        (rl.kl_coef is None or rl.kl_coef >= 0, f"--kl-coef must be >= 0, got {rl.kl_coef}"),
         (rl.group_size >= 2, "--group-size must be at least 2: group advantages compare completions of one prompt"),
         (rl.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
         (rl.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),

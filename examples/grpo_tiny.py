@@ -48,6 +48,7 @@ from primitives.training import linear_warmup  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 
+DEFAULT_JOB_KL = 0.01  # GRPO's k3 KL coefficient in the default job (the grpo preset's own is 0.04)
 PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step")
 # the learning signal and the generator/trainer gap, summarised as medians over the RL steps
 SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/entropy", "grad_norm",
@@ -57,13 +58,15 @@ SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/en
 def parse(argv=None):
     """``(job, cluster, sft, rl, reward_fn, algo)``: every check that needs no Ray, as a clean usage error."""
     parser = build_parser(__doc__.split("\n\n")[0])
-    parser.set_defaults(kl_coef=0.01)
     job, cfg, sft, rl = records_from_args(parser.parse_args(argv))
+    if rl.kl_coef is None and rl.algorithm == "grpo":
+        rl = rl._replace(kl_coef=DEFAULT_JOB_KL)  # the default job; other presets keep their own KL
     try:
         validate(job, cfg, sft, rl)
         reward_fn = load_function(job.reward_fn) if job.reward_fn else arithmetic_reward  # resolved once, here
-        algo = get_algorithm(rl.algorithm, kl_coef=rl.kl_coef, ppo_epochs=rl.ppo_epochs,
-                             mini_batches=rl.mini_batches, is_level=rl.is_level, is_cap=rl.is_cap)
+        kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
+        algo = get_algorithm(rl.algorithm, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches,
+                             is_level=rl.is_level, is_cap=rl.is_cap, **kl)
     except ValueError as e:
         parser.error(str(e))
     return job, cfg, sft, rl, reward_fn, algo

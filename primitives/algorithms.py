@@ -28,19 +28,18 @@ def dapo(overlong_buffer_frac: float = 0.2, max_completion_len: int = 0, **overr
     The overlong penalty's hard limit is the generation budget unless ``max_completion_len``
     is given; its buffer is ``overlong_buffer_frac`` of that limit (the paper: 4096 of 20480)."""
     return _preset("dapo", overrides, advantage="grpo", aggregation="token-mean", clip_eps_low=0.2,
-                   clip_eps_high=0.28, kl_coef=0.0, needs_reference=False, dynamic_sampling=True,
+                   clip_eps_high=0.28, kl_coef=0.0, dynamic_sampling=True,
                    max_completion_len=max_completion_len, overlong_buffer_frac=overlong_buffer_frac)
 
 
 def dr_grpo(**overrides) -> AlgorithmConfig:
     """Dr.GRPO: no std normalisation, constant-length normaliser, no KL."""
     return _preset("dr_grpo", overrides, advantage="dr_grpo", aggregation="seq-mean-token-sum-norm",
-                   kl_coef=0.0, needs_reference=False)
+                   kl_coef=0.0)
 
 
 def rloo(**overrides) -> AlgorithmConfig:
-    return _preset("rloo", overrides, advantage="rloo", aggregation="token-mean", kl_coef=0.0,
-                   needs_reference=False)
+    return _preset("rloo", overrides, advantage="rloo", aggregation="token-mean", kl_coef=0.0)
 
 
 def reinforce_pp(baseline: bool = False, **overrides) -> AlgorithmConfig:
@@ -53,7 +52,7 @@ def reinforce_pp(baseline: bool = False, **overrides) -> AlgorithmConfig:
 def gspo(**overrides) -> AlgorithmConfig:
     """GSPO: sequence-level ratio with the paper's small clip range."""
     return _preset("gspo", overrides, advantage="grpo", policy_loss="gspo", aggregation="seq-mean-token-mean",
-                   clip_eps_low=3e-4, clip_eps_high=4e-4, kl_coef=0.0, needs_reference=False)
+                   clip_eps_low=3e-4, clip_eps_high=4e-4, kl_coef=0.0)
 
 
 def ppo(**overrides) -> AlgorithmConfig:
@@ -107,6 +106,9 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
     if algo.policy_loss == "gspo" and algo.dual_clip is not None:
         raise ValueError(f"algorithm '{algo.name}': GSPO clips a sequence ratio; dual_clip "
                          f"({algo.dual_clip}) applies to token ratios only - set dual_clip=None")
+    if algo.kl_coef > 0 and not algo.needs_reference:
+        raise ValueError(f"algorithm '{algo.name}': kl_coef={algo.kl_coef} needs reference logprobs, but "
+                         "needs_reference is False")
     if algo.is_level not in IS_LEVELS:
         raise ValueError(f"algorithm '{algo.name}': unknown is_level '{algo.is_level}' ({', '.join(IS_LEVELS)})")
     if algo.is_cap <= 0:

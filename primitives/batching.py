@@ -104,12 +104,14 @@ def overlong_limit(algo: AlgorithmConfig, budget: int) -> int:
 
 def apply_overlong_penalty(rollouts: Sequence, algo: AlgorithmConfig, budget: int = 0) -> list:
     """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13) added to each reward when
-    ``algo.overlong_buffer_frac > 0``; the buffer is that share of the hard limit."""
+    ``algo.overlong_buffer_frac > 0``; the buffer is that share of the hard limit. Length is
+    counted in policy tokens (tool output inside a completion does not count); for multi-turn
+    rollouts, whose budget is per turn, set ``max_completion_len`` to the whole rollout's."""
     if not algo.overlong_buffer_frac:
         return list(rollouts)
     limit = overlong_limit(algo, budget)
     value = overlong_penalty(limit, max(1, round(algo.overlong_buffer_frac * limit)), algo.overlong_penalty)
-    return [r._replace(reward=float(r.reward) + value(r.num_tokens)) for r in rollouts]
+    return [r._replace(reward=float(r.reward) + value(int(r.loss_mask.sum()))) for r in rollouts]
 
 
 def mask_truncated(batch: Batch) -> Batch:
@@ -123,7 +125,7 @@ def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Op
                values: Optional[Sequence[np.ndarray]] = None, pair_selector: Optional[Callable] = None,
                seed: int = 0, budget: int = 0) -> Batch:
     """Scored rollouts -> Batch: overlong penalty, advantages, (pairs for online DPO),
-    padding, overlong filtering.
+    padding, overlong filtering (truncated rows masked; for online DPO, never paired).
 
     ``budget`` is the generation budget the rollouts were sampled with
     (``GenerationConfig.max_new_tokens``): Dr.GRPO's constant normaliser and the default
@@ -135,6 +137,8 @@ def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Op
     check_rollouts(rollouts)
     rollouts = apply_overlong_penalty(rollouts, algo, budget)
     if algo.policy_loss == "online_dpo":
+        if algo.filter_overlong:  # a pair needs both rows: truncated completions are never paired
+            rollouts = [r for r in rollouts if r.finish_reason != "length"]
         selector = pair_selector or PAIR_SELECTORS.get(algo.pair_selection)
         if selector is None:
             raise ValueError(f"unknown pair selection '{algo.pair_selection}' ({sorted(PAIR_SELECTORS)})")
@@ -144,7 +148,7 @@ def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Op
         rows = [r for pair in pairs for r in pair]
         T = max(len(r.completion_ids) for r in rows)
         sign = np.tile(np.array([1.0, -1.0], dtype=np.float32), len(pairs))[:, None]
-        batch = collate(rows, np.broadcast_to(sign, (len(rows), T)).copy(), pad_id, budget)
+        return collate(rows, np.broadcast_to(sign, (len(rows), T)).copy(), pad_id, budget)
     else:
         a, returns = compute_advantages(rollouts, algo, kl_fn, values)
         v = pad_right(values, a.shape[1]) if values is not None else None

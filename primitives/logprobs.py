@@ -32,9 +32,10 @@ def disable_dropout(model) -> None:
     """Set every dropout probability in ``model`` to 0, in place (as TRL and OpenRLHF do).
 
     Logprobs must be a function of the weights alone: with dropout the trainer's ratio
-    and KL compare two random draws. ``nn.Dropout`` modules get ``p = 0``; float attributes
-    named ``*dropout*`` (Qwen2's ``attention_dropout``, read at forward time) and config
-    fields likewise. Train mode stays usable (gradient checkpointing needs it).
+    and KL compare two random draws. ``nn.Dropout`` modules get ``p = 0``, and so do float
+    attributes named ``*dropout*`` (Qwen2's ``attention_dropout``, read at forward time).
+    The model's config is left alone, so a saved checkpoint keeps its dropout settings.
+    Train mode stays usable (gradient checkpointing needs it).
     """
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -42,10 +43,6 @@ def disable_dropout(model) -> None:
         for name, value in list(vars(module).items()):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
-        config = getattr(module, "config", None)
-        for name, value in (vars(config).items() if config is not None and hasattr(config, "__dict__") else ()):
-            if "dropout" in name and isinstance(value, float):
-                setattr(config, name, 0.0)
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,

@@ -6,8 +6,9 @@ Every metric a loss reports is one of three kinds, told by its key:
   already divided by the step's global token / sequence counts, and rates (clip fraction,
   entropy, KL) are reported as ``local rate * local tokens / global tokens`` - that is, a
   rate weighted by its count. Shares add.
-* a **maximum** or **minimum**: keys whose last part starts or ends with ``max`` / ``min``
-  (``mismatch/max_abs_logp_diff``, ``response/len_max``). They take the max / min.
+* a **maximum** or **minimum**: keys whose last part is ``max`` / ``min``, or starts with
+  ``max_`` / ``min_``, or ends with ``_max`` / ``_min`` (``mismatch/max_abs_logp_diff``,
+  ``response/len_max``, ``reward/max``). They take the max / min.
 * a **global** value that every rank already holds whole (``grad_norm`` and ``lr`` after
   DeepSpeed's reduction). The first part's value is kept.
 
@@ -26,10 +27,9 @@ def reduction(key: str) -> str:
     if key in GLOBAL_KEYS:
         return "first"
     last = key.rsplit("/", 1)[-1]
-    if last.startswith("max") or last.endswith("max"):
-        return "max"
-    if last.startswith("min") or last.endswith("min"):
-        return "min"
+    for kind in ("max", "min"):
+        if last == kind or last.startswith(kind + "_") or last.endswith("_" + kind):
+            return kind
     return "sum"
 
 

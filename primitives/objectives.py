@@ -114,10 +114,15 @@ def _online_dpo(x: LossInputs, algo: AlgorithmConfig):
     if seq.shape[0] % 2:
         raise ValueError("online_dpo: odd number of rows; pairs must stay together")
     loss_N, margin = L.online_dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], algo.dpo_beta)
-    num_pairs = max(x.counts.num_sequences // 2, 1)
+    num_pairs = max(x.counts.num_sequences // 2, 1)  # every row of a DPO batch has loss tokens
     loss = loss_N.sum() / num_pairs
     share = seq.shape[0] / 2 / num_pairs
     metrics = {"loss/policy": float(loss.detach()), "loss/total": float(loss.detach()),
                "dpo/margin": float(margin.mean()) * share,
                "dpo/accuracy": float((margin > 0).float().mean()) * share}
+    if x.behaviour_logp is not None:  # measured, not applied: the DPO loss has no ratio to weight
+        old = x.logp.detach()
+        weights, capped = L.truncated_is_weights(old, x.behaviour_logp, x.mask, "token", algo.is_cap)
+        token_share = float(x.mask.sum()) / max(x.counts.num_tokens, 1)
+        metrics.update(mismatch_metrics(old, x.behaviour_logp, weights, capped, x.mask, token_share))
     return loss, metrics

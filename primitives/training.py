@@ -99,25 +99,38 @@ def minibatches(batch: Batch, algo: AlgorithmConfig) -> list:
     return [batch.select(range(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def update_order(algo: AlgorithmConfig) -> list:
-    """Mini-batch index of each optimizer update: every mini-batch once per PPO epoch."""
-    return [k for _ in range(algo.ppo_epochs) for k in range(algo.mini_batches)]
+def updates_of(batch: Batch, algo: AlgorithmConfig, prepare: Callable[[Batch, bool], Batch]) -> list:
+    """The optimizer updates of one rollout batch, in order: ``(part, counts)`` pairs.
+
+    ``algo.ppo_epochs`` passes over ``algo.mini_batches`` contiguous mini-batches, in the same
+    order each pass (groups stay together). ``counts`` are each mini-batch's global counts.
+    ``prepare(mini_batch, fix_old)`` runs once per mini-batch before any update - a trainer
+    rank takes its shard there - and must set ``old_logprobs`` when ``fix_old`` is true (the
+    policy moves within the batch, so the clip ratio's denominator is fixed first). A
+    mini-batch with no loss tokens (all rows masked) is skipped: Adam would still move the
+    weights on its zero gradient.
+    """
+    parts = minibatches(batch, algo)
+    fix_old = algo.ppo_epochs * algo.mini_batches > 1
+    prepared = [prepare(part, fix_old) for part in parts]
+    counts = [step_counts(part) for part in parts]
+    order = [k for _ in range(algo.ppo_epochs) for k in range(len(parts))]
+    return [(prepared[k], counts[k]) for k in order if counts[k].num_tokens > 0]
 
 
 def train_on_batch(model, optimizer, batch: Batch, algo: AlgorithmConfig, temperature: float = 1.0,
                    max_grad_norm: Optional[float] = 1.0, micro_batch_size: Optional[int] = None,
                    loss_fn: Optional[Callable] = None) -> list:
-    """One rollout batch in one process: ``algo.ppo_epochs`` passes of ``algo.mini_batches``
-    optimizer updates. The old logprobs of the clip ratio are fixed before the first update
-    (with a single update they are ``logp.detach()``). Returns one metric dict per update;
-    ``primitives.metrics.mean_over_updates`` summarises them."""
-    parts = minibatches(batch, algo)
-    if len(update_order(algo)) > 1:
-        parts = [with_old_logprobs(model, p, temperature, micro_batch_size) for p in parts]
+    """One rollout batch in one process: the updates of ``updates_of``, each a
+    ``forward_backward`` and an ``optim_step``. With a single update the old logprobs are
+    ``logp.detach()``. Returns one metric dict per update; ``primitives.metrics.mean_over_updates``
+    summarises them."""
+    def prepare(part: Batch, fix_old: bool) -> Batch:
+        return with_old_logprobs(model, part, temperature, micro_batch_size) if fix_old else part
+
     updates = []
-    for k in update_order(algo):
-        m = forward_backward(model, parts[k], algo, step_counts(parts[k]), micro_batch_size, temperature,
-                             loss_fn=loss_fn)
+    for part, counts in updates_of(batch, algo, prepare):
+        m = forward_backward(model, part, algo, counts, micro_batch_size, temperature, loss_fn=loss_fn)
         m["grad_norm"] = optim_step(model, optimizer, max_grad_norm)
         updates.append(m)
     return updates

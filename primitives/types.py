@@ -207,7 +207,7 @@ class AlgorithmConfig(NamedTuple):
     value_coef: float = 0.5
     whiten_advantages: bool = False  # batch whitening after the advantage function
     adv_eps: float = 1e-6
-    needs_reference: bool = True  # fetch reference logprobs for this step
+    needs_reference: bool = True  # False: never fetch reference logprobs (then kl_coef must be 0)
     # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
     # brings you off-policy RL training"): the loss of each token is weighted by
     # min(pi_old / pi_behaviour, is_cap), per token or per sequence, so a generator that

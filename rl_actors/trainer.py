@@ -38,8 +38,7 @@ from primitives.training import (
     minibatches,
     pair_unit,
     sft_forward_backward,
-    step_counts,
-    update_order,
+    updates_of,
     with_old_logprobs,
 )
 from primitives.types import AlgorithmConfig, Batch, ModelConfig
@@ -156,15 +155,19 @@ class TrainerWorker:
         is the sampling temperature the rollouts were drawn at. Returns one metric dict per
         update, this rank's shares (``primitives.metrics.merge_rank_updates`` adds the ranks)."""
         unit = pair_unit(algo)
-        parts = minibatches(batch, algo)
-        shards = [part.shard(self.rank, self.world_size, unit) for part in parts]
-        if any(not s.size for s in shards) and self.config.zero_stage == 3:
-            raise ValueError(f"trainer {self.rank}: a mini-batch of {min(p.size for p in parts)} rows leaves this "
-                             f"rank none; under ZeRO-3 every rank must run a forward - use at least "
-                             f"{self.world_size * unit} rows per mini-batch")
-        if len(update_order(algo)) > 1:  # the policy moves within this batch: fix the ratio's denominator first
-            shards = [with_old_logprobs(self.module, s, temperature, self.config.micro_batch_size) for s in shards]
-        return [self._update(shards[k], step_counts(parts[k]), algo, temperature, lr) for k in update_order(algo)]
+        smallest = min(part.size for part in minibatches(batch, algo))
+        if self.config.zero_stage == 3 and smallest < self.world_size * unit:  # the same answer on every rank
+            raise ValueError(f"trainer {self.rank}: a mini-batch of {smallest} rows leaves some of the "
+                             f"{self.world_size} ranks none; under ZeRO-3 every rank must run a forward - use at "
+                             f"least {self.world_size * unit} rows per mini-batch")
+
+        def prepare(part: Batch, fix_old: bool) -> Batch:
+            shard = part.shard(self.rank, self.world_size, unit)
+            return with_old_logprobs(self.module, shard, temperature, self.config.micro_batch_size) if fix_old \
+                else shard
+
+        return [self._update(shard, counts, algo, temperature, lr)
+                for shard, counts in updates_of(batch, algo, prepare)]
 
     def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts."""

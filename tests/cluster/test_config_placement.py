@@ -114,3 +114,18 @@ def test_resume_names_the_checkpoint_format(tmp_path):
     (cluster_ckpt / "deepspeed").mkdir(parents=True)
     (cluster_ckpt / "train_state.json").write_text("{}")
     assert resume_errors(str(cluster_ckpt)) == []
+
+
+def test_each_preset_keeps_its_own_kl_unless_given():
+    """--algorithm dapo used to inherit the default job's KL 0.01 without a reference worker and
+    failed at its first RL step; now the preset's KL stands and a given KL adds the reference."""
+    from examples.grpo_tiny import parse
+    from primitives.algorithms import uses_reference
+
+    algo = parse([])[-1]
+    assert (algo.name, algo.kl_coef, uses_reference(algo)) == ("grpo", 0.01, True)
+    for name in ("dapo", "dr_grpo", "rloo", "gspo"):
+        algo = parse(["--algorithm", name])[-1]
+        assert algo.kl_coef == 0.0 and not uses_reference(algo), name
+    algo = parse(["--algorithm", "dapo", "--kl-coef", "0.02"])[-1]
+    assert algo.kl_coef == 0.02 and uses_reference(algo)

@@ -163,6 +163,23 @@ def test_gspo_sequence_ratio_ignores_padding():
     assert loss.tolist()[0] == pytest.approx([-s, -s, 0.0], abs=1e-6) and not clipped.any()
 
 
+def test_online_dpo_averages_over_pairs():
+    """Two pairs with margins 2 and -1 (beta 0.5): loss = mean of -log sigmoid(0.5 m)."""
+    x = LossInputs(logp=t([[-1.0], [-3.0], [-2.0], [-1.0]]), old_logp=None, advantages=t([[1.0], [-1.0], [1.0], [-1.0]]),
+                   mask=t([[1.0]] * 4), counts=LossCounts(4, 4), ref_logp=t([[-2.0], [-2.0], [-1.0], [-1.0]]))
+    loss, m = policy_objective(x, algos.online_dpo(beta=0.5))
+    expected = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
+    assert m["dpo/margin"] == pytest.approx((1.0 - 0.5) / 2, abs=1e-6) and m["dpo/accuracy"] == 0.5
+
+
+def test_online_dpo_never_pairs_a_truncated_completion():
+    rs = [rollout("a", "g", [1], [1, 1], [0.0, 0.0], reward=1.0, finish="length"),
+          rollout("b", "g", [1], [1], [0.0], reward=0.5), rollout("c", "g", [1], [1], [0.0], reward=0.0)]
+    batch = make_batch(rs, algos.online_dpo(filter_overlong=True), pad_id=0)
+    assert [r.uid for r in batch.rollouts] == ["b", "c"] and batch.loss_mask.sum(1).tolist() == [1.0, 1.0]
+
+
 def test_online_dpo_orders_chosen_before_rejected():
     """Rows (chosen, rejected): pi sums -1 / -3, ref sums -2 / -2, margin 2, beta 0.1."""
     x = LossInputs(logp=t([[-0.5, -0.5], [-1.0, -2.0]]), old_logp=None, advantages=t([[1.0, 1.0], [-1.0, -1.0]]),
@@ -187,39 +204,64 @@ def test_aggregation_uses_its_mask():
 
 def test_epochs_and_mini_batches_clip_as_hand_worked():
     """Two tokens (V=2), logits start at 0, SGD lr 1, seq-mean-token-mean, eps_low 0.5 / high 0.2.
+    The generator's logprobs are off the trainer's (log 0.5) by d = (0.1, -0.2, 0.3), so each
+    token's loss carries the capped weight w = e^-d (under the cap 2); the clip ratio does not.
 
-    Mini-batch 1 = [token 0, A=+1]; mini-batch 2 = [token 0, A=+1], [token 1, A=-1].
-    Update 1: ratio 1, gradient -(e0 - p) = (-0.5, 0.5), so theta = (0.5, -0.5).
-    Update 2: p0 = sigmoid(1): ratio0 = 2 p0 > 1.2 (clipped, no gradient), ratio1 = 2 (1 - p0)
-    > 0.5 (not clipped); loss (-1.2 + ratio1) / 2; theta moves by 0.5 ratio1 (1 - p1) more.
+    Mini-batch 1 = [a: token 0, A=+1]; mini-batch 2 = [b: token 0, A=+1], [c: token 1, A=-1].
+    Update 1: ratio 1, gradient -w_a (e0 - p) = w_a (-0.5, 0.5), so theta = (0.5 w_a, -0.5 w_a).
+    Update 2: p0 = sigmoid(w_a): ratio0 = 2 p0 > 1.2 (clipped, no gradient), ratio1 = 2 (1 - p0)
+    > 0.5 (not clipped); loss (-1.2 w_b + w_c ratio1) / 2; theta_0 grows by 0.5 w_c ratio1 p0.
     Epoch 2 uses the old logprobs of before update 1 (log 0.5), so its ratios are far from 1."""
     model = TableModel([[0.0, 0.0], [0.0, 0.0]])
     half = math.log(0.5)
-    rs = [rollout("a", "g", [0], [0], [half]), rollout("b", "g", [0], [0], [half]), rollout("c", "g", [0], [1], [half])]
+    d = (0.1, -0.2, 0.3)
+    w_a, w_b, w_c = (math.exp(-x) for x in d)
+    rs = [rollout("a", "g", [0], [0], [half + d[0]]), rollout("b", "g", [0], [0], [half + d[1]]),
+          rollout("c", "g", [0], [1], [half + d[2]])]
     batch = collate(rs, np.array([[1.0], [1.0], [-1.0]], dtype=np.float32), pad_id=0, budget=1)
     algo = algos.grpo(kl_coef=0.0, clip_eps_low=0.5, clip_eps_high=0.2, ppo_epochs=2, mini_batches=2)
     updates = train_on_batch(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, algo, max_grad_norm=None)
     assert len(updates) == 4
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
-    # update 1: on policy
+    # update 1: on policy, whatever the generator said
     assert updates[0]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-7) and updates[0]["policy/clip_frac"] == 0
-    assert updates[0]["loss/policy"] == pytest.approx(-1.0, abs=1e-6)
+    assert updates[0]["loss/policy"] == pytest.approx(-w_a, abs=1e-6)
+    assert updates[0]["mismatch/is_weight_mean"] == pytest.approx(w_a, abs=1e-6)
     # update 2
-    p0 = sig(1.0)
+    p0 = sig(w_a)
     r0, r1 = 2 * p0, 2 * (1 - p0)
+    assert r0 > 1.2 and r1 > 0.5
     assert updates[1]["policy/clip_frac"] == pytest.approx(0.5)
-    assert updates[1]["loss/policy"] == pytest.approx((-1.2 + r1) / 2, abs=1e-6)
+    assert updates[1]["loss/policy"] == pytest.approx((-1.2 * w_b + w_c * r1) / 2, abs=1e-6)
     assert updates[1]["policy/ratio_mean"] == pytest.approx((r0 + r1) / 2, abs=1e-6)
-    theta0 = 0.5 + 0.5 * r1 * p0  # d(r1 / 2)/d theta_0 = -0.5 r1 p0
-    # epoch 2, update 3: mini-batch 1 again, against log 0.5
+    theta0 = 0.5 * w_a + 0.5 * w_c * r1 * p0
+    # epoch 2, update 3: mini-batch 1 again, against log 0.5 (not the generator's logprob)
     p0 = sig(2 * theta0)
     assert updates[2]["policy/ratio_mean"] == pytest.approx(2 * p0, abs=1e-6)
-    assert updates[2]["policy/clip_frac"] == 1.0 and updates[2]["loss/policy"] == pytest.approx(-1.2, abs=1e-6)
+    assert updates[2]["policy/clip_frac"] == 1.0 and updates[2]["loss/policy"] == pytest.approx(-1.2 * w_a, abs=1e-6)
     # update 4: ratio1 = 2 (1 - p0) < 0.5 with A < 0: clipped at 0.5
     assert 2 * (1 - p0) < 0.5
     assert updates[3]["policy/clip_frac"] == 1.0
-    assert updates[3]["loss/policy"] == pytest.approx((-1.2 + 0.5) / 2, abs=1e-6)
+    assert updates[3]["loss/policy"] == pytest.approx((-1.2 * w_b + 0.5 * w_c) / 2, abs=1e-6)
     assert model.table[0].tolist() == pytest.approx([theta0, -theta0], abs=1e-6)
+
+
+def test_one_update_uses_the_trainers_logprobs_and_weights_the_generators():
+    """The default path (one update, no old logprobs set): ratio 1 however far the generator's
+    logprobs are; loss -A w with w = min(e^(trainer - generator), 2), token-mean."""
+    table = [[0.0, 1.0, 2.0], [0.5, -1.0, 0.3], [1.0, 1.0, -2.0]]
+    lp = [log_softmax(row) for row in table]
+    d = [0.4, -0.3, -1.0, 0.2]  # generator minus trainer, per loss token
+    rs = [rollout("a", "g", [0], [1, 2], [lp[0][1] + d[0], lp[1][2] + d[1]]),
+          rollout("b", "g", [2], [0, 0], [lp[2][0] + d[2], lp[0][0] + d[3]])]
+    batch = collate(rs, np.array([[1.0, 1.0], [-1.0, -1.0]], dtype=np.float32), pad_id=0, budget=2)
+    model = TableModel(table)
+    m = forward_backward(model, batch, algos.dapo(), step_counts(batch))  # token-mean, token-level IS, C = 2
+    w = [min(math.exp(-x), 2.0) for x in d]  # e^1.0 = 2.72 is capped
+    assert m["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-7) and m["policy/clip_frac"] == 0.0
+    assert m["loss/policy"] == pytest.approx((-w[0] - w[1] + w[2] + w[3]) / 4, abs=1e-6)
+    assert m["mismatch/is_clipped_frac"] == pytest.approx(0.25)
+    assert m["mismatch/max_abs_logp_diff"] == pytest.approx(1.0, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- temperature, SFT shift, dropout
@@ -333,6 +375,18 @@ def test_overlong_rows_are_masked_not_dropped_and_dapo_sizes_from_the_budget():
     assert step_counts(batch) == LossCounts(num_tokens=17, num_sequences=2, max_len=10)
     with pytest.raises(ValueError, match="generation budget"):
         make_batch(rs, algos.dapo(), pad_id=0)
+    # length counts policy tokens: 12 tokens of which 4 are tool output = 8 policy tokens, no penalty
+    tool = rollout("t", "h", [1], [1] * 12, [0.0] * 12, reward=1.0, mask=[1] * 4 + [0] * 4 + [1] * 4)
+    other = rollout("u", "h", [1], [1], [0.0], reward=0.0)
+    assert make_batch([tool, other], algo, pad_id=0, budget=10).rewards.tolist() == [1.0, 0.0]
+
+
+def test_kl_anywhere_needs_the_reference():
+    assert not algos.uses_reference(algos.dapo()) and algos.uses_reference(algos.dapo(kl_coef=0.01))
+    assert algos.uses_reference(algos.dr_grpo(kl_coef=0.1, kl_in_reward=True))
+    assert algos.uses_reference(algos.online_dpo())
+    with pytest.raises(ValueError, match="needs reference logprobs"):
+        algos.grpo(kl_coef=0.1, needs_reference=False)
 
 
 def test_gspo_refuses_token_aggregation_and_dual_clip():

@@ -1,17 +1,18 @@
-"""One sampling temperature on Ray (T = 0.7): generator, trainer and reference all score
-``softmax(logits / 0.7)``; KL shaping in the reward sees reference logprobs; the generator /
-trainer gap is measured every step and is fp32-small on CPU."""
+"""On Ray, through the driver: one sampling temperature (T = 0.7) - generator, trainer and
+reference all score ``softmax(logits / 0.7)``; KL shaping in the reward sees reference
+logprobs; the generator / trainer gap is measured every step and is fp32-small on CPU; and
+``train`` / ``train_sft`` log the same numbers on 1 and 2 trainer ranks."""
 import numpy as np
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.driver import gather, generate_and_score, train
+from cluster.driver import gather, generate_and_score, sync_weights, train, train_sft
 from cluster.groups import fan_out
 from cluster.setup import build_rl_cluster, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source
+from primitives.data import make_prompt_source, prepare_sft_text
 from primitives.rewards import kl_penalty_shaping
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -19,24 +20,60 @@ T = 0.7
 KL_SHAPING = 0.1
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_local, tiny_model_path):
-    cfg = ClusterConfig(generators=1, trainers=1, zero_stage=2, call_timeout_s=300)
+def _one_step_each(path, trainers: int):
+    """A cluster with ``trainers`` ranks: one RL step at T = 0.7 while policy == reference, then
+    one SFT step, then a sync. Returns ``(cluster, logged RL metrics, logged SFT metrics, items)``."""
+    from transformers import AutoTokenizer
+
+    cfg = ClusterConfig(generators=1, trainers=trainers, zero_stage=2, call_timeout_s=300)
     # a fixed reference loaded from the same weights: policy == reference until the first update
-    c = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-2), arithmetic_reward,
-                         with_reference=True, shaping_fn=kl_penalty_shaping(KL_SHAPING))
-    yield c
-    shutdown_cluster(c)
-
-
-@pytest.fixture(scope="module")
-def first_step(cluster):
-    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=32, num_heldout=1))[0]
-    logged = []
+    cluster = build_rl_cluster(path, cfg, TrainerConfig(zero_stage=2, lr=1e-2, micro_batch_size=5), arithmetic_reward,
+                               with_reference=True, shaping_fn=kl_penalty_shaping(KL_SHAPING))
+    spec = ArithmeticTaskSpec(num_train=32, num_heldout=1)
+    items = make_arithmetic_task(spec)[0]
+    rl, sft = [], []
     train(cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
           GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=1, prompts_per_step=4,
-          lr_schedule=lambda s: 1e-2, logger=logged.append, progress=False)
-    return logged[0], items
+          lr_schedule=lambda s: 1e-2, logger=rl.append, progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
+    train_sft(cluster, samples, num_steps=1, batch_size=16, lr_schedule=lambda s: 1e-3, logger=sft.append,
+              progress=False)
+    sync_weights(cluster, version=2)
+    return cluster, rl[0], sft[0], items
+
+
+@pytest.fixture(scope="module")
+def runs(ray_local, tiny_model_path):
+    """The same steps on 1 and on 2 trainer ranks (one generator each: the same rollouts)."""
+    one = _one_step_each(tiny_model_path, 1)
+    shutdown_cluster(one[0])
+    two = _one_step_each(tiny_model_path, 2)
+    yield one, two
+    shutdown_cluster(two[0])
+
+
+@pytest.fixture(scope="module")
+def cluster(runs):
+    return runs[1][0]
+
+
+@pytest.fixture(scope="module")
+def first_step(runs):
+    _, metrics, _, items = runs[1]
+    return metrics, items
+
+
+def test_the_driver_logs_the_same_numbers_on_1_and_2_ranks(runs):
+    """Invariant 6 through ``train`` and ``train_sft`` themselves (their merge of the ranks)."""
+    (_, rl1, sft1, _), (_, rl2, sft2, _) = runs
+    for key in ("loss/policy", "loss/kl", "kl/ref_k3", "policy/entropy", "policy/clip_frac", "policy/ratio_mean",
+                "grad_norm", "mismatch/k3", "mismatch/max_abs_logp_diff", "mismatch/is_weight_mean", "reward/mean"):
+        assert rl2[key] == pytest.approx(rl1[key], abs=1e-6), (key, rl2[key], rl1[key])
+    assert rl1["policy/entropy"] > 0.1 and rl1["grad_norm"] > 0  # real values, not zeros
+    for key in ("loss/sft", "sft/tokens", "grad_norm"):
+        assert sft2[key] == pytest.approx(sft1[key], rel=1e-6), (key, sft2[key], sft1[key])
+    assert sft1["loss/sft"] > 1.0
 
 
 def test_kl_to_an_identical_reference_is_zero_at_t07(first_step):
@@ -56,7 +93,7 @@ def test_generator_reference_and_trainer_score_at_the_sampling_temperature(clust
     _, items = first_step
     rollouts, _ = generate_and_score(cluster, items[:4], GenerationConfig(max_new_tokens=4, n=2, temperature=T),
                                      with_ref=True)
-    assert {r.policy_version for r in rollouts} == {1}  # after the first update and sync
+    assert {r.policy_version for r in rollouts} == {2}  # after the RL and SFT steps and their sync
     trainer = gather(fan_out(cluster.trainers, "logprobs", rollouts, T), cluster.timeout_s)[0]
     assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts)) < 1e-4
     # the fixed reference is the initial model, scored at T = 0.7 (not 1.0)
