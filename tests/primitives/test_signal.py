@@ -165,8 +165,9 @@ def test_gspo_sequence_ratio_ignores_padding():
 
 def test_online_dpo_averages_over_pairs():
     """Two pairs with margins 2 and -1 (beta 0.5): loss = mean of -log sigmoid(0.5 m)."""
-    x = LossInputs(logp=t([[-1.0], [-3.0], [-2.0], [-1.0]]), old_logp=None, advantages=t([[1.0], [-1.0], [1.0], [-1.0]]),
-                   mask=t([[1.0]] * 4), counts=LossCounts(4, 4), ref_logp=t([[-2.0], [-2.0], [-1.0], [-1.0]]))
+    x = LossInputs(logp=t([[-1.0], [-3.0], [-2.0], [-1.0]]), old_logp=None,
+                   advantages=t([[1.0], [-1.0], [1.0], [-1.0]]), mask=t([[1.0]] * 4), counts=LossCounts(4, 4),
+                   ref_logp=t([[-2.0], [-2.0], [-1.0], [-1.0]]))
     loss, m = policy_objective(x, algos.online_dpo(beta=0.5))
     expected = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2
     assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
