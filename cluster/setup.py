@@ -83,11 +83,15 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
+def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
                      with_reference: bool, ref_update_fn: Optional[Callable] = None, aggregate_fn=None,
                      shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
                      node_resources: Optional[dict] = None) -> RLCluster:
-    """Check resources, place each role, create and set up every actor, wire weight sync."""
+    """Check resources, place each role, create and set up every actor, wire weight sync.
+
+    ``model`` (a ``ModelConfig``, or a bare path for the defaults) reaches every actor as given:
+    dtype, device, ``trust_remote_code`` and attention implementation. The trainers keep fp32
+    master weights whatever the dtype (DeepSpeed casts to bf16 on GPU)."""
     from rl_actors.generator import GeneratorWorker
     from rl_actors.reference import RefLogprobWorker
     from rl_actors.reward import RewardWorker
@@ -101,7 +105,7 @@ def build_rl_cluster(model_path: str, cfg: ClusterConfig, trainer_cfg: TrainerCo
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
     spec = {r.name: r for r in roles}
-    model = ModelConfig(model_path)
+    model = model if isinstance(model, ModelConfig) else ModelConfig(model)
     threads = cfg.threads_per_actor
     wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
 

@@ -58,7 +58,7 @@ class ModelConfig(NamedTuple):
 
     model_name_or_path: str
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    device: str = "cpu"
+    device: str = "auto"  # "auto": the actor's GPU when it has one, else "cpu"; or "cpu", "cuda", "cuda:1"
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None  # e.g. "eager", "sdpa"; None = HF default
 

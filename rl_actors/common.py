@@ -29,6 +29,8 @@ def load_causal_lm(config: ModelConfig, role: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_path(config.model_name_or_path, role)
+    if config.device == "auto":
+        config = config._replace(device="cuda" if gpu_visible() else "cpu")
     kwargs = {"dtype": getattr(torch, config.dtype), "trust_remote_code": config.trust_remote_code}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
@@ -38,6 +40,13 @@ def load_causal_lm(config: ModelConfig, role: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def describe_model(model) -> dict:
+    """What an actor actually loaded: dtype, device and attention implementation."""
+    p = next(model.parameters())
+    return {"dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
 def actor_info(role: str, rank: int) -> dict:

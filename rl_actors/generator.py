@@ -25,7 +25,7 @@ from primitives.generation import GenerationOutput, create_rollout, encode_promp
 from primitives.logprobs import rollout_logprobs
 from primitives.tools import hf_turn_generator, multiturn_rollout
 from primitives.types import GenerationConfig, ModelConfig
-from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
+from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
 
 def vllm_available() -> bool:
@@ -44,7 +44,7 @@ class HFEngine:
     def __init__(self, config: ModelConfig, role: str):
         self.model, self.tokenizer = load_causal_lm(config, role)
         self.model.eval()
-        self.device = torch.device(config.device)
+        self.device = next(self.model.parameters()).device
 
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
         return generate_rollouts(self.model, self.tokenizer, items, gen, version, generator)
@@ -78,11 +78,12 @@ class VLLMEngine:
         from rl_actors.common import check_model_path
 
         check_model_path(config.model_name_or_path, role)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path,
+                                                       trust_remote_code=config.trust_remote_code)
         # processed logprobs: of the distribution actually sampled (after temperature), the
         # quantity the trainer's importance weight compares with (vLLM's default is raw logits)
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
-                       logprobs_mode="processed_logprobs",
+                       trust_remote_code=config.trust_remote_code, logprobs_mode="processed_logprobs",
                        weight_transfer_config=WeightTransferConfig(backend="nccl"), **(engine_kwargs or {}))
         self.device = torch.device("cuda")
 
@@ -148,7 +149,8 @@ class GeneratorWorker:
         self.sync_group, self.sync_rank = None, None
 
     def info(self) -> dict:
-        return {**actor_info(self.role, self.rank), "backend": self.engine.name}
+        model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
+        return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model}
 
     def _sampler(self, items: Sequence) -> torch.Generator:
         """A generator seeded by (seed, rank, policy version, first prompt): the same call after

@@ -15,7 +15,7 @@ from cluster.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init
 from primitives.kl import apply_ref_state, ref_state_from_model
 from primitives.logprobs import rollout_logprobs
 from primitives.types import ModelConfig
-from rl_actors.common import actor_info, load_causal_lm, setup_process
+from rl_actors.common import actor_info, describe_model, load_causal_lm, setup_process
 
 
 class RefLogprobWorker:
@@ -34,7 +34,7 @@ class RefLogprobWorker:
         self.sync_group, self.sync_rank = None, None
 
     def info(self) -> dict:
-        return actor_info(self.role, self.rank)
+        return {**actor_info(self.role, self.rank), "model": describe_model(self.model)}
 
     @property
     def tracks_policy(self) -> bool:

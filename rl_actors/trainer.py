@@ -42,7 +42,7 @@ from primitives.training import (
     with_old_logprobs,
 )
 from primitives.types import AlgorithmConfig, Batch, ModelConfig
-from rl_actors.common import actor_info, gpu_visible, load_causal_lm, setup_process
+from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
 
 def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
@@ -128,7 +128,9 @@ class TrainerWorker:
 
     # --------------------------------------------------------------- info
     def info(self) -> dict:
-        return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16}
+        model = describe_model(self.module) if self.engine is not None else {}
+        return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16,
+                "model": model}
 
     @property
     def module(self):

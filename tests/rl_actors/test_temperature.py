@@ -13,7 +13,7 @@ from primitives.algorithms import constant_schedule, grpo
 from primitives.data import make_prompt_source, prepare_sft_text
 from primitives.rewards import kl_penalty_shaping
 from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
-from primitives.types import GenerationConfig
+from primitives.types import GenerationConfig, ModelConfig
 from rl_actors.trainer import TrainerConfig
 
 T = 0.7
@@ -26,8 +26,10 @@ def _one_step_each(path, trainers: int):
     from transformers import AutoTokenizer
 
     cfg = ClusterConfig(generators=1, trainers=trainers, zero_stage=2, call_timeout_s=300)
-    # a fixed reference loaded from the same weights: policy == reference until the first update
-    cluster = build_rl_cluster(path, cfg, TrainerConfig(zero_stage=2, lr=1e-2, micro_batch_size=5), arithmetic_reward,
+    # a fixed reference loaded from the same weights: policy == reference until the first update;
+    # the model config (eager attention, not the default sdpa) must reach every actor
+    model = ModelConfig(path, attn_implementation="eager")
+    cluster = build_rl_cluster(model, cfg, TrainerConfig(zero_stage=2, lr=1e-2, micro_batch_size=5), arithmetic_reward,
                                with_reference=True, shaping_fn=kl_penalty_shaping(KL_SHAPING))
     spec = ArithmeticTaskSpec(num_train=32, num_heldout=1)
     items = make_arithmetic_task(spec)[0]
@@ -74,6 +76,14 @@ def test_the_driver_logs_the_same_numbers_on_1_and_2_ranks(runs):
     for key in ("loss/sft", "sft/tokens", "grad_norm"):
         assert sft2[key] == pytest.approx(sft1[key], rel=1e-6), (key, sft2[key], sft1[key])
     assert sft1["loss/sft"] > 1.0
+
+
+def test_the_model_config_reaches_every_actor(cluster):
+    groups = [cluster.generators, cluster.trainers, cluster.reference]
+    infos = gather([c for g in groups for c in fan_out(g, "info")], cluster.timeout_s)
+    assert [i["role"] for i in infos] == ["generator", "trainer", "trainer", "reference"]
+    for info in infos:
+        assert info["model"] == {"dtype": "float32", "device": "cpu", "attn_implementation": "eager"}, info
 
 
 def test_kl_to_an_identical_reference_is_zero_at_t07(first_step):
