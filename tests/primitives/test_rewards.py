@@ -200,3 +200,22 @@ def test_http_reward_recovers_after_a_server_error():
     fn = R.create_http_reward_fn("http://scorer.test/score", retries=2, backoff=0, session=session)
     assert fn(_rollout("7", answer="7")) == 0.25
     assert len(session.calls) == 2
+
+
+def test_last_number_parser_and_chat_arithmetic():
+    from primitives.rewards import parse_last_number
+    from primitives.tasks import ArithmeticTaskSpec, chat_arithmetic_items, chat_arithmetic_reward, make_arithmetic_task
+    from primitives.types import Conversation, Rollout
+
+    assert parse_last_number("23 + 48 = 71") == "71" and parse_last_number("no digits") is None
+    assert parse_last_number("from -3 to 4.5.") == "4.5"
+    item = chat_arithmetic_items(make_arithmetic_task(ArithmeticTaskSpec(num_train=1, num_heldout=1, seed=5))[0])[0]
+    a, b = item.metadata["a"], item.metadata["b"]
+    assert isinstance(item.prompt, Conversation) and item.prompt.messages[0].content == f"What is {a}+{b}? " \
+        "Reply with the number only." and item.answer == str(a + b)
+
+    def scored(text):
+        return chat_arithmetic_reward(Rollout("u", "g", item.prompt, None, None, None, None, text=text,
+                                              answer=item.answer))
+
+    assert scored(f"{a} + {b} = {a + b}") == 1.0 and scored(f"{a + b}") == 1.0 and scored(f"{a + b + 10}") == 0.0
