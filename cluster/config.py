@@ -63,7 +63,8 @@ class RLConfig(NamedTuple):
 
 
 class JobConfig(NamedTuple):
-    out: Annotated[str, "output directory"] = "runs/grpo_tiny"
+    out: Annotated[str, "output directory; inside `ray job submit` a relative path goes under $RAYRL_OUTPUT_ROOT "
+                        "(default ~/rayrl), not into Ray's temporary copy of the checkout"] = "runs/grpo_tiny"
     seed: Annotated[int, "seed for the model, the task and sampling"] = 0
     model: Annotated[Optional[str], "local HF model path (default: build the embedded tiny model)"] = None
     reward_fn: Annotated[Optional[str], "reward hook as module:function (default: the task's exact match)"] = None
@@ -156,6 +157,30 @@ def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfi
         errors.append(f"--model {job.model}: not a local Hugging Face model directory (no config.json)")
     if errors:
         raise ValueError("bad configuration:\n  - " + "\n  - ".join(errors))
+
+
+OUTPUT_ROOT_ENV = "RAYRL_OUTPUT_ROOT"  # where relative output paths of a submitted job go
+DEFAULT_OUTPUT_ROOT = "~/rayrl"
+
+
+def inside_submitted_job(environ=os.environ, cwd: Optional[str] = None) -> bool:
+    """Whether this driver runs from ``ray job submit``: its working directory is then Ray's
+    temporary copy of the job's ``--working-dir``, which vanishes with the Ray session."""
+    here = cwd if cwd is not None else os.getcwd()
+    return bool(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")) or f"{os.sep}working_dir_files{os.sep}" in here + os.sep
+
+
+def resolve_output_dir(path: str, environ=os.environ, cwd: Optional[str] = None) -> str:
+    """The absolute directory a job writes to. An absolute ``path`` is used as given. A relative
+    one is relative to the current directory - except inside a submitted job, where that is
+    Ray's temporary copy of the checkout: there it goes under ``$RAYRL_OUTPUT_ROOT`` (a shared
+    volume on a multi-node cluster), else under ``~/rayrl`` on the node that runs the driver."""
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    if inside_submitted_job(environ, cwd):
+        root = environ.get(OUTPUT_ROOT_ENV) or os.path.expanduser(DEFAULT_OUTPUT_ROOT)
+        return os.path.normpath(os.path.join(os.path.abspath(root), path))
+    return os.path.normpath(os.path.join(cwd if cwd is not None else os.getcwd(), path))
 
 
 def resume_errors(path: str) -> list:

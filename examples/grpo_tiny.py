@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.config import build_parser, load_function, records_from_args, validate  # noqa: E402
+from cluster.config import build_parser, load_function, records_from_args, resolve_output_dir, validate  # noqa: E402
 from cluster.driver import (  # noqa: E402
     copy_policy_to_reference,
     evaluate_accuracy,
@@ -80,6 +80,8 @@ def phase_means(history) -> dict:
 def main(argv=None) -> dict:
     job, cfg, sft, rl, reward_fn, algo = parse(argv)
     start = time.time()
+    job = job._replace(out=resolve_output_dir(job.out))
+    print(f"writing outputs to {job.out}", flush=True)
     logger, metrics_path = run_logger(job.out, ["loss/sft", "reward/mean", "eval/accuracy", "kl/ref_k3"])
 
     from transformers import AutoTokenizer
@@ -138,9 +140,11 @@ def main(argv=None) -> dict:
         **phase_means(history),
         "median_over_rl_steps": {k: float(np.median([m[k] for m in history if k in m]))
                                  for k in SIGNALS if any(k in m for m in history)},
-        "seed": job.seed, "wall_s": round(time.time() - start, 1),
+        "seed": job.seed, "wall_s": round(time.time() - start, 1), "out": job.out,
     }
-    return write_summary(job.out, summary)
+    summary = write_summary(job.out, summary)
+    print(f"outputs (summary.json, metrics.jsonl, curves.png, final_model/) are in {job.out}", flush=True)
+    return summary
 
 
 if __name__ == "__main__":

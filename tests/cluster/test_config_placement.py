@@ -1,4 +1,6 @@
 """Config validation, hooks, placement checks and helpers - all before any Ray work."""
+import os
+
 import pytest
 
 from cluster.config import (
@@ -129,3 +131,19 @@ def test_each_preset_keeps_its_own_kl_unless_given():
         assert algo.kl_coef == 0.0 and not uses_reference(algo), name
     algo = parse(["--algorithm", "dapo", "--kl-coef", "0.02"])[-1]
     assert algo.kl_coef == 0.02 and uses_reference(algo)
+
+
+def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):
+    from cluster.config import inside_submitted_job, resolve_output_dir
+
+    copy = "/tmp/ray/session_x/runtime_resources/working_dir_files/_ray_pkg_abc"
+    job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    assert inside_submitted_job(job_env, cwd="/home/u/rayrl") and inside_submitted_job({}, cwd=copy)
+    assert not inside_submitted_job({}, cwd="/home/u/rayrl")
+    # outside a job: relative to the current directory; absolute paths as given
+    assert resolve_output_dir("runs/x", {}, cwd="/home/u/rayrl") == "/home/u/rayrl/runs/x"
+    assert resolve_output_dir("/data/run1/", job_env, cwd=copy) == "/data/run1"
+    # inside a job: never into Ray's temporary copy
+    assert resolve_output_dir("runs/x", {**job_env, "RAYRL_OUTPUT_ROOT": str(tmp_path)}, cwd=copy) == \
+        str(tmp_path / "runs" / "x")
+    assert resolve_output_dir("runs/x", {}, cwd=copy) == os.path.join(os.path.expanduser("~/rayrl"), "runs", "x")

@@ -59,10 +59,14 @@ def ray_head():
 
 @pytest.mark.slow
 def test_job_submit_runs_default_job(ray_head, tmp_path):
-    out = str(tmp_path / "job")
+    """A relative --out, as the README's command gives, lands under $RAYRL_OUTPUT_ROOT - not in
+    Ray's temporary copy of the working directory, which vanishes with the session."""
+    out = str(tmp_path / "runs" / "job")
     submission = f"rayrl-test-{int(time.time())}"
+    runtime_env = json.dumps({"env_vars": {"RAYRL_OUTPUT_ROOT": str(tmp_path)}})
     cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
-           "--working-dir", ".", "--", sys.executable, "examples/grpo_tiny.py", "--out", out,
+           "--runtime-env-json", runtime_env,
+           "--working-dir", ".", "--", sys.executable, "examples/grpo_tiny.py", "--out", "runs/job",
            "--sft-steps", "30", "--rl-steps", "3", "--eval-every", "0", "--heldout", "16",
            "--call-timeout-s", "300"]
     proc = subprocess.run(cmd, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=900)
@@ -73,7 +77,9 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
                               capture_output=True, text=True, timeout=120).stdout
 
     assert "succeeded" in job("status").lower()
-    assert "held-out accuracy after grpo" in job("logs")
+    logs = job("logs")
+    assert "held-out accuracy after grpo" in logs
+    assert f"writing outputs to {out}" in logs and f"are in {out}" in logs  # the absolute path, start and end
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     # it joined the head it was submitted to (same GCS port), not a Ray of its own
