@@ -156,12 +156,28 @@ def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Op
     return mask_truncated(batch) if algo.filter_overlong else batch
 
 
-def rollout_metrics(batch: Batch) -> dict:
-    """Flat, namespaced statistics of one step's batch (rewards, lengths, truncation)."""
+def rollout_metrics(batch: Batch, component_names: Optional[Sequence[str]] = None) -> dict:
+    """Flat, namespaced statistics of one step's batch (rewards, lengths, truncation).
+
+    When every rollout carries a ``reward_vector`` (K,), also ``reward/<name>``: the batch
+    mean of each component, named by ``component_names`` (``build_reward``'s third value;
+    default ``component_0`` ...).
+    """
     lengths = batch.loss_mask.sum(1)
     truncated = np.mean([r.finish_reason == "length" for r in batch.rollouts])
-    return {"reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
-            "reward/min": float(batch.rewards.min()), "reward/max": float(batch.rewards.max()),
-            "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
-            "response/truncated_frac": float(truncated), "batch/rows": float(batch.size),
-            "batch/loss_tokens": float(batch.num_loss_tokens)}
+    metrics = {"reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
+               "reward/min": float(batch.rewards.min()), "reward/max": float(batch.rewards.max()),
+               "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
+               "response/truncated_frac": float(truncated), "batch/rows": float(batch.size),
+               "batch/loss_tokens": float(batch.num_loss_tokens)}
+    vectors = [r.reward_vector for r in batch.rollouts]
+    if not vectors or any(v is None for v in vectors):
+        return metrics
+    means_K = np.stack(vectors).astype(np.float64).mean(0)  # (K,)
+    names = list(component_names) if component_names is not None else [f"component_{k}" for k in range(len(means_K))]
+    if len(names) != len(means_K):
+        raise ValueError(f"rollouts carry {len(means_K)} reward components, {len(names)} names given: {names}")
+    keys = [f"reward/{name}" for name in names]
+    if len(set(keys)) != len(keys) or set(keys) & set(metrics):
+        raise ValueError(f"reward component names {names} repeat or clash with {sorted(metrics)}")
+    return {**metrics, **{k: float(m) for k, m in zip(keys, means_K)}}

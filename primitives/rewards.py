@@ -3,14 +3,22 @@
 Signatures (DESIGN section 5): ``reward_fn(rollout) -> float | sequence[float]``,
 ``aggregate_fn(vector) -> float``, ``shaping_fn(rollout, reward) -> float``.
 ``score_rollout`` composes them and returns a *new* rollout (records are immutable).
+
+A job names its rewards as ``RewardSpec`` records (a built-in of ``BUILTIN_REWARDS`` or a user
+``module:function``, a weight, keyword arguments); ``build_reward(specs)`` turns them into
+``(reward_fn, aggregate_fn, component_names)`` and raises every configuration error
+(``ValueError``) before any Ray work.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import math
+import os
 import re
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -262,7 +270,74 @@ def parse_boxed(text: str) -> Optional[str]:
 
 
 def answer_after_thinking(text: str) -> str:
+    """The text after a ``<think>...</think>`` block (empty when the block never closes)."""
     return parse_thinking(text)[1]
+
+
+# a number with optional thousands separators ("1,234.5") or a plain one ("1234")
+_NUMBER_WITH_COMMAS = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"
+_GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER_WITH_COMMAS + ")")
+_ANSWER_LABEL = re.compile(r"\banswer\s*:", re.IGNORECASE)
+
+
+def parse_gsm8k(text: str) -> Optional[str]:
+    """The number after the last ``#### `` (GSM8K's answer line, Cobbe et al. 2021,
+    arXiv 2110.14168), thousands separators removed: ``"so #### 1,234"`` -> ``"1234"``; or None."""
+    found = _GSM8K_ANSWER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def parse_after_answer(text: str) -> Optional[str]:
+    """The first token after the last ``Answer:`` (any case, markdown ``**`` and ``$`` and
+    trailing punctuation stripped; a number loses its thousands separators), or None:
+    ``"Final answer: $1,234."`` -> ``"1234"``, ``"**Answer:** B"`` -> ``"B"``."""
+    labels = list(_ANSWER_LABEL.finditer(text))
+    if not labels:
+        return None
+    for token in text[labels[-1].end():].split():
+        token = token.strip("*$`").rstrip(".,;:!?").strip("*$`")
+        if token:
+            return token.replace(",", "") if re.fullmatch(_NUMBER_WITH_COMMAS, token) else token
+    return None
+
+
+# answer parsers by name, for RewardSpec kwargs (``parser="gsm8k"``); ``parser(text) -> str | None``
+ANSWER_PARSERS = {
+    "first_number": parse_first_number,
+    "last_number": parse_last_number,
+    "boxed": parse_boxed,
+    "gsm8k": parse_gsm8k,
+    "after_answer": parse_after_answer,
+    "after_thinking": answer_after_thinking,
+}
+
+
+def unknown_name_error(kind: str, name: str, valid: Sequence[str], extra: str = "") -> ValueError:
+    """A ``ValueError`` naming ``name``, the closest valid names (difflib) and all of them."""
+    close = difflib.get_close_matches(str(name), list(valid), n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+    return ValueError(f"unknown {kind} {name!r}{hint} Valid {kind}s: {', '.join(valid)}{extra}")
+
+
+def _load_user_function(spec: str, what: str) -> Callable:
+    """``module:function`` (or ``path/file.py:function``) resolved, as a named ``ValueError`` if not."""
+    from cluster.config import load_function  # stdlib only; the one resolver of module:function
+
+    try:
+        return load_function(spec)
+    except ValueError as e:
+        raise ValueError(f"{what} {spec!r} cannot be loaded: {e}") from None
+
+
+def get_answer_parser(parser: str | Callable) -> Callable[[str], Optional[str]]:
+    """An answer parser from its name in ``ANSWER_PARSERS``, a ``module:function``, or itself."""
+    if callable(parser):
+        return parser
+    if isinstance(parser, str) and ":" in parser:
+        return _load_user_function(parser, "answer parser")
+    if parser not in ANSWER_PARSERS:
+        raise unknown_name_error("answer parser", parser, list(ANSWER_PARSERS), " (or module:function)")
+    return ANSWER_PARSERS[parser]
 
 
 def exact_match_reward(answer_parser: Callable[[str], Optional[str]] = parse_first_number,
@@ -276,6 +351,46 @@ def exact_match_reward(answer_parser: Callable[[str], Optional[str]] = parse_fir
         return correct if got is not None and got.strip() == str(rollout.answer).strip() else wrong
 
     reward_fn.__qualname__ = f"exact_match_reward({_fn_name(answer_parser)})"
+    return reward_fn
+
+
+def exact_match(parser: str | Callable = "first_number", correct: float = 1.0, wrong: float = 0.0) -> Callable:
+    """``exact_match_reward`` with its parser given by name (``ANSWER_PARSERS``): the built-in
+    ``exact_match`` of ``RewardSpec``."""
+    return exact_match_reward(get_answer_parser(parser), correct=correct, wrong=wrong)
+
+
+def _parse_reference(parse: Callable, answer: str, timeout_seconds: Optional[int]) -> list:
+    """math-verify's parse of a reference answer; bare LaTeX (``x^2+2x+1``) only parses inside ``$``."""
+    return parse(answer, parsing_timeout=timeout_seconds) or parse(f"${answer}$", parsing_timeout=timeout_seconds)
+
+
+def math_verify_reward(parser: str | Callable | None = None, timeout_seconds: Optional[int] = None,
+                       correct: float = 1.0, wrong: float = 0.0) -> Callable:
+    """``correct`` when the completion is mathematically equivalent to ``rollout.answer``
+    (``1/2`` = ``\\frac{1}{2}`` = ``0.5``), checked by Hugging Face's Math-Verify library.
+
+    ``parser`` (an ``ANSWER_PARSERS`` name or a callable) first cuts the answer out of the
+    text, e.g. ``"after_thinking"``; None: Math-Verify extracts it from the whole text.
+    ``timeout_seconds=None`` disables Math-Verify's ``signal.alarm`` timeout, which raises
+    outside the main thread; an int keeps it (main thread only). A reference answer that
+    Math-Verify cannot parse raises (a data error, named with the rollout by ``score_rollout``).
+    """
+    from math_verify import parse, verify  # here, not at module import: only this reward needs it
+
+    cut = get_answer_parser(parser) if parser is not None else None
+
+    def reward_fn(rollout) -> float:
+        if rollout.answer is None:
+            raise ValueError(f"rollout {rollout.uid} has no reference answer for math_verify_reward")
+        gold = _parse_reference(parse, str(rollout.answer), timeout_seconds)
+        if not gold:
+            raise ValueError(f"math_verify cannot parse the reference answer {rollout.answer!r}")
+        text = cut(rollout.text) if cut is not None else rollout.text
+        pred = parse(text, parsing_timeout=timeout_seconds) if text else []
+        return correct if pred and verify(gold, pred, timeout_seconds=timeout_seconds) else wrong
+
+    reward_fn.__qualname__ = "math_verify_reward" + (f"({_fn_name(cut)})" if cut is not None else "")
     return reward_fn
 
 
@@ -298,6 +413,7 @@ def length_window_reward(min_tokens: int, max_tokens: int, reward: float = 1.0) 
     def reward_fn(rollout) -> float:
         return reward if min_tokens <= rollout.num_tokens <= max_tokens else 0.0
 
+    reward_fn.__qualname__ = f"length_window_reward({min_tokens}, {max_tokens})"
     return reward_fn
 
 
@@ -309,6 +425,7 @@ def tool_usage_reward(per_success: float = 0.5, per_error: float = -0.5, max_tot
         bad = sum(1 for t in rollout.tool_results if t.is_error)
         return float(np.clip(ok * per_success + bad * per_error, -max_total, max_total))
 
+    reward_fn.__qualname__ = "tool_usage_reward"
     return reward_fn
 
 
@@ -360,6 +477,12 @@ def create_http_reward_fn(url: str, timeout: float = 10.0, retries: int = 2, bac
     and 5xx answers ``retries`` times, then raises naming the URL and the last error."""
     import requests
 
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"reward server url must start with http:// or https://, got {url!r}")
+    if not timeout > 0 or not (isinstance(retries, int) and retries >= 0):
+        raise ValueError(f"reward server {url}: timeout must be > 0 and retries an int >= 0, "
+                         f"got timeout={timeout!r}, retries={retries!r}")
+
     http = session or requests.Session()
 
     def reward_fn(rollout):
@@ -387,4 +510,195 @@ def create_http_reward_fn(url: str, timeout: float = 10.0, retries: int = 2, bac
         raise RewardError(f"reward server {url} failed for rollout {rollout.uid} after "
                           f"{retries + 1} attempts (timeout {timeout}s): {last}")
 
+    reward_fn.__qualname__ = f"http_reward({url})"
     return reward_fn
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_reward_model_dir(path: str) -> None:
+    """Raise a ``ValueError`` unless ``path`` is a directory with ``config.json`` and a tokenizer."""
+    if not os.path.isdir(path):
+        raise ValueError(f"reward model path {path!r} is not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"reward model directory {path!r} has no config.json (a saved Hugging Face "
+                         "AutoModelForSequenceClassification checkpoint is needed)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"reward model directory {path!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})")
+
+
+def reward_model_reward(path: str, device: str = "cpu") -> Callable:
+    """``reward_fn`` scoring prompt + completion with the sequence-classification model at ``path``.
+
+    The directory is checked now; the model loads on the first call, i.e. on the reward
+    worker, not in the driver (the function travels to the worker unloaded)."""
+    check_reward_model_dir(path)
+    loaded = {}  # filled on the first call: {"fn": the reward function of the loaded model}
+
+    def reward_fn(rollout) -> float:
+        if "fn" not in loaded:
+            loaded["fn"] = create_rm_reward_fn(*load_reward_model(path, device))
+        return loaded["fn"](rollout)
+
+    reward_fn.__qualname__ = f"reward_model_reward({path})"
+    return reward_fn
+
+
+# ----------------------------------------------------------------------------- reward specs
+
+# Built-in rewards by name: a factory each; a RewardSpec's kwargs are the factory's arguments.
+BUILTIN_REWARDS = {
+    "exact_match": exact_match,
+    "math_verify": math_verify_reward,
+    "regex_format": regex_format_reward,
+    "length_window": length_window_reward,
+    "tool_usage": tool_usage_reward,
+    "reward_model": reward_model_reward,
+    "http": create_http_reward_fn,
+}
+
+# rollout_metrics already logs reward/mean, reward/std, reward/min, reward/max
+_RESERVED_LABELS = ("mean", "std", "min", "max")
+
+
+class RewardSpec(NamedTuple):
+    """One reward of a job, as a config names it."""
+
+    name: str  # a BUILTIN_REWARDS name, or a user reward_fn as "module:function" / "path/file.py:function"
+    weight: float = 1.0  # its weight in the weighted sum of several rewards
+    kwargs: Optional[dict] = None  # the built-in factory's keyword arguments; for a user function,
+    # keyword arguments bound to it: reward_fn(rollout, **kwargs)
+    label: Optional[str] = None  # logged as reward/<label>; default: name (the function's name for module:function)
+
+
+def _arguments(fn: Callable, skip_first: bool = False) -> str:
+    """``fn``'s parameters as ``"a, b=1.0"`` for error messages."""
+    params = list(inspect.signature(fn).parameters.values())[int(skip_first):]
+    return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params)
+
+
+def _check_kwargs(what: str, fn: Callable, kwargs: dict, skip_first: bool = False) -> None:
+    """A ``ValueError`` naming ``what`` and ``fn``'s accepted arguments unless ``fn`` takes ``kwargs``."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key in kwargs:
+            if key not in params or (skip_first and key == next(iter(params))):
+                close = difflib.get_close_matches(str(key), list(params)[int(skip_first):], n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ";"
+                raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
+                                 f"{_arguments(fn, skip_first) or 'none'}")
+    try:
+        inspect.signature(fn).bind(*([None] if skip_first else []), **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{what}: {e}; accepted arguments: {_arguments(fn, skip_first) or 'none'}") from None
+
+
+def _builtin_reward(name: str, kwargs: dict) -> Callable:
+    """The built-in ``name`` made by its factory; bad arguments or values -> ``ValueError``."""
+    factory = BUILTIN_REWARDS[name]
+    _check_kwargs(f"reward {name!r}", factory, kwargs)
+    try:
+        fn = factory(**kwargs)
+    except (TypeError, ValueError, re.error) as e:
+        raise ValueError(f"reward {name!r} with {kwargs}: {e}; accepted arguments: {_arguments(factory)}") from None
+    return fn
+
+
+def _user_reward(name: str, kwargs: dict) -> Callable:
+    """The user function ``module:function`` with ``kwargs`` bound, named ``name`` in errors."""
+    fn = _load_user_function(name, "reward function")
+    _check_kwargs(f"reward function {name!r}", fn, kwargs, skip_first=True)
+
+    def reward_fn(rollout):
+        return fn(rollout, **kwargs)
+
+    reward_fn.__qualname__ = name
+    return reward_fn
+
+
+def make_reward(spec: RewardSpec) -> Callable:
+    """One ``reward_fn(rollout) -> float`` from one spec; every configuration error is a
+    ``ValueError`` naming the reward and what would be right. Loads no model."""
+    kwargs = {} if spec.kwargs is None else spec.kwargs
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"reward {spec.name!r}: kwargs must be a dict of keyword arguments, got {kwargs!r}")
+    if isinstance(spec.name, str) and ":" in spec.name:
+        return _user_reward(spec.name, dict(kwargs))
+    if spec.name not in BUILTIN_REWARDS:
+        raise unknown_name_error("reward", spec.name, list(BUILTIN_REWARDS), "; or a user function as module:function")
+    return _builtin_reward(spec.name, dict(kwargs))
+
+
+def reward_label(spec: RewardSpec) -> str:
+    """The name ``spec``'s component is logged under: ``reward/<label>``."""
+    return spec.label if spec.label is not None else str(spec.name).rpartition(":")[2]
+
+
+def _check_labels(labels: Sequence[str]) -> None:
+    for label in labels:
+        if not isinstance(label, str) or not re.fullmatch(r"[\w.-]+", label) or label in _RESERVED_LABELS:
+            raise ValueError(f"reward label {label!r} cannot name a reward/<label> metric: use letters, digits, "
+                             f"'_', '.', '-', and none of {', '.join(_RESERVED_LABELS)}")
+    dupes = sorted({x for x in labels if list(labels).count(x) > 1})
+    if dupes:
+        raise ValueError(f"two rewards are logged as {', '.join(dupes)}; give each RewardSpec a distinct label=")
+
+
+def _check_weights(specs: Sequence[RewardSpec]) -> list:
+    weights = []
+    for s in specs:
+        if isinstance(s.weight, bool) or not isinstance(s.weight, (int, float)) or not math.isfinite(s.weight):
+            raise ValueError(f"reward {reward_label(s)!r} has weight {s.weight!r}; a weight is a finite number")
+        weights.append(float(s.weight))
+    if not any(weights):
+        raise ValueError(f"all reward weights are 0 ({', '.join(reward_label(s) for s in specs)}): "
+                         "every rollout would score 0")
+    return weights
+
+
+def with_weights(specs: Sequence[RewardSpec], weights: Sequence[float]) -> tuple:
+    """``specs`` with their weights replaced by ``weights``, one per reward (else ``ValueError``)."""
+    specs, weights = list(specs), list(weights)
+    if len(weights) != len(specs):
+        raise ValueError(f"{len(weights)} reward weights {weights} given for {len(specs)} rewards "
+                         f"({', '.join(reward_label(s) for s in specs)}); give one weight per reward")
+    return tuple(s._replace(weight=w) for s, w in zip(specs, weights))
+
+
+def scaled_reward(reward_fn: Callable, weight: float) -> Callable:
+    """``weight * reward_fn(rollout)`` (``reward_fn`` itself when the weight is 1)."""
+    if weight == 1.0:
+        return reward_fn
+
+    def scaled(rollout):
+        return weight * reward_fn(rollout)
+
+    scaled.__qualname__ = f"{weight}*{_fn_name(reward_fn)}"
+    return scaled
+
+
+def build_reward(specs: Sequence[RewardSpec]) -> tuple:
+    """``(reward_fn, aggregate_fn, component_names)`` of a job's rewards, checked now.
+
+    One spec: a scalar ``reward_fn`` (times its weight), ``aggregate_fn`` None. Several: a
+    vector ``reward_fn`` (K,) and the weighted sum of the components as ``aggregate_fn``.
+    ``component_names``: the K labels, logged as ``reward/<label>`` by ``rollout_metrics``.
+    Every error (unknown name, bad arguments, unimportable function, bad weights or labels,
+    a reward model directory without config.json) is a ``ValueError`` raised here.
+    """
+    if isinstance(specs, RewardSpec):
+        raise ValueError(f"build_reward takes a list of RewardSpec records, got one: pass [{specs!r}]")
+    specs = list(specs)
+    for s in specs:
+        if not isinstance(s, RewardSpec):
+            raise ValueError(f"build_reward takes RewardSpec records, got {s!r}")
+    if not specs:
+        raise ValueError("no rewards given: give at least one RewardSpec")
+    names = tuple(reward_label(s) for s in specs)
+    _check_labels(names)
+    weights = _check_weights(specs)
+    fns = [make_reward(s) for s in specs]
+    if len(fns) == 1:
+        return scaled_reward(fns[0], weights[0]), None, names
+    return vector_reward_fn(*fns), weighted_sum_aggregator(weights), names
