@@ -40,8 +40,12 @@ def message_to_dict(m: Message) -> dict:
     return d
 
 
-def render_prompt(tokenizer, prompt: Any, tools: Optional[list] = None) -> str:
-    """Text the model continues: a str as is; a Conversation through the chat template."""
+def render_prompt(tokenizer, prompt: Any, tools: Optional[list] = None,
+                  template_kwargs: Optional[dict] = None) -> str:
+    """Text the model continues: a str as is; a Conversation through the chat template.
+
+    ``template_kwargs``: extra template variables, e.g. ``{"enable_thinking": False}``
+    (``primitives.data.chat_template_kwargs`` builds them)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("empty prompt")
@@ -52,16 +56,17 @@ def render_prompt(tokenizer, prompt: Any, tools: Optional[list] = None) -> str:
         if tokenizer.chat_template is None:
             raise ValueError("a Conversation prompt needs a tokenizer with a chat template")
         msgs = [message_to_dict(m) for m in prompt.messages]
-        kwargs = {"tools": tools} if tools else {}
+        kwargs = dict(template_kwargs or {}, **({"tools": tools} if tools else {}))
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
     raise TypeError(f"prompt must be str or Conversation, got {type(prompt).__name__}")
 
 
-def encode_prompts(tokenizer, prompts: Sequence[Any]) -> list:
+def encode_prompts(tokenizer, prompts: Sequence[Any], template_kwargs: Optional[dict] = None) -> list:
     """Token ids (numpy int64) of each rendered prompt."""
     out = []
     for i, p in enumerate(prompts):
-        ids = tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids
+        text = render_prompt(tokenizer, p, template_kwargs=template_kwargs)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens: {p!r}")
         out.append(np.asarray(ids, dtype=np.int64))
