@@ -20,6 +20,7 @@ from primitives.algorithms import uses_reference
 from primitives.batching import make_batch, rollout_metrics
 from primitives.checkpoint import state_from_json, state_to_json
 from primitives.data import SFTSample, collate_sft
+from primitives.evaluation import eval_metrics, sample_records, write_jsonl_atomic
 from primitives.filters import dynamic_sampling_filter
 from primitives.loggers import noop_logger
 from primitives.metrics import merge_metrics, merge_rank_updates
@@ -198,12 +199,31 @@ def copy_policy_to_reference(cluster: RLCluster) -> None:
     gather([call(cluster.reference, 0, "load_weights", states[0].ref)] + states[1:], cluster.timeout_s)
 
 
+def evaluate(cluster: RLCluster, items: Sequence, gen: GenerationConfig, k: int, correct: float = 1.0,
+             samples_path: Optional[str] = None, step: int = 0,
+             component_names: Optional[Sequence[str]] = None) -> dict:
+    """``k`` completions of each item at ``gen`` (its ``n`` is replaced by ``k``) on the
+    generators, scored by the reward workers: ``eval_metrics`` (mean reward, accuracy = share
+    with reward >= ``correct``, pass@1 and pass@k). With ``samples_path``, every sample is also
+    written there as one JSON line (``sample_records``), replacing the file atomically.
+    k = 1 at temperature 0 is greedy accuracy; pass@k with k > 1 needs temperature > 0."""
+    if not items:
+        raise ValueError("evaluate: no evaluation items")
+    if k < 1 or (k > 1 and gen.temperature <= 0):
+        raise ValueError(f"evaluate: k={k} samples per item at temperature {gen.temperature}; k must be >= 1, "
+                         "and pass@k with k > 1 needs temperature > 0 (greedy samples are all the same)")
+    rollouts, _ = generate_and_score(cluster, items, gen._replace(n=k), with_ref=False)
+    metrics = eval_metrics(rollouts, k, correct, component_names)
+    if samples_path is not None:
+        write_jsonl_atomic(samples_path, sample_records(rollouts, step, component_names))
+    return metrics
+
+
 def evaluate_accuracy(cluster: RLCluster, items: Sequence, max_new_tokens: int, correct: float = 1.0) -> float:
     """Greedy completions of ``items`` on the generators, scored by the reward workers:
     the share whose reward reaches ``correct``."""
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
-    rollouts, _ = generate_and_score(cluster, items, gen, with_ref=False)
-    return float(np.mean([r.reward >= correct for r in rollouts]))
+    return evaluate(cluster, items, gen, k=1, correct=correct)["eval/accuracy"]
 
 
 def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) -> str:

@@ -9,7 +9,8 @@ DeepSpeed ZeRO-2 trainer group, a reward worker and a reference worker. The trai
 fine-tune the tiny model on imperfect demonstrations (``train_sft``), their weights are
 broadcast to the generators and copied to the reference, then GRPO (``train``) runs with
 an exact-match reward and a k3 KL penalty. Held-out greedy accuracy is printed before and
-after RL; --out receives summary.json, metrics.jsonl, curves.png and final_model/ (HF).
+after RL; --out receives summary.json, metrics.jsonl, curves.png, samples/ (each evaluation's
+completions as JSONL, and pass@4 samples at the end) and final_model/ (HF).
 
 With RAY_ADDRESS set (``ray job submit`` sets it) the job joins that cluster instead of
 starting one. Pass ``--model PATH`` for a real model and ``--reward-fn module:function``
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cluster.config import build_parser, load_function, records_from_args, resolve_output_dir, validate  # noqa: E402
 from cluster.driver import (  # noqa: E402
     copy_policy_to_reference,
-    evaluate_accuracy,
+    evaluate,
     gather,
     load_cluster_checkpoint,
     save_cluster_checkpoint,
@@ -49,6 +50,7 @@ from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 
 DEFAULT_JOB_KL = 0.01  # GRPO's k3 KL coefficient in the default job (the grpo preset's own is 0.04)
+PASS_K = 4  # the final evaluation's samples per held-out item, for pass@k
 PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step")
 # the learning signal and the generator/trainer gap, summarised as medians over the RL steps
 SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/entropy", "grad_norm",
@@ -98,7 +100,14 @@ def main(argv=None) -> dict:
     cluster = build_rl_cluster(model_path, cfg, trainer_cfg, reward_fn, with_reference, seed=job.seed,
                                bucket_mb=rl.sync_bucket_mb)
     try:
-        evaluate = lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, rl.max_new_tokens)}  # noqa: E731
+        greedy = GenerationConfig(max_new_tokens=rl.max_new_tokens, temperature=0.0, n=1)
+
+        def heldout_eval(c, s) -> dict:
+            """Greedy accuracy and mean reward on the held-out set; its samples in samples/step_N.jsonl."""
+            m = evaluate(c, heldout, greedy, k=1, step=s.iteration,
+                         samples_path=os.path.join(job.out, "samples", f"step_{s.iteration}.jsonl"))
+            return {"eval/accuracy": m["eval/accuracy"], "eval/reward_mean": m["eval/reward_mean"]}
+
         save = lambda c, s: save_cluster_checkpoint(  # noqa: E731
             c, os.path.join(job.out, "checkpoints", f"step_{s.iteration}"), s)
         if job.resume:  # weights, optimizer, reference, data position and versions from the checkpoint
@@ -110,18 +119,21 @@ def main(argv=None) -> dict:
             copy_policy_to_reference(cluster)
             gather(fan_out(cluster.trainers, "reset_optimizer", rl.rl_lr), cluster.timeout_s)
             start_state = TrainState(rng_seed=job.seed)
-        acc_before = evaluate_accuracy(cluster, heldout, rl.max_new_tokens)
+        acc_before = heldout_eval(cluster, start_state)["eval/accuracy"]
         print(f"held-out accuracy {'at the checkpoint' if job.resume else 'after SFT (before RL)'}: "
               f"{acc_before:.3f}", flush=True)
 
         gen = GenerationConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, n=rl.group_size)
         state, cluster = train(cluster, make_prompt_source(train_items, seed=job.seed), constant_schedule(algo), gen,
                                rl.rl_steps, rl.prompts_per_step, lambda step: rl.rl_lr, start_state, logger,
-                               evaluate, rl.eval_every or rl.rl_steps, save, rl.checkpoint_every,
+                               heldout_eval, rl.eval_every or rl.rl_steps, save, rl.checkpoint_every,
                                max_resample_rounds=rl.max_resample_rounds)
         history = list(state.metrics_history[len(start_state.metrics_history):])
         acc_after = history[-1]["eval/accuracy"] if history else acc_before
         print(f"held-out accuracy after {rl.algorithm}: {acc_after:.3f}", flush=True)
+        # pass@k: PASS_K samples per held-out item at the sampling temperature (Chen et al. 2021)
+        sampled = evaluate(cluster, heldout, gen, k=PASS_K, step=state.iteration, samples_path=os.path.join(
+            job.out, "samples", f"pass_at_{PASS_K}_step_{state.iteration}.jsonl"))
         save_cluster_checkpoint(cluster, os.path.join(job.out, "final_model"), state)
     finally:
         shutdown_cluster(cluster)
@@ -137,13 +149,15 @@ def main(argv=None) -> dict:
         "zero_stage": cfg.zero_stage, "reference_worker": with_reference, "ray_address": cluster.ray_address,
         "reward_mean_first5": mean_of(history[:5], "reward/mean"),
         "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
+        f"eval/pass@{PASS_K}": sampled[f"eval/pass@{PASS_K}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
+        "eval/pass_temperature": rl.temperature,
         **phase_means(history),
         "median_over_rl_steps": {k: float(np.median([m[k] for m in history if k in m]))
                                  for k in SIGNALS if any(k in m for m in history)},
         "seed": job.seed, "wall_s": round(time.time() - start, 1), "out": job.out,
     }
     summary = write_summary(job.out, summary)
-    print(f"outputs (summary.json, metrics.jsonl, curves.png, final_model/) are in {job.out}", flush=True)
+    print(f"outputs (summary.json, metrics.jsonl, curves.png, samples/, final_model/) are in {job.out}", flush=True)
     return summary
 
 

@@ -1,5 +1,6 @@
 """The default job on Ray (examples/grpo_tiny.py): SFT with train_sft, then GRPO with train on
 2 generators, a 2-rank ZeRO-2 trainer group, a reward and a reference worker; accuracy rises."""
+import glob
 import json
 import os
 import sys
@@ -33,6 +34,19 @@ def test_default_ray_job_lifts_heldout_accuracy(tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [19, 39]
     assert os.path.isfile(os.path.join(out, "curves.png"))
+    # every evaluation (before RL, steps 20 and 40) wrote one greedy sample per held-out item
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [19, 39]
+    samples = {os.path.basename(p): [json.loads(line) for line in open(p)]
+               for p in glob.glob(os.path.join(out, "samples", "step_*.jsonl"))}
+    assert sorted(samples) == ["step_0.jsonl", "step_20.jsonl", "step_40.jsonl"]
+    for records in samples.values():
+        assert len(records) == 128 and len({r["uid"] for r in records}) == 128
+        assert {"prompt", "completion", "answer", "reward", "reward_components", "uid", "step"} <= set(records[0])
+    assert sum(r["reward"] >= 1.0 for r in samples["step_40.jsonl"]) / 128 == pytest.approx(
+        summary["accuracy_after_rl"], abs=1e-9)
+    with open(os.path.join(out, "samples", "pass_at_4_step_40.jsonl")) as f:
+        assert len(f.readlines()) == 4 * 128
+    assert summary["accuracy_after_rl"] - 0.05 <= summary["eval/pass@4"] <= 1.0
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_model", "hf")) is not None
