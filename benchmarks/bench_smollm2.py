@@ -57,6 +57,7 @@ def main():
     try:
         before = evaluate_accuracy(cluster, heldout, args.max_new_tokens)
         print(f"held-out greedy accuracy before RL: {before:.3f}", flush=True)
+        logger({"step": -1, "eval/accuracy": before})  # the curve's first point
         gen = GenerationConfig(max_new_tokens=args.max_new_tokens, n=args.group_size, temperature=args.temperature)
         evaluate = lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, args.max_new_tokens)}  # noqa: E731
         state, cluster = train(cluster, make_prompt_source(train_items, seed=0), constant_schedule(grpo(kl_coef=0.0)),
