@@ -174,13 +174,21 @@ def resolve_output_dir(path: str, environ=os.environ, cwd: Optional[str] = None)
     """The absolute directory a job writes to. An absolute ``path`` is used as given. A relative
     one is relative to the current directory - except inside a submitted job, where that is
     Ray's temporary copy of the checkout: there it goes under ``$RAYRL_OUTPUT_ROOT`` (a shared
-    volume on a multi-node cluster), else under ``~/rayrl`` on the node that runs the driver."""
+    volume on a multi-node cluster), else under ``~/rayrl`` on the node that runs the driver.
+    ``~`` is expanded; the root must be absolute, and a relative path may not leave it."""
+    path = os.path.expanduser(path)
     if os.path.isabs(path):
         return os.path.normpath(path)
-    if inside_submitted_job(environ, cwd):
-        root = environ.get(OUTPUT_ROOT_ENV) or os.path.expanduser(DEFAULT_OUTPUT_ROOT)
-        return os.path.normpath(os.path.join(os.path.abspath(root), path))
-    return os.path.normpath(os.path.join(cwd if cwd is not None else os.getcwd(), path))
+    if not inside_submitted_job(environ, cwd):
+        return os.path.normpath(os.path.join(cwd if cwd is not None else os.getcwd(), path))
+    root = os.path.expanduser(environ.get(OUTPUT_ROOT_ENV) or DEFAULT_OUTPUT_ROOT)
+    if not os.path.isabs(root):
+        raise ValueError(f"${OUTPUT_ROOT_ENV}={root!r} must be an absolute path: relative to a submitted job's "
+                         "working directory it would land in Ray's temporary copy of the checkout")
+    resolved = os.path.normpath(os.path.join(root, path))
+    if os.path.relpath(resolved, os.path.normpath(root)).startswith(os.pardir):
+        raise ValueError(f"output path {path!r} leaves ${OUTPUT_ROOT_ENV} ({root}); give an absolute path instead")
+    return resolved
 
 
 def resume_errors(path: str) -> list:

@@ -115,7 +115,8 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
           gen: GenerationConfig, num_steps: int, prompts_per_step: int, lr_schedule: Callable[[int], float],
           state: TrainState = TrainState(), logger: Callable = noop_logger, eval_fn: Optional[Callable] = None,
           eval_every: int = 0, checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0,
-          max_resample_rounds: int = 4, max_actor_restarts: int = 3, progress: bool = True):
+          max_resample_rounds: int = 4, max_actor_restarts: int = 3, progress: bool = True,
+          component_names: Optional[Sequence[str]] = None):
     """The RL loop: prompts -> rollouts (generate, reward, reference) -> batch -> train -> sync.
 
     ``algorithm_schedule(iteration)`` is evaluated every step, so switching algorithm or KL
@@ -123,6 +124,8 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
     ``checkpoint_fn(cluster, state)`` run every ``eval_every`` / ``checkpoint_every`` steps.
     A generator or reward worker that dies is replaced (up to ``max_actor_restarts`` times)
     and the step's prompts are collected again, so no prompt is lost or trained twice.
+    ``component_names`` (``build_reward``'s labels) name the logged ``reward/<name>`` of a
+    vector reward.
     Returns ``(state, cluster)``: the cluster record changes when an actor was replaced.
     """
     import ray
@@ -149,7 +152,7 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
         trained, _ = merge_rank_updates(per_rank)
         version = state.policy_version + 1
         metrics.update(sync_weights(cluster, version, it + 1, trained.get("kl/ref_k3")))
-        metrics.update({**trained, **rollout_metrics(batch), "step": it, "algorithm": algo.name,
+        metrics.update({**trained, **rollout_metrics(batch, component_names), "step": it, "algorithm": algo.name,
                         "time/step": time.perf_counter() - t_step})
         state = state._replace(iteration=it + 1, global_step=state.global_step + 1, policy_version=version,
                                data_position=position)

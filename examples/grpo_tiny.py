@@ -61,6 +61,11 @@ def parse(argv=None):
     """``(job, cluster, sft, rl, reward_fn, algo)``: every check that needs no Ray, as a clean usage error."""
     parser = build_parser(__doc__.split("\n\n")[0])
     job, cfg, sft, rl = records_from_args(parser.parse_args(argv))
+    try:  # inside `ray job submit`, relative paths resolve to persistent storage, --resume like --out
+        job = job._replace(out=resolve_output_dir(job.out),
+                           resume=resolve_output_dir(job.resume) if job.resume else job.resume)
+    except ValueError as e:
+        parser.error(str(e))
     if rl.kl_coef is None and rl.algorithm == "grpo":
         rl = rl._replace(kl_coef=DEFAULT_JOB_KL)  # the default job; other presets keep their own KL
     try:
@@ -82,7 +87,6 @@ def phase_means(history) -> dict:
 def main(argv=None) -> dict:
     job, cfg, sft, rl, reward_fn, algo = parse(argv)
     start = time.time()
-    job = job._replace(out=resolve_output_dir(job.out))
     print(f"writing outputs to {job.out}", flush=True)
     logger, metrics_path = run_logger(job.out, ["loss/sft", "reward/mean", "eval/accuracy", "kl/ref_k3"])
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import csv
 import difflib
 import json
+import math
+import numbers
 import os
 import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -347,12 +349,12 @@ def split_eval(items: Sequence, size: float, seed: int = 0) -> tuple:
     their fields (a PromptItem its ``index``), so the same seed always holds out the same ones.
     """
     n = len(items)
-    if isinstance(size, bool) or not isinstance(size, (int, float)):
+    if isinstance(size, bool) or not isinstance(size, (numbers.Integral, numbers.Real)):
         raise TypeError(f"eval size must be a share (0 < size < 1) or a count (int), got {size!r}")
-    if isinstance(size, int):
-        count = size
-    else:
-        count = max(1, round(size * n)) if 0 < size < 1 else 0
+    if isinstance(size, numbers.Integral):
+        count = int(size)
+    else:  # round half up (round() rounds halves to even: 0.25 and 0.35 of 10 would both give 2 and 4)
+        count = max(1, int(math.floor(size * n + 0.5))) if 0 < size < 1 else 0
     if not 1 <= count < n:
         raise ValueError(f"eval size {size!r} of {n} items: need a share 0 < size < 1 or a count "
                          f"1 <= size <= {n - 1}, leaving at least one item for training")

@@ -147,3 +147,11 @@ def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):
     assert resolve_output_dir("runs/x", {**job_env, "RAYRL_OUTPUT_ROOT": str(tmp_path)}, cwd=copy) == \
         str(tmp_path / "runs" / "x")
     assert resolve_output_dir("runs/x", {}, cwd=copy) == os.path.join(os.path.expanduser("~/rayrl"), "runs", "x")
+    # ~ is expanded; a relative root or a path leaving the root is refused
+    assert resolve_output_dir("~/r", job_env, cwd=copy) == os.path.join(os.path.expanduser("~"), "r")
+    assert resolve_output_dir("x", {**job_env, "RAYRL_OUTPUT_ROOT": "~/shared"}, cwd=copy) == \
+        os.path.join(os.path.expanduser("~"), "shared", "x")
+    with pytest.raises(ValueError, match="must be an absolute path"):
+        resolve_output_dir("x", {**job_env, "RAYRL_OUTPUT_ROOT": "out"}, cwd=copy)
+    with pytest.raises(ValueError, match="leaves"):
+        resolve_output_dir("../../x", {**job_env, "RAYRL_OUTPUT_ROOT": str(tmp_path)}, cwd=copy)

@@ -353,7 +353,7 @@ def test_chat_template_missing(no_template, tmp_path):
 def test_eval_split_is_seeded_disjoint_and_keeps_indices():
     items = [PromptItem(i, f"p{i}") for i in range(10)]
     train, held = split_eval(items, 0.3, seed=1)
-    assert len(train) == 7 and len(held) == 3
+    assert [i.index for i in held] == [4, 7, 8]  # pinned: a changed RNG would silently change every eval set
     assert sorted(i.index for i in train + held) == list(range(10))  # disjoint and complete
     assert [i.index for i in held] == sorted(i.index for i in held)  # original order, original indices
     assert all(items[i.index] == i for i in train + held)
@@ -361,6 +361,8 @@ def test_eval_split_is_seeded_disjoint_and_keeps_indices():
     assert split_eval(items, 3, seed=1) == (train, held)  # a count and the same share agree
     assert any(split_eval(items, 3, seed=s)[1] != held for s in range(2, 6))
     assert len(split_eval(items, 0.01, seed=0)[1]) == 1  # a share holds out at least one item
+    assert [len(split_eval(items, s)[1]) for s in (0.25, 0.35, 0.45)] == [3, 4, 5]  # halves round up
+    assert split_eval(items, np.int64(3), seed=1) == (train, held)  # numpy integers count too
     for bad in (0, 10, 0.0, 1.0, 1.5):
         with pytest.raises(ValueError, match=rf"eval size {bad!r} of 10 items: need a share 0 < size < 1 "
                                              r"or a count 1 <= size <= 9"):

@@ -39,7 +39,7 @@ def test_pass_at_k_product_form_matches_binomials_and_stays_finite():
         assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
     # C(1000, 500) overflows a float; the product form does not
     assert pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)
-    assert 0.0 < pass_at_k(1000, 2, 10) < 1.0
+    assert pass_at_k(1000, 2, 10) == pytest.approx(1 - 990 * 989 / (1000 * 999), abs=1e-12)  # 1 - C(998,10)/C(1000,10)
 
 
 def test_pass_at_k_rejects_bad_counts():

@@ -51,8 +51,11 @@ def test_sft_sample_on_chat_data_has_loss_on_assistant_tokens_only(smollm2, item
     _, tok = smollm2
     sample = prepare_sft_chat(tok, chat_demonstration(items[0]))
     ids, mask = np.asarray(sample.input_ids), np.asarray(sample.loss_mask) > 0
-    assert tok.decode(ids[mask].tolist()).startswith(items[0].answer + "<|im_end|>")
-    assert "user" in tok.decode(ids[~mask].tolist()) and "user" not in tok.decode(ids[mask].tolist())
+    # exactly the assistant's reply and the template's end of turn, as one run at the end
+    assert tok.decode(ids[mask].tolist()) == items[0].answer + "<|im_end|>\n"
+    first = int(mask.argmax())
+    assert mask[first:].all() and not mask[:first].any()
+    assert "user" in tok.decode(ids[~mask].tolist())
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,8 @@ def run(ray_local, smollm2, items):
         gather(fan_out(cluster.trainers, "reset_optimizer", 1e-5), cluster.timeout_s)  # as the default job does
         logged = []
         train(cluster, make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.01)), GEN, num_steps=2,
-              prompts_per_step=3, lr_schedule=lambda s: 1e-5, logger=logged.append, progress=False)
+              prompts_per_step=3, lr_schedule=lambda s: 1e-5, logger=logged.append, progress=False,
+              component_names=("correct", "finished"))
         yield cluster, sft, logged
     finally:
         shutdown_cluster(cluster)
@@ -86,6 +90,8 @@ def test_sft_then_two_rl_steps_on_the_real_model(run):
     for m in logged:
         assert m["mismatch/max_abs_logp_diff"] < 1e-4 and m["mismatch/is_weight_mean"] == pytest.approx(1, abs=1e-4)
         assert 0.0 <= m["reward/mean"] <= 1.5 and np.isfinite(m["loss/policy"]) and np.isfinite(m["grad_norm"])
+        # the named components, logged per step, rebuild the aggregated reward (weights 1 and 0.5)
+        assert m["reward/correct"] + 0.5 * m["reward/finished"] == pytest.approx(m["reward/mean"], abs=1e-6)
     assert any(m["reward/std"] > 0 for m in logged)  # some group had spread ...
     assert all(m["grad_norm"] > 0 for m in logged if m["reward/std"] > 0)  # ... and moved the policy
 
