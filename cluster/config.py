@@ -5,10 +5,10 @@ here, before Ray starts; bad values fail here too.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
-from typing import Annotated, Callable, NamedTuple, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, NamedTuple, Optional, get_args, get_origin, get_type_hints
+
+from primitives.hooks import load_function  # noqa: F401 (the job's hooks resolve here, before Ray starts)
 
 
 class ClusterConfig(NamedTuple):
@@ -201,25 +201,3 @@ def resume_errors(path: str) -> list:
         return [f"--resume {path}: {kind}; the Ray job resumes from a cluster checkpoint written by "
                 "--checkpoint-every (deepspeed/, train_state.json)"]
     return []
-
-
-def load_function(spec: str) -> Callable:
-    """Resolve ``"package.module:function"`` (also ``path/to/file.py:function``) to the callable."""
-    if ":" not in spec:
-        raise ValueError(f"hook '{spec}' must look like module:function")
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ImportError(f"no file {module_name}")
-            mod_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"hook '{spec}': cannot import '{module_name}' ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"hook '{spec}': '{module_name}' has no callable '{attr}'")
-    return fn

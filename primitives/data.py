@@ -14,7 +14,6 @@ Each epoch visits every item exactly once in a seeded order.
 from __future__ import annotations
 
 import csv
-import difflib
 import json
 import math
 import numbers
@@ -24,6 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from primitives.hooks import did_you_mean
 from primitives.types import ROLES, Conversation, DataPosition, Message
 
 
@@ -254,8 +254,7 @@ def _field(row: dict, name: str, source: str) -> Any:
     """``row[name]``; a missing field raises naming the fields that exist and the closest one."""
     if name not in row:
         names = sorted(map(str, row))
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(name, names)
         raise MissingFieldError(f"{source}: missing field '{name}' (fields: {', '.join(names)}){hint}")
     return row[name]
 

@@ -11,7 +11,6 @@ A job names its rewards as ``RewardSpec`` records (a built-in of ``BUILTIN_REWAR
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import math
@@ -23,6 +22,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from primitives.generation import parse_thinking
+from primitives.hooks import did_you_mean, load_function
 
 
 class RewardError(RuntimeError):
@@ -314,15 +314,12 @@ ANSWER_PARSERS = {
 
 def unknown_name_error(kind: str, name: str, valid: Sequence[str], extra: str = "") -> ValueError:
     """A ``ValueError`` naming ``name``, the closest valid names (difflib) and all of them."""
-    close = difflib.get_close_matches(str(name), list(valid), n=3)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+    hint = did_you_mean(name, valid, n=3) or "."
     return ValueError(f"unknown {kind} {name!r}{hint} Valid {kind}s: {', '.join(valid)}{extra}")
 
 
 def _load_user_function(spec: str, what: str) -> Callable:
     """``module:function`` (or ``path/file.py:function``) resolved, as a named ``ValueError`` if not."""
-    from cluster.config import load_function  # stdlib only; the one resolver of module:function
-
     try:
         return load_function(spec)
     except ValueError as e:
@@ -584,8 +581,7 @@ def _check_kwargs(what: str, fn: Callable, kwargs: dict, skip_first: bool = Fals
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for key in kwargs:
             if key not in params or (skip_first and key == next(iter(params))):
-                close = difflib.get_close_matches(str(key), list(params)[int(skip_first):], n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ";"
+                hint = did_you_mean(key, list(params)[int(skip_first):]) or ";"
                 raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
                                  f"{_arguments(fn, skip_first) or 'none'}")
     try:
