@@ -62,6 +62,23 @@ def atomic_directory(path: str, write: Callable[[str], None]) -> str:
     return path
 
 
+def atomic_file(path: str, write: Callable) -> str:
+    """Run ``write(f)`` on a temporary sibling text file and rename it to ``path`` only if it
+    succeeds: a reader sees the old file or the new one, never half of one."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
 def save_checkpoint(path: str, model, tokenizer=None, optimizer=None, state: Optional[TrainState] = None,
                     extra: Optional[dict] = None) -> str:
     """Write ``model`` (HF ``save_pretrained``), tokenizer, optimizer, state and RNG atomically."""

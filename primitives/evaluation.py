@@ -6,13 +6,12 @@ scores on the actors and calls ``eval_metrics`` and ``sample_records`` here.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from primitives.checkpoint import atomic_file
 from primitives.generation import generate_rollouts
 from primitives.rewards import score_rollouts
 from primitives.types import Conversation, GenerationConfig
@@ -143,16 +142,5 @@ def sample_records(rollouts: Sequence, step: int, component_names: Optional[Sequ
 def write_jsonl_atomic(path: str, records: Sequence[dict]) -> str:
     """Write ``records`` as JSON lines to ``path`` through a temporary file and a rename, so a
     reader never sees half a file (an existing file is replaced). Returns ``path``."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records]  # serialise before writing
+    return atomic_file(path, lambda f: f.writelines(lines))

@@ -18,6 +18,7 @@ from primitives.rewards import exact_match_reward, parse_first_number, parse_las
 from primitives.types import Conversation, Message
 
 _EXACT_SUM = exact_match_reward(parse_first_number)
+_LAST_NUMBER_SUM = exact_match_reward(parse_last_number)
 CHAT_QUESTION = "What is {a}+{b}? Reply with the number only."
 
 
@@ -98,5 +99,3 @@ def chat_arithmetic_reward(rollout) -> float:
     """1.0 when the last number of the completion equals the sum, else 0.0."""
     return _LAST_NUMBER_SUM(rollout)
 
-
-_LAST_NUMBER_SUM = exact_match_reward(parse_last_number)

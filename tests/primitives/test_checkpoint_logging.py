@@ -136,3 +136,20 @@ def test_atomic_directory_success_replaces_exactly(tmp_path):
     atomic_directory(str(tmp_path / "fresh"), write)  # no previous checkpoint
     assert _tree(tmp_path / "fresh") == {"weights.txt": "new weights"}
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "fresh"]
+
+
+def test_atomic_file_keeps_the_old_file_when_writing_fails(tmp_path):
+    from primitives.checkpoint import atomic_file
+
+    path = tmp_path / "samples.jsonl"
+    atomic_file(str(path), lambda f: f.write("old\n"))
+
+    def fails_halfway(f):
+        f.write("new, half written")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_file(str(path), fails_halfway)
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]
+    atomic_file(str(path), lambda f: f.write("new\n"))
+    assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]
