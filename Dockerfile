@@ -24,21 +24,26 @@ ENV PYTHONUNBUFFERED=1 \
     TOKENIZERS_PARALLELISM=false \
     PIP_NO_CACHE_DIR=1
 
+# the image's user (ray: uid 1000, group users: gid 100) owns the checkout and the output root,
+# whichever builder runs this
+USER 0
+RUN mkdir -p /workspace/rayrl /workspace/runs && chown -R 1000:100 /workspace
+USER 1000
 WORKDIR /workspace/rayrl
 
 # dependencies first, so that a code change does not reinstall them; the build args above pin
 # each version (hadolint cannot see a version inside a variable)
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
-    && pip install numpy==2.4.6 ninja==1.13.2 \
+    && pip install numpy ninja \
     && pip install --no-build-isolation "${DEEPSPEED_SPEC}"
 
-COPY --chown=ray:users pyproject.toml README.md ./
-COPY --chown=ray:users primitives ./primitives
-COPY --chown=ray:users rl_actors ./rl_actors
-COPY --chown=ray:users cluster ./cluster
-COPY --chown=ray:users examples ./examples
-COPY --chown=ray:users benchmarks ./benchmarks
+COPY --chown=1000:100 pyproject.toml README.md ./
+COPY --chown=1000:100 primitives ./primitives
+COPY --chown=1000:100 rl_actors ./rl_actors
+COPY --chown=1000:100 cluster ./cluster
+COPY --chown=1000:100 examples ./examples
+COPY --chown=1000:100 benchmarks ./benchmarks
 
 # the project itself is this checkout (pinned by the image tag), installed in place; the
 # embedded model is pinned by its build arg

