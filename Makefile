@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make run    - set up .venv if missing, then run the default job (examples/grpo_tiny.py)
+#   make run    - set up .venv if missing, then run the default job (rayrl rl examples/configs/default.yaml)
 #   make test   - set up .venv if missing, then run the test suite
 #   make lint   - ruff with the rules chosen in pyproject.toml (CI runs it too)
 # Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 run: venv
-	$(PY) examples/grpo_tiny.py $(ARGS)
+	$(PY) -m cluster rl examples/configs/default.yaml $(ARGS)
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)

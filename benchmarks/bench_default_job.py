@@ -1,9 +1,8 @@
-"""Per-phase step times of the default job (examples/grpo_tiny.py on Ray).
+"""Per-phase step times of the default job (rayrl rl examples/configs/default.yaml, on Ray).
 
-Run:  python benchmarks/bench_default_job.py [--rl-steps 80] [any examples/grpo_tiny.py flag]
+Run:  python benchmarks/bench_default_job.py [--algorithm.steps 80] [any override of the config]
 Prints the median and p90 of each phase over the RL steps, and the job's accuracy figures.
 """
-import argparse
 import json
 import os
 import sys
@@ -12,18 +11,14 @@ import tempfile
 import numpy as np
 from common import ROOT, table
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rl-steps", type=int, default=80)
-    args, job_flags = p.parse_known_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
-    import grpo_tiny
+    from cluster.cli import main as rayrl
 
     out = tempfile.mkdtemp(prefix="bench-default-")
-    summary = grpo_tiny.main(["--out", out, "--rl-steps", str(args.rl_steps), *job_flags])
+    config = os.path.join(ROOT, "examples", "configs", "default.yaml")
+    summary = rayrl(["rl", config, "--logging.out", out, *sys.argv[1:]])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"phase": "sft"' not in line]
     rows = [r for r in rows if "time/step" in r][1:]  # the first step includes warm-up
     phases = ["time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step"]

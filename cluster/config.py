@@ -1,163 +1,314 @@
-"""Job configuration: small records per concern, each field documented, and the command line
-derived from them (one flag per field). Hooks named ``module:function`` are resolved once,
-here, before Ray starts; bad values fail here too.
+"""Job configuration: one YAML file mirrors small records, one per concern, every field documented.
+
+``rayrl rl job.yaml`` reads an ``RLJob``, ``rayrl sft job.yaml`` an ``SFTJob``. The file is
+checked against the records (an unknown key is an error naming it, its line and the closest
+valid key; a value of the wrong type names its field), then tyro derives the command line
+from the same records, so every field can be overridden (``--algorithm.lr 1e-5``) and
+``--help`` documents each one with the file's values as defaults. Each field's inline comment
+is its documentation. Hooks named ``module:function`` and every other check that needs no Ray
+run in ``cluster/job.py`` before Ray starts.
 """
 from __future__ import annotations
 
-import argparse
 import os
-from typing import Annotated, NamedTuple, Optional, get_args, get_origin, get_type_hints
+import types
+from typing import NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
 
-from primitives.hooks import load_function  # noqa: F401 (the job's hooks resolve here, before Ray starts)
+from primitives.data import EvalData, FieldMap, PromptFormat, SFTFields
+from primitives.hooks import (
+    did_you_mean,
+    load_function,  # noqa: F401 (the job's hooks resolve here, before Ray starts)
+)
+from primitives.rewards import RewardSpec
+from primitives.types import ModelConfig
+
+Scalar = Union[bool, int, float, str]  # a value of a config dict (task or reward arguments)
 
 
 class ClusterConfig(NamedTuple):
-    generators: Annotated[int, "generator workers (scaled independently of the trainers)"] = 2
-    trainers: Annotated[int, "trainer ranks (one DeepSpeed ZeRO data-parallel group)"] = 2
-    reward_workers: Annotated[int, "reward workers"] = 1
-    zero_stage: Annotated[int, "DeepSpeed ZeRO stage (1, 2 or 3)"] = 2
-    generator_cpus: Annotated[float, "CPUs per generator"] = 1.0
-    generator_gpus: Annotated[float, "GPUs per generator"] = 0.0
-    trainer_cpus: Annotated[float, "CPUs per trainer rank"] = 1.0
-    trainer_gpus: Annotated[float, "GPUs per trainer rank"] = 0.0
-    reference_cpus: Annotated[float, "CPUs of the reference worker"] = 1.0
-    reference_gpus: Annotated[float, "GPUs of the reference worker"] = 0.0
-    reward_cpus: Annotated[float, "CPUs per reward worker"] = 1.0
-    placement: Annotated[str, "placement of each role's actors: PACK or SPREAD across nodes"] = "PACK"
-    generator_backend: Annotated[str, "auto (vLLM if installed and a GPU is visible), hf or vllm"] = "auto"
-    pin_roles: Annotated[bool, "pin generators to nodes with the generator_node resource and trainers to "
-                               "trainer_node ones (as the k8s/ worker groups advertise)"] = False
-    threads_per_actor: Annotated[int, "torch threads in each actor"] = 1
-    ray_address: Annotated[Optional[str], "Ray address to join (default: RAY_ADDRESS, else a local Ray)"] = None
-    local_cpus: Annotated[Optional[int], "logical CPUs of a local Ray (default: enough for all actors)"] = None
-    call_timeout_s: Annotated[float, "bound on every wait for actors; a dead or stuck actor fails the job"] = 600.0
+    generators: int = 2  # generator workers (scaled independently of the trainers)
+    trainers: int = 2  # trainer ranks (one DeepSpeed ZeRO data-parallel group)
+    reward_workers: int = 1  # reward workers
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3)
+    generator_cpus: float = 1.0  # CPUs per generator
+    generator_gpus: float = 0.0  # GPUs per generator
+    trainer_cpus: float = 1.0  # CPUs per trainer rank
+    trainer_gpus: float = 0.0  # GPUs per trainer rank
+    reference_cpus: float = 1.0  # CPUs of the reference worker
+    reference_gpus: float = 0.0  # GPUs of the reference worker
+    reward_cpus: float = 1.0  # CPUs per reward worker
+    placement: str = "PACK"  # placement of each role's actors: PACK or SPREAD across nodes
+    generator_backend: str = "auto"  # auto (vLLM if installed and a GPU is visible), hf or vllm
+    pin_roles: bool = False  # pin generators to generator_node and trainers to trainer_node nodes (k8s/ groups)
+    threads_per_actor: int = 1  # torch threads in each actor
+    ray_address: Optional[str] = None  # Ray address to join (default: RAY_ADDRESS, else a local Ray)
+    local_cpus: Optional[int] = None  # logical CPUs of a local Ray (default: enough for all actors)
+    call_timeout_s: float = 600.0  # bound on every wait for actors; a dead or stuck actor fails the job
+    sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
+    micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
 
 
-class SFTConfig(NamedTuple):
-    sft_steps: Annotated[int, "SFT optimizer steps"] = 1500
-    sft_batch: Annotated[int, "SFT samples per step (all ranks together)"] = 64
-    sft_lr: Annotated[float, "SFT peak learning rate"] = 1e-3
-    sft_warmup: Annotated[int, "linear warm-up steps of the SFT learning rate"] = 50
+class DataConfig(NamedTuple):
+    task: Optional[str] = None  # a generated task instead of a file: arithmetic, chat_arithmetic or module:function
+    task_kwargs: Optional[dict[str, Scalar]] = None  # the task's arguments (e.g. num_heldout: 256)
+    path: Optional[str] = None  # prompt file (.jsonl, .json, .csv, .parquet) or a local HF datasets directory
+    split: str = "train"  # split of a datasets directory, or name part of the files of a directory
+    fields: FieldMap = FieldMap()  # which record fields hold the prompt (or chat messages) and the answer
+    format: PromptFormat = PromptFormat()  # chat template or raw text; system prompt; enable_thinking
+    eval_set: EvalData = EvalData()  # eval prompts: a file (path) or a held-out share or count (size)
+    shuffle: bool = True  # a seeded new order each epoch
+    max_prompt_tokens: int = 1024  # longest prompt, in tokens as rendered; longer ones are an error
 
 
 class RLConfig(NamedTuple):
-    algorithm: Annotated[str, "preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo "
-                              "(ppo needs a critic, which this job does not build yet)"] = "grpo"
-    rl_steps: Annotated[int, "RL iterations in all (one optimizer step each; a resumed run counts on)"] = 80
-    prompts_per_step: Annotated[int, "prompts per RL step"] = 32
-    group_size: Annotated[int, "completions per prompt (G)"] = 8
-    max_new_tokens: Annotated[int, "completion length limit"] = 5
-    temperature: Annotated[float, "sampling temperature"] = 1.0
-    rl_lr: Annotated[float, "RL learning rate"] = 3e-4
-    kl_coef: Annotated[Optional[float], "KL coefficient (default: the preset's own; any value > 0 adds a "
-                                        "reference worker)"] = None
-    ppo_epochs: Annotated[int, "passes over each rollout batch"] = 1
-    mini_batches: Annotated[int, "optimizer updates per pass (the rollout batch split into this many parts)"] = 1
-    is_level: Annotated[str, "truncated importance weight against the generator's logprobs: off, token "
-                             "or sequence"] = "token"
-    is_cap: Annotated[float, "cap of the truncated importance weight"] = 2.0
-    sync_bucket_mb: Annotated[float, "weight-sync bucket size in MB"] = 64.0
-    max_resample_rounds: Annotated[int, "DAPO dynamic sampling: extra generation rounds per step"] = 4
-    eval_every: Annotated[int, "evaluate every N steps (0: only at the end)"] = 20
-    checkpoint_every: Annotated[int, "checkpoint every N steps (0: off)"] = 0
+    name: str = "grpo"  # preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo
+    steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
+    prompts_per_step: int = 32  # prompts per RL step
+    lr: float = 3e-4  # RL learning rate
+    kl_coef: Optional[float] = None  # KL coefficient (None: the preset's own); > 0 adds a reference worker
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer updates per pass (the rollout batch split into this many parts)
+    is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
+    is_cap: float = 2.0  # cap of the truncated importance weight
+    max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step
 
 
-class JobConfig(NamedTuple):
-    out: Annotated[str, "output directory; inside `ray job submit` a relative path goes under $RAYRL_OUTPUT_ROOT "
-                        "(default ~/rayrl), not into Ray's temporary copy of the checkout"] = "runs/grpo_tiny"
-    seed: Annotated[int, "seed for the model, the task and sampling"] = 0
-    model: Annotated[Optional[str], "local HF model path (default: build the embedded tiny model)"] = None
-    reward_fn: Annotated[Optional[str], "reward hook as module:function (default: the task's exact match)"] = None
-    heldout: Annotated[int, "held-out problems for accuracy"] = 256
-    resume: Annotated[Optional[str], "a checkpoint directory written by --checkpoint-every: continue from it"] = None
-    carry_error_rate: Annotated[float, "share of carry problems whose SFT demonstration drops the carry"] = 0.7
+class SamplingConfig(NamedTuple):
+    group_size: int = 8  # completions per prompt (G)
+    max_new_tokens: int = 5  # completion length limit, in tokens
+    temperature: float = 1.0  # sampling temperature (> 0); the trainer and reference score at the same one
+    top_p: float = 1.0  # nucleus sampling (1: off)
+    top_k: int = 0  # top-k sampling (0: off)
+    stop: tuple[str, ...] = ()  # stop strings; a completion ends after the first one (eos always ends it)
 
 
-RECORDS = (JobConfig, ClusterConfig, SFTConfig, RLConfig)
+class SFTConfig(NamedTuple):
+    steps: int = 0  # SFT optimizer steps (in an RL job: an SFT stage first; 0: none)
+    batch: int = 64  # samples per step (all ranks together)
+    lr: float = 1e-5  # peak learning rate
+    warmup: int = 0  # linear warm-up steps of the learning rate
+    path: Optional[str] = None  # SFT data file or directory; None in an RL job: the task's demonstrations
+    split: str = "train"  # split of a datasets directory
+    fields: SFTFields = SFTFields()  # chat messages, or prompt and completion fields
+    format: PromptFormat = PromptFormat()  # chat: the model's chat template, loss on assistant tokens only
+    max_len: Optional[int] = None  # truncate samples to this many tokens
+    eval_set: EvalData = EvalData()  # eval loss on a file (path) or a held-out share or count (size); neither: off
+    eval_every: int = 100  # eval loss every N steps (and at the end) when an eval set is given
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+class EvalConfig(NamedTuple):
+    enabled: bool = True  # evaluate on the eval prompts (data.eval_set, or the task's own)
+    every: int = 20  # evaluate every N RL steps and at the end (0: only before and after RL)
+    k: int = 1  # samples per eval prompt; pass@k is reported (k > 1 needs temperature > 0)
+    temperature: float = 0.0  # 0: greedy
+    threshold: float = 1.0  # a sample is correct when its reward is at least this (accuracy, pass@k)
+    max_items: Optional[int] = None  # evaluate on the first N eval prompts only (None: all)
+    final_pass_k: int = 4  # at the end, pass@k with this many samples at the sampling temperature (0: off)
 
 
-def add_record_arguments(parser: argparse.ArgumentParser, record) -> None:
-    """One ``--field-name`` flag per field, typed and documented from its annotation."""
-    hints = get_type_hints(record, include_extras=True)
-    group = parser.add_argument_group(record.__name__)
+class CheckpointConfig(NamedTuple):
+    every: int = 0  # checkpoint every N steps into <out>/checkpoints/step_N (0: only the final model)
+    resume: Optional[str] = None  # a checkpoint directory written by this job: continue exactly from it
+
+
+class LoggingConfig(NamedTuple):
+    out: str = "runs/rl"  # output directory; inside `ray job submit` a relative path goes under $RAYRL_OUTPUT_ROOT
+    console_every: int = 10  # a console line every N steps
+    wandb_project: Optional[str] = None  # also log to Weights & Biases under this project
+
+
+class RLJob(NamedTuple):
+    """rayrl rl: optional SFT stage, then RL with verifiable or learned rewards, on Ray."""
+
+    model: ModelConfig = ModelConfig("tiny")  # model_name_or_path: tiny, smollm2 (both embedded) or an HF directory
+    data: DataConfig = DataConfig(task="arithmetic")
+    rewards: tuple[RewardSpec, ...] = (RewardSpec("exact_match"),)  # built-in or module:function, weighted
+    algorithm: RLConfig = RLConfig()
+    generation: SamplingConfig = SamplingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    seed: int = 0  # seeds the model, the data order, sampling and the SFT draws
+
+
+class SFTJob(NamedTuple):
+    """rayrl sft: supervised fine-tuning on chat messages or prompt/completion pairs, on Ray."""
+
+    model: ModelConfig = ModelConfig("tiny")  # model_name_or_path: tiny, smollm2 (both embedded) or an HF directory
+    sft: SFTConfig = SFTConfig(steps=100)
+    cluster: ClusterConfig = ClusterConfig(generators=0, reward_workers=0)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig(out="runs/sft")
+    seed: int = 0  # seeds the model and the SFT draws
+
+
+JOBS = {"rl": RLJob, "sft": SFTJob}
+
+
+# ----------------------------------------------------------------------------- YAML -> records
+
+class ConfigError(ValueError):
+    """A config file or value that does not fit the records; the message names the key."""
+
+
+def _is_record(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields")
+
+
+def _optional_inner(tp):
+    """``X`` of ``Optional[X]``, or None when ``tp`` is not optional."""
+    if get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else Union[tuple(rest)]
+    return None
+
+
+def _where(key: str, lines: dict, source: str) -> str:
+    line = lines.get(key)
+    return f"{source}:{line}: {key}" if line else f"{source}: {key}"
+
+
+def _check_scalar(value, tp, key: str, where: str):
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (bool, int, float, str) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _convert(value, tp, key: str, lines: dict, source: str):
+    """``value`` (parsed YAML) as type ``tp``, checked; errors name ``key`` and its line."""
+    where = _where(key, lines, source)
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return None if value is None else _convert(value, inner, key, lines, source)
+    if value is None:
+        raise ConfigError(f"{where}: may not be empty (null)")
+    if _is_record(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields ({', '.join(tp._fields)}), "
+                              f"got {value!r}")
+        return record_from_dict(tp, value, key + ".", lines, source)
+    origin = get_origin(tp)
+    if origin is tuple:
+        elem = get_args(tp)[0]
+        items = value if isinstance(value, list) else None
+        if items is None:
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_convert(v, elem, f"{key}.{i}", lines, source) for i, v in enumerate(items))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        for k, v in value.items():
+            if not isinstance(v, (bool, int, float, str)):
+                raise ConfigError(f"{_where(f'{key}.{k}', lines, source)}: expected a number, string or boolean, "
+                                  f"got {v!r}")
+        return {str(k): v for k, v in value.items()}
+    if get_origin(tp) in (Union, types.UnionType):  # of scalars, e.g. a share (float) or a count (int)
+        allowed = get_args(tp)
+        if isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{where}: expected {' or '.join(a.__name__ for a in allowed)}, got {value!r}")
+    return _check_scalar(value, tp, key, where)
+
+
+def record_from_dict(record, values: dict, prefix: str = "", lines: Optional[dict] = None, source: str = "config"):
+    """``record`` built from a nested dict over its defaults; an unknown key raises
+    ``ConfigError`` naming it (with its line in ``source``) and the closest valid key."""
+    lines = lines or {}
+    hints = get_type_hints(record)
+    for key in values:
+        if key not in record._fields:
+            hint = did_you_mean(key, record._fields) or f"; valid keys: {', '.join(record._fields)}"
+            raise ConfigError(f"{_where(prefix + str(key), lines, source)}: unknown key{hint}")
+    defaults = record._field_defaults  # a section given in the file starts from its record's defaults
+    fields = {}
     for name in record._fields:
-        hint = hints[name]
-        doc = hint.__metadata__[0] if hasattr(hint, "__metadata__") else ""
-        base = get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
-        if get_origin(base) is not None and type(None) in get_args(base):  # Optional[X]
-            base = next(a for a in get_args(base) if a is not type(None))
-        kind = _parse_bool if base is bool else base
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                           default=record._field_defaults[name], help=doc + " (default: %(default)s)")
+        if name in values:
+            fields[name] = _convert(values[name], hints[name], prefix + name, lines, source)
+        elif name in defaults:
+            fields[name] = defaults[name]
+        else:
+            raise ConfigError(f"{_where(prefix.rstrip('.') or record.__name__, lines, source)}: "
+                              f"missing required key '{name}'")
+    return record(**fields)
 
 
-def build_parser(description: str, records=RECORDS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    for record in records:
-        add_record_arguments(parser, record)
-    return parser
+def _key_lines(node, prefix: str = "") -> dict:
+    """``"a.b.0.c" -> line`` (1-based) for every key and list item of a composed YAML node."""
+    import yaml
+
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}{k.value}"
+            lines[key] = k.start_mark.line + 1
+            lines.update(_key_lines(v, key + "."))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            lines[f"{prefix}{i}"] = v.start_mark.line + 1
+            lines.update(_key_lines(v, f"{prefix}{i}."))
+    return lines
 
 
-def records_from_args(ns: argparse.Namespace, records=RECORDS) -> tuple:
-    values = vars(ns)
-    return tuple(r(**{f: values[f] for f in r._fields}) for r in records)
+def load_job_config(path: Optional[str], job_type=RLJob):
+    """The job record of a YAML file (``None``: the record's defaults); every error names the file."""
+    import yaml
+
+    if path is None:
+        return job_type()
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path) as f:
+            text = f.read()
+        node = yaml.compose(text)
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(job_type._fields)}), got {values!r}")
+    return record_from_dict(job_type, values, "", _key_lines(node), path)
 
 
-def validate(job: JobConfig, cluster: ClusterConfig, sft: SFTConfig, rl: RLConfig) -> None:
-    """Every check that needs no Ray: raise ``ValueError`` naming the flag and what is allowed."""
-    from primitives.algorithms import PRESETS
-    from primitives.losses import IS_LEVELS
+def record_to_dict(record) -> dict:
+    """A record as plain nested dicts and lists (YAML- and JSON-ready)."""
+    def plain(v):
+        if _is_record(type(v)):
+            return {k: plain(x) for k, x in v._asdict().items()}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(record)
 
-    rows = rl.prompts_per_step * (2 if rl.algorithm == "online_dpo" else rl.group_size)  # DPO: a pair per prompt
-    checks = [
-        (cluster.generators >= 1, "--generators must be at least 1"),
-        (cluster.trainers >= 1, "--trainers must be at least 1"),
-        (cluster.reward_workers >= 1, "--reward-workers must be at least 1"),
-        (cluster.zero_stage in (1, 2, 3), f"--zero-stage must be 1, 2 or 3, got {cluster.zero_stage}"),
-        (cluster.placement in ("PACK", "SPREAD"), f"--placement must be PACK or SPREAD, got {cluster.placement}"),
-        (cluster.generator_backend in ("auto", "hf", "vllm"),
-         f"--generator-backend must be auto, hf or vllm, got {cluster.generator_backend}"),
-        (rl.algorithm in PRESETS,
-         f"--algorithm '{rl.algorithm}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
-        (rl.algorithm != "ppo", "--algorithm ppo needs a critic (a value model), which this job does not build yet; "
-                                "use reinforce_pp (REINFORCE++, critic-free) or grpo"),
-        (rl.temperature > 0, f"--temperature must be > 0 for RL sampling, got {rl.temperature} "
-                             "(logprobs are of softmax(logits / T); evaluation is greedy anyway)"),
-        (rl.rl_lr > 0, f"--rl-lr must be positive, got {rl.rl_lr}"),
-        (sft.sft_lr > 0, f"--sft-lr must be positive, got {sft.sft_lr}"),
-        (rl.ppo_epochs >= 1, f"--ppo-epochs must be at least 1, got {rl.ppo_epochs}"),
-        (rl.mini_batches >= 1, f"--mini-batches must be at least 1, got {rl.mini_batches}"),
-        (rl.mini_batches < 1 or rows // rl.mini_batches >= cluster.trainers,
-         f"--mini-batches {rl.mini_batches} leaves {rows // max(rl.mini_batches, 1)} rows per mini-batch for "
-         f"{cluster.trainers} trainer ranks; every rank needs rows (raise --prompts-per-step or lower --mini-batches)"),
-        (rl.is_level in IS_LEVELS, f"--is-level must be one of {', '.join(IS_LEVELS)}, got {rl.is_level}"),
-        (rl.is_cap > 0, f"--is-cap must be positive, got {rl.is_cap}"),
-        (rl.kl_coef is None or rl.kl_coef >= 0, f"--kl-coef must be >= 0, got {rl.kl_coef}"),
-        (rl.group_size >= 2, "--group-size must be at least 2: group advantages compare completions of one prompt"),
-        (rl.prompts_per_step >= 1, "--prompts-per-step must be at least 1"),
-        (rl.max_new_tokens >= 1, "--max-new-tokens must be at least 1"),
-        (rl.rl_steps >= 0 and sft.sft_steps >= 0, "--rl-steps and --sft-steps must be >= 0"),
-        (sft.sft_batch >= 1, "--sft-batch must be at least 1"),
-        (rl.sync_bucket_mb > 0, "--sync-bucket-mb must be positive"),
-        (cluster.call_timeout_s > 0, "--call-timeout-s must be positive"),
-        (job.heldout >= 1, "--heldout must be at least 1"),
-    ]
-    errors = [msg for ok, msg in checks if not ok]
-    if job.resume is not None:
-        errors += resume_errors(job.resume)
-    if job.model is not None and not os.path.isfile(os.path.join(job.model, "config.json")):
-        errors.append(f"--model {job.model}: not a local Hugging Face model directory (no config.json)")
-    if errors:
-        raise ValueError("bad configuration:\n  - " + "\n  - ".join(errors))
 
+def dump_config(record) -> str:
+    """YAML text that ``load_job_config`` reads back to ``record``."""
+    import yaml
+
+    return yaml.safe_dump(record_to_dict(record), sort_keys=False)
+
+
+def parse_overrides(job_type, default, args, prog: str, description: str):
+    """``default`` with the command-line overrides ``args`` applied (tyro, from the records)."""
+    import tyro
+
+    return tyro.cli(job_type, default=default, args=list(args), prog=prog, description=description,
+                    config=(tyro.conf.FlagConversionOff,))
+
+
+# ----------------------------------------------------------------------------- output paths
 
 OUTPUT_ROOT_ENV = "RAYRL_OUTPUT_ROOT"  # where relative output paths of a submitted job go
 DEFAULT_OUTPUT_ROOT = "~/rayrl"
@@ -192,12 +343,12 @@ def resolve_output_dir(path: str, environ=os.environ, cwd: Optional[str] = None)
 
 
 def resume_errors(path: str) -> list:
-    """Why ``path`` is not a cluster checkpoint (as ``--checkpoint-every`` writes), if it is not."""
+    """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not."""
     if not os.path.isfile(os.path.join(path, "train_state.json")):
-        return [f"--resume {path}: not a checkpoint directory (no train_state.json)"]
+        return [f"checkpoint.resume {path}: not a checkpoint directory (no train_state.json)"]
     if not os.path.isdir(os.path.join(path, "deepspeed")):
         kind = ("a single-process checkpoint (primitives.checkpoint.save_checkpoint: optimizer.pt, rng.pt)"
                 if os.path.isfile(os.path.join(path, "rng.pt")) else "not a cluster checkpoint")
-        return [f"--resume {path}: {kind}; the Ray job resumes from a cluster checkpoint written by "
-                "--checkpoint-every (deepspeed/, train_state.json)"]
+        return [f"checkpoint.resume {path}: {kind}; a job resumes from a cluster checkpoint written by "
+                "checkpoint.every (deepspeed/, train_state.json)"]
     return []

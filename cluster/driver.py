@@ -168,12 +168,19 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
 
 def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, batch_size: int,
               lr_schedule: Callable[[int], float], seed: int = 0, logger: Callable = noop_logger,
-              log_every: int = 50, progress: bool = True) -> dict:
-    """Supervised fine-tuning on the trainer group, then one weight sync to the generators.
+              log_every: int = 50, progress: bool = True, eval_samples: Sequence[SFTSample] = (),
+              eval_every: int = 0, checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0,
+              start_step: int = 0) -> dict:
+    """Supervised fine-tuning on the trainer group (the weights stay there: ``sync_weights``
+    sends them on).
 
     Each step draws ``batch_size`` samples (seeded, without replacement within the step);
     every trainer rank takes its share and the loss is normalised by the step's global
-    target-token count. Returns the last step's metrics.
+    target-token count. With ``eval_samples``, the held-out loss (``eval/loss_sft``) is
+    logged every ``eval_every`` steps and at the end; ``checkpoint_fn(cluster, step)`` runs
+    every ``checkpoint_every`` steps. ``start_step`` continues a run from a checkpoint: the
+    draws of the steps before it are replayed, so the run goes on as if never stopped.
+    Returns the last step's metrics.
     """
     import ray
 
@@ -181,16 +188,44 @@ def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, 
         raise ValueError("train_sft: no samples")
     rng = np.random.default_rng(seed)
     pad = cluster.pad_token_id
+    size = min(batch_size, len(samples))
+    for _ in range(start_step):
+        rng.choice(len(samples), size, replace=False)
     metrics: dict = {}
-    for step in tqdm(range(num_steps), desc="sft", unit="step", **({} if progress else {"disable": True})):
-        picked = rng.choice(len(samples), min(batch_size, len(samples)), replace=False)
+    bar = tqdm(range(start_step, num_steps), desc="sft", unit="step", **({} if progress else {"disable": True}))
+    for step in bar:
+        picked = rng.choice(len(samples), size, replace=False)
         ids, attn, loss_mask = collate_sft([samples[i] for i in picked], pad)
         refs = [ray.put(ids), ray.put(attn), ray.put(loss_mask)]
         stats = gather(fan_out(cluster.trainers, "sft_step", *refs, lr_schedule(step)), cluster.timeout_s)
         metrics = {**merge_metrics(stats), "step": step, "phase": "sft"}
-        if step % log_every == 0 or step == num_steps - 1:
+        last = step + 1 == num_steps
+        evaluated = bool(eval_samples) and eval_every > 0 and ((step + 1) % eval_every == 0 or last)
+        if evaluated:
+            metrics.update(evaluate_sft(cluster, eval_samples))
+            bar.set_postfix(eval_loss=f"{metrics['eval/loss_sft']:.4f}")
+        if step % log_every == 0 or last or evaluated:
             logger(metrics)
+        if checkpoint_fn is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            checkpoint_fn(cluster, step + 1)
     return metrics
+
+
+def evaluate_sft(cluster: RLCluster, samples: Sequence[SFTSample], chunk: int = 256) -> dict:
+    """Held-out SFT loss: the mean NLL per target token over ``samples`` (no update), computed
+    on the trainer ranks ``chunk`` samples at a time; ``eval/sft_tokens`` is the token count."""
+    import ray
+
+    if not samples:
+        raise ValueError("evaluate_sft: no samples")
+    nll, tokens = 0.0, 0.0
+    for start in range(0, len(samples), chunk):
+        arrays = collate_sft(list(samples[start: start + chunk]), cluster.pad_token_id)
+        part = merge_metrics(gather(fan_out(cluster.trainers, "sft_eval", *[ray.put(a) for a in arrays]),
+                                    cluster.timeout_s))
+        nll += part["eval/loss_sft"] * part["eval/sft_tokens"]  # the chunk's mean back to a sum
+        tokens += part["eval/sft_tokens"]
+    return {"eval/loss_sft": nll / tokens, "eval/sft_tokens": tokens}
 
 
 def copy_policy_to_reference(cluster: RLCluster) -> None:
@@ -253,5 +288,6 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
     state = state_from_json(saved)
     if cluster.reference is not None and os.path.isdir(os.path.join(path, "reference")):
         gather([call(cluster.reference, 0, "load_weights_from", os.path.join(path, "reference"))], cluster.timeout_s)
-    sync_weights(cluster, state.policy_version)
+    if cluster.generators is not None:  # an SFT job has no generators
+        sync_weights(cluster, state.policy_version)
     return state

@@ -102,7 +102,7 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
         late = [c for c in calls if c.ref in set(pending)]
         names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
         raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
-                           f"raise --call-timeout-s if the work is simply long)", late[0].role, late[0].rank)
+                           f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank)
     out = []
     for c in calls:
         try:

@@ -48,7 +48,7 @@ def check_fits(roles: Sequence[RoleSpec], cluster_total: dict, node_totals: Sequ
         for key, amount in role.bundle().items():
             if amount and not any(node.get(key, 0.0) >= amount for node in node_totals):
                 have = max((node.get(key, 0.0) for node in node_totals), default=0.0)
-                hint = (f"; on a CPU-only cluster set --{role.name}-gpus 0" if key == "GPU" and
+                hint = (f"; on a CPU-only cluster set cluster.{role.name}_gpus: 0" if key == "GPU" and
                         not cluster_total.get("GPU") else "")
                 problems.append(f"role '{role.name}' needs {amount:g} {key} per actor but no node has that much "
                                 f"(largest node: {have:g}){hint}")

@@ -17,15 +17,15 @@ from rl_actors.trainer import TrainerConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# custom resources that k8s/ worker groups advertise; --pin-roles places each role there
+# custom resources that k8s/ worker groups advertise; cluster.pin_roles places each role there
 NODE_GROUP_PINS = {"generator": {"generator_node": 0.01}, "reward": {"generator_node": 0.01},
                    "trainer": {"trainer_node": 0.01}, "reference": {"trainer_node": 0.01}}
 
 
 class RLCluster(NamedTuple):
-    generators: WorkerGroup
+    generators: Optional[WorkerGroup]  # None in an SFT job (the trainer group alone)
     trainers: WorkerGroup
-    rewards: WorkerGroup
+    rewards: Optional[WorkerGroup]
     reference: Optional[WorkerGroup]  # None when no step needs reference logprobs
     sync_address: SyncAddress
     weight_meta: tuple  # TensorMeta of the policy, as the trainers hold it
@@ -53,7 +53,7 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
 
 
 def start_ray(cfg: ClusterConfig, roles) -> str:
-    """Join ``--ray-address`` / ``RAY_ADDRESS`` if given, else start a local Ray on loopback."""
+    """Join ``cluster.ray_address`` / ``RAY_ADDRESS`` if given, else start a local Ray on loopback."""
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if not address and "ray" not in sys.modules:
         # read by Ray at import time: a local Ray then binds 127.0.0.1, not the machine's address
@@ -134,15 +134,31 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     backends = {info["backend"] for info in wait(fan_out(generators, "info"))}
     if backends == {"vllm"} and tracks:
         raise ValueError("a policy-tracking reference cannot join vLLM's weight-transfer group; "
-                         "use a fixed reference (no ref_update_fn) or --generator-backend hf")
+                         "use a fixed reference (no ref_update_fn) or cluster.generator_backend: hf")
     if len(backends) > 1:
-        raise ValueError(f"generators run mixed backends {sorted(backends)}; pin --generator-backend")
+        raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
     backend = "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo"
     pad_id = wait([call(generators, 0, "pad_token_id")])[0]
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories, reward_needs_reference)
     return join_weight_sync(cluster)
+
+
+def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerConfig, seed: int = 0) -> RLCluster:
+    """The trainer group alone (an SFT job): no generators, reward workers or reference."""
+    from rl_actors.trainer import TrainerWorker
+
+    roles = [r for r in role_specs(cfg, with_reference=False) if r.name == "trainer"]
+    address = start_ray(cfg, roles)
+    check_fits(roles, *cluster_resources())
+    trainers = create_group(TrainerWorker, roles[0], create_placement_group(roles[0]),
+                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, cfg.threads_per_actor), {}))
+    master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
+    gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
+    pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
+    return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo", "torch"), (), pad_id, 0,
+                     cfg.call_timeout_s, False, address)
 
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:

@@ -19,7 +19,7 @@ import math
 import numbers
 import os
 import re
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -71,7 +71,7 @@ class EvalData(NamedTuple):
 
     path: Optional[str] = None  # eval file or directory; exclusive with ``size``
     split: str = "test"  # split of a datasets directory or of a directory of files, for ``path``
-    size: Optional[float] = None  # held-out share of the train items (0 < size < 1) or count (int)
+    size: Optional[Union[int, float]] = None  # held-out share of the train items (0 < size < 1) or count (int)
     seed: int = 0  # which train items are held out
 
 
@@ -611,6 +611,21 @@ def _sft_sample_from_row(row: dict, source: str, tokenizer, fields: SFTFields = 
     return sample
 
 
+def _check_sft_format(tokenizer, fields: SFTFields, fmt: PromptFormat) -> None:
+    _check_format(fields.messages is not None, fmt, f"SFTFields.messages='{fields.messages}'")
+    if fmt.chat:
+        check_chat_template(tokenizer, "SFT on chat data")
+
+
+def sft_samples_from_records(records: Records, tokenizer, fields: SFTFields = SFTFields(),
+                             fmt: PromptFormat = PromptFormat(), max_len: Optional[int] = None) -> list:
+    """``SFTSample``s of loaded records (loss on completion / assistant tokens only); a bad row
+    raises naming its source (file:line)."""
+    _check_sft_format(tokenizer, fields, fmt)
+    return [_sft_sample_from_row(row, source, tokenizer, fields, fmt, max_len)
+            for row, source in zip(records.rows, records.sources)]
+
+
 def load_sft_samples(path: str, tokenizer, fields: SFTFields = SFTFields(), fmt: PromptFormat = PromptFormat(),
                      max_len: Optional[int] = None, split: str = "train") -> list:
     """``SFTSample``s from a data file or directory (same kinds and errors as ``load_records``).
@@ -618,9 +633,5 @@ def load_sft_samples(path: str, tokenizer, fields: SFTFields = SFTFields(), fmt:
     Prompt/completion pairs are raw text (``prepare_sft_text``) or, with ``fmt.chat``, a user and
     an assistant turn; chat ``messages`` need ``fmt.chat`` (``prepare_sft_chat``).
     """
-    _check_format(fields.messages is not None, fmt, f"SFTFields.messages='{fields.messages}'")
-    if fmt.chat:
-        check_chat_template(tokenizer, "SFT on chat data")
-    records = load_records(path, split)
-    return [_sft_sample_from_row(row, source, tokenizer, fields, fmt, max_len)
-            for row, source in zip(records.rows, records.sources)]
+    _check_sft_format(tokenizer, fields, fmt)
+    return sft_samples_from_records(load_records(path, split), tokenizer, fields, fmt, max_len)

@@ -200,7 +200,7 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
         raise ValueError("generate_rollouts: no prompt items")
     if config.n < 1:
         raise ValueError(f"GenerationConfig.n must be >= 1, got {config.n}")
-    prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items])
+    prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items], config.template_kwargs)
     rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
     step = batch_size or len(rows)
     rollouts = []

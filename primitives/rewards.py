@@ -17,7 +17,7 @@ import math
 import os
 import re
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -564,8 +564,8 @@ class RewardSpec(NamedTuple):
 
     name: str  # a BUILTIN_REWARDS name, or a user reward_fn as "module:function" / "path/file.py:function"
     weight: float = 1.0  # its weight in the weighted sum of several rewards
-    kwargs: Optional[dict] = None  # the built-in factory's keyword arguments; for a user function,
-    # keyword arguments bound to it: reward_fn(rollout, **kwargs)
+    kwargs: Optional[dict[str, Union[bool, int, float, str]]] = None  # the built-in factory's keyword arguments;
+    # for a user function, keyword arguments bound to it: reward_fn(rollout, **kwargs)
     label: Optional[str] = None  # logged as reward/<label>; default: name (the function's name for module:function)
 
 

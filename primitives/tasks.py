@@ -99,3 +99,36 @@ def chat_arithmetic_reward(rollout) -> float:
     """1.0 when the last number of the completion equals the sum, else 0.0."""
     return _LAST_NUMBER_SUM(rollout)
 
+
+
+# ----------------------------------------------------------------------------- tasks a job names
+
+class TaskData(NamedTuple):
+    """What a generated task gives a job (``data.task`` in the config)."""
+
+    train: list  # PromptItems for RL
+    eval: list  # held-out PromptItems
+    sft_rows: list = []  # demonstrations as records: {"prompt", "completion"}, or {"messages"} when sft_chat
+    sft_chat: bool = False  # the demonstrations are chat messages (rendered with the chat template)
+    info: Optional[dict] = None  # facts for the run summary (e.g. the share of wrong demonstrations)
+
+
+def arithmetic_task(seed: int = 0, max_operand: int = 49, num_train: int = 2000, num_heldout: int = 256,
+                    carry_error_rate: float = 0.7) -> TaskData:
+    """The default job's task: raw-text ``"23+48="`` prompts and imperfect demonstrations."""
+    spec = ArithmeticTaskSpec(max_operand, num_train, num_heldout, carry_error_rate, seed)
+    train, heldout = make_arithmetic_task(spec)
+    pairs, wrong_share = sft_demonstrations(train, spec)
+    return TaskData(train, heldout, [{"prompt": p, "completion": c} for p, c in pairs],
+                    info={"sft_wrong_share": round(wrong_share, 4)})
+
+
+def chat_arithmetic_task(seed: int = 0, max_operand: int = 99, num_train: int = 2000,
+                         num_heldout: int = 64) -> TaskData:
+    """The same sums as chat questions for an instruct model, with correct chat demonstrations."""
+    train, heldout = make_arithmetic_task(ArithmeticTaskSpec(max_operand, num_train, num_heldout, 0.0, seed))
+    return TaskData(chat_arithmetic_items(train), chat_arithmetic_items(heldout),
+                    [{"messages": chat_demonstration(it)} for it in train], sft_chat=True)
+
+
+TASKS = {"arithmetic": arithmetic_task, "chat_arithmetic": chat_arithmetic_task}

@@ -150,23 +150,40 @@ def optim_step(model, optimizer, max_grad_norm: Optional[float] = 1.0, scheduler
     return float(norm)
 
 
-def sft_forward_backward(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
-                         num_tokens: int, micro_batch_size: Optional[int] = None,
-                         backward: Callable = _default_backward, loss_scale: float = 1.0) -> dict:
-    """Masked NLL over right-padded SFT samples (loss on ``loss_mask`` targets), accumulated."""
+def _sft_micro_losses(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                      num_tokens: int, micro_batch_size: Optional[int]):
+    """Each micro-batch's masked NLL share: its target tokens' NLL divided by ``num_tokens``."""
     device = next(model.parameters()).device
     step = micro_batch_size or len(input_ids)
-    total = 0.0
-    model.train()
     for s in range(0, len(input_ids), step):
         ids = torch.from_numpy(input_ids[s: s + step]).to(device)
         attn = torch.from_numpy(attention_mask[s: s + step]).to(device)
         lm = torch.from_numpy(loss_mask[s: s + step]).to(device)
         logp = sequence_logprobs(model, ids, attn, lm)
-        loss = sft_loss(logp, lm[:, 1:], num_tokens)
+        yield sft_loss(logp, lm[:, 1:], num_tokens)
+
+
+def sft_forward_backward(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                         num_tokens: int, micro_batch_size: Optional[int] = None,
+                         backward: Callable = _default_backward, loss_scale: float = 1.0) -> dict:
+    """Masked NLL over right-padded SFT samples (loss on ``loss_mask`` targets), accumulated."""
+    total = 0.0
+    model.train()
+    for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens, micro_batch_size):
         backward(loss * loss_scale)
         total += float(loss.detach())
     return {"loss/sft": total, "sft/tokens": float(loss_mask[:, 1:].sum())}
+
+
+@torch.no_grad()
+def sft_eval_loss(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                  num_tokens: int, micro_batch_size: Optional[int] = None) -> dict:
+    """This part's share of the held-out masked NLL (``eval/loss_sft``; shares of all parts add
+    up to the mean NLL per target token when ``num_tokens`` is the global target count)."""
+    model.eval()
+    total = sum(float(loss) for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens,
+                                                          micro_batch_size))
+    return {"eval/loss_sft": total, "eval/sft_tokens": float(loss_mask[:, 1:].sum())}
 
 
 def linear_warmup(base_lr: float, warmup_steps: int):

@@ -51,15 +51,16 @@ class GenerationConfig(NamedTuple):
     stop: tuple = ()  # stop strings; the completion ends after the first one produced
     seed: Optional[int] = None  # seeds a private torch.Generator; None = global RNG
     stop_token_ids: tuple = ()  # extra token ids that end a completion (e.g. <|im_end|>)
+    template_kwargs: Optional[dict] = None  # extra chat-template variables, e.g. {"enable_thinking": False}
 
 
 class ModelConfig(NamedTuple):
     """Where and how to load a model."""
 
-    model_name_or_path: str
+    model_name_or_path: str  # a local Hugging Face model directory (config.json, weights, tokenizer)
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto": the actor's GPU when it has one, else "cpu"; or "cpu", "cuda", "cuda:1"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model directory's own modelling code (custom architectures)
     attn_implementation: Optional[str] = None  # e.g. "eager", "sdpa"; None = HF default
 
 

@@ -108,7 +108,7 @@ class VLLMEngine:
         return results
 
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
-        prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items])
+        prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items], gen.template_kwargs)
         rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(gen.n)]
         seed = None if gen.seed is None else gen.seed + version
         outs = self._outputs([ids for _, ids, _ in rows], gen, seed)

@@ -37,6 +37,7 @@ from primitives.training import (
     forward_backward,
     minibatches,
     pair_unit,
+    sft_eval_loss,
     sft_forward_backward,
     updates_of,
     with_old_logprobs,
@@ -195,6 +196,19 @@ class TrainerWorker:
         if not len(rows):
             self._empty_backward()
         return self._finish_step(metrics, lr)
+
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def sft_eval(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> dict:
+        """This rank's share of the held-out SFT loss (no update). A rank without rows still runs
+        one forward, discarded, so that ZeRO-3's parameter gathers see every rank."""
+        num_tokens = int(loss_mask[:, 1:].sum())
+        rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
+        part = rows if len(rows) else np.arange(1)
+        metrics = sft_eval_loss(self.engine, input_ids[part], attention_mask[part], loss_mask[part], num_tokens,
+                                self.config.micro_batch_size)
+        return metrics if len(rows) else {}
 
     def _empty_backward(self) -> None:
         """A rank with no rows this step still joins the gradient reduction, with zeros."""

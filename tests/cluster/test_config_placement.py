@@ -3,38 +3,10 @@ import os
 
 import pytest
 
-from cluster.config import (
-    ClusterConfig,
-    JobConfig,
-    RLConfig,
-    SFTConfig,
-    build_parser,
-    load_function,
-    records_from_args,
-    validate,
-)
+from cluster.config import load_function
 from cluster.groups import split_evenly
 from cluster.placement import RoleSpec, check_fits, total_request
 from cluster.weight_sync import TensorMeta, bucket_plan
-
-
-def test_command_line_is_derived_from_records():
-    ns = build_parser("x").parse_args(["--generators", "3", "--zero-stage", "3", "--rl-lr", "1e-4"])
-    job, cluster, sft, rl = records_from_args(ns)
-    assert (cluster.generators, cluster.trainers, cluster.zero_stage, rl.rl_lr) == (3, 2, 3, 1e-4)
-    assert job == JobConfig() and sft == SFTConfig()
-    help_text = build_parser("x").format_help()
-    assert "--generators GENERATORS" in help_text and "generator workers" in help_text
-
-
-def test_bad_config_fails_before_ray():
-    with pytest.raises(ValueError) as e:
-        validate(JobConfig(model="/nonexistent/model"), ClusterConfig(zero_stage=4, generators=0),
-                 SFTConfig(), RLConfig(algorithm="ppo2", group_size=1))
-    msg = str(e.value)
-    for part in ("--zero-stage must be 1, 2 or 3", "--generators must be at least 1", "--algorithm 'ppo2' is unknown",
-                 "--group-size must be at least 2", "--model /nonexistent/model: not a local Hugging Face model"):
-        assert part in msg
 
 
 def test_load_function_resolves_and_names_failures(tmp_path):
@@ -55,7 +27,7 @@ def test_gpus_on_cpu_cluster_fail_fast_with_advice():
     with pytest.raises(ValueError) as e:
         check_fits(roles, {"CPU": 8.0}, [{"CPU": 8.0}])
     assert "role 'generator' needs 1 GPU per actor" in str(e.value)
-    assert "set --generator-gpus 0" in str(e.value)
+    assert "set cluster.generator_gpus: 0" in str(e.value)
     with pytest.raises(ValueError, match="the roles need 4 CPU in all; the cluster has 2"):
         check_fits([RoleSpec("trainer", 4, 1)], {"CPU": 2.0}, [{"CPU": 1.0}, {"CPU": 1.0}])
     with pytest.raises(ValueError, match="needs 1 gen_node per actor"):
@@ -77,28 +49,27 @@ def test_split_evenly_and_bucket_plan():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--temperature", "-1"], "--temperature must be > 0"),
-    (["--rl-lr", "-1"], "--rl-lr must be positive"),
-    (["--sft-lr", "0"], "--sft-lr must be positive"),
-    (["--algorithm", "ppo"], "--algorithm ppo needs a critic"),
-    (["--mini-batches", "200", "--prompts-per-step", "4"], "every rank needs rows"),
-    (["--is-level", "tokens"], "--is-level must be one of off, token, sequence"),
-    (["--reward-fn", "no_such_module:reward"], "cannot import 'no_such_module'"),
-    (["--algorithm", "gspo", "--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
+    (["--generation.temperature", "0"], "generation.temperature must be > 0"),
+    (["--generation.temperature", "-1"], "generation.temperature must be > 0"),
+    (["--algorithm.lr", "-1"], "algorithm.lr must be positive"),
+    (["--sft.lr", "0"], "sft.lr must be positive"),
+    (["--algorithm.name", "ppo"], "algorithm.name ppo needs a critic"),
+    (["--algorithm.mini-batches", "200", "--algorithm.prompts-per-step", "4"], "every rank needs rows"),
+    (["--algorithm.is-level", "tokens"], "algorithm.is_level must be one of off, token, sequence"),
+    (["--rewards.0.name", "no_such_module:reward"], "cannot import 'no_such_module'"),
+    (["--algorithm.name", "gspo", "--algorithm.ppo-epochs", "0"], "algorithm.ppo_epochs must be at least 1"),
 ])
-def test_bad_flags_are_usage_errors_before_ray(argv, message, capsys, monkeypatch):
-    """Each is a clean usage error (exit 2, no traceback) from parse(), which runs before Ray
-    starts and before the SFT warm-up."""
+def test_bad_values_are_usage_errors_before_ray(argv, message, monkeypatch, tmp_path):
+    """Each is a clean exit naming the field (no traceback), before Ray is imported, before
+    the model is built and before the SFT stage."""
     import sys
 
-    from examples.grpo_tiny import parse
+    from cluster.cli import main
 
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     with pytest.raises(SystemExit) as e:
-        parse(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and "Traceback" not in err
+        main(["rl", "examples/configs/default.yaml", "--logging.out", str(tmp_path / "out"), *argv])
+    assert message in str(e.value) and str(e.value).startswith("rayrl rl: ")
     assert "ray" not in sys.modules  # nothing imported Ray, let alone started it
 
 
@@ -110,7 +81,7 @@ def test_resume_names_the_checkpoint_format(tmp_path):
     tok = build_char_tokenizer()
     single = save_checkpoint(str(tmp_path / "single"), build_tiny_model(tok), tok)
     (errors,) = resume_errors(single)
-    assert "single-process checkpoint" in errors and "--checkpoint-every" in errors
+    assert "single-process checkpoint" in errors and "checkpoint.every" in errors
     assert "no train_state.json" in resume_errors(str(tmp_path))[0]
     cluster_ckpt = tmp_path / "cluster"
     (cluster_ckpt / "deepspeed").mkdir(parents=True)
@@ -119,18 +90,20 @@ def test_resume_names_the_checkpoint_format(tmp_path):
 
 
 def test_each_preset_keeps_its_own_kl_unless_given():
-    """--algorithm dapo used to inherit the default job's KL 0.01 without a reference worker and
-    failed at its first RL step; now the preset's KL stands and a given KL adds the reference."""
-    from examples.grpo_tiny import parse
+    """algorithm.name dapo used to inherit the default job's KL 0.01 without a reference worker
+    and failed at its first RL step; now the preset's KL stands and a given KL adds the reference."""
+    from cluster.config import RLConfig
+    from cluster.job import make_algorithm
     from primitives.algorithms import uses_reference
 
-    algo = parse([])[-1]
+    algo = make_algorithm(RLConfig(kl_coef=0.01))
     assert (algo.name, algo.kl_coef, uses_reference(algo)) == ("grpo", 0.01, True)
+    assert make_algorithm(RLConfig()).kl_coef == 0.04  # the grpo preset's own
     for name in ("dapo", "dr_grpo", "rloo", "gspo"):
-        algo = parse(["--algorithm", name])[-1]
+        algo = make_algorithm(RLConfig(name=name))
         assert algo.kl_coef == 0.0 and not uses_reference(algo), name
-    algo = parse(["--algorithm", "dapo", "--kl-coef", "0.02"])[-1]
-    assert algo.kl_coef == 0.02 and uses_reference(algo)
+    algo = make_algorithm(RLConfig(name="dapo", kl_coef=0.02, ppo_epochs=2, is_level="sequence"))
+    assert algo.kl_coef == 0.02 and uses_reference(algo) and (algo.ppo_epochs, algo.is_level) == (2, "sequence")
 
 
 def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):

@@ -1,5 +1,6 @@
 """`ray job submit` against a real local head (`ray start --head` on loopback, free ports):
-the short default job succeeds and writes its summary; then the head is stopped."""
+the short default job (`python -m cluster rl examples/configs/default.yaml`) succeeds and
+writes its summary and resolved config; then the head is stopped."""
 import json
 import os
 import secrets
@@ -66,9 +67,9 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
     runtime_env = json.dumps({"env_vars": {"RAYRL_OUTPUT_ROOT": str(tmp_path)}})
     cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
            "--runtime-env-json", runtime_env,
-           "--working-dir", ".", "--", sys.executable, "examples/grpo_tiny.py", "--out", "runs/job",
-           "--sft-steps", "30", "--rl-steps", "3", "--eval-every", "0", "--heldout", "16",
-           "--call-timeout-s", "300"]
+           "--working-dir", ".", "--", sys.executable, "-m", "cluster", "rl", "examples/configs/default.yaml",
+           "--logging.out", "runs/job", "--sft.steps", "30", "--algorithm.steps", "3", "--eval.every", "0",
+           "--data.task-kwargs", "num_heldout", "16", "--cluster.call-timeout-s", "300"]
     proc = subprocess.run(cmd, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -78,7 +79,7 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
 
     assert "succeeded" in job("status").lower()
     logs = job("logs")
-    assert "held-out accuracy after grpo" in logs
+    assert "eval accuracy after grpo" in logs
     assert f"writing outputs to {out}" in logs and f"are in {out}" in logs  # the absolute path, start and end
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
@@ -86,3 +87,8 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
     assert summary["ray_address"].rsplit(":", 1)[1] == ray_head["gcs"].rsplit(":", 1)[1]
     assert (summary["rl_steps"], summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (3, 2, 2, 2)
     assert os.path.isfile(os.path.join(out, "final_model", "hf", "model.safetensors"))
+    # the resolved config, overrides applied, is saved beside the outputs
+    from cluster.config import RLJob, load_job_config
+
+    saved = load_job_config(os.path.join(out, "config.yaml"), RLJob)
+    assert saved.algorithm.steps == 3 and saved.data.task_kwargs == {"num_heldout": 16} and saved.logging.out == out

@@ -75,12 +75,32 @@ def test_worker_groups_advertise_the_pinned_resources():
     assert set(NODE_GROUP_PINS["trainer"]) == {"trainer_node"}
 
 
-def test_rayjob_entrypoint_is_a_valid_command_line():
-    from cluster.config import build_parser, records_from_args, validate
+def test_rayjob_runs_the_general_job_with_its_config_from_the_configmap(tmp_path):
+    """The entrypoint is `python -m cluster rl <file>`, the file is the ConfigMap's job.yaml
+    mounted on the head (where the driver runs), and that config passes the job's own checks."""
+    import kubernetes_validate
 
-    argv = shlex.split(_manifest("rayjob.yaml")["spec"]["entrypoint"])
-    assert argv[:2] == ["python", "examples/grpo_tiny.py"]
-    assert os.path.isfile(os.path.join(ROOT, argv[1]))
-    job, cluster, sft, rl = records_from_args(build_parser("x").parse_args(argv[2:]))
-    validate(job, cluster, sft, rl)
-    assert cluster.pin_roles and cluster.generator_gpus == 1 and cluster.trainer_gpus == 1
+    from cluster.cli import parse
+    from cluster.job import rl_errors
+
+    job_manifest, config_map = _manifest("rayjob.yaml"), _manifest("job-config.yaml")
+    kubernetes_validate.validate(config_map, "1.30", strict=True)
+    argv = shlex.split(job_manifest["spec"]["entrypoint"])
+    assert argv[:4] == ["python", "-m", "cluster", "rl"]
+    config_path = argv[4]
+    head = job_manifest["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mount = next(m for m in head["containers"][0]["volumeMounts"] if config_path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    key = os.path.relpath(config_path, mount["mountPath"])
+    (tmp_path / key).write_text(config_map["data"][key])
+    command, job, _ = parse(["rl", str(tmp_path / key), *argv[5:]])
+    assert rl_errors(job) == []
+    assert job.cluster.pin_roles and job.cluster.generator_gpus == 1 and job.cluster.trainer_gpus == 1
+    # outputs and the converted model go to the volume every pod mounts
+    env = yaml.safe_load(job_manifest["spec"]["runtimeEnvYAML"])["env_vars"]
+    groups = [head] + [g["template"]["spec"] for g in job_manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"]]
+    for spec in groups:
+        shared = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]
+                  if any(v["name"] == m["name"] and "persistentVolumeClaim" in v for v in spec["volumes"])}
+        assert any(env["RAYRL_OUTPUT_ROOT"].startswith(p) and env["RAYRL_MODEL_CACHE"].startswith(p) for p in shared)

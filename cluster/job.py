@@ -1,0 +1,550 @@
+"""The general jobs behind ``rayrl rl`` and ``rayrl sft``: a config record in, a run directory out.
+
+``prepare_rl`` / ``prepare_sft`` do everything that needs no Ray - resolve paths, check every
+value, build or check the model directory, load and check the data, build the rewards - so a
+bad config fails in seconds with a message naming the field, file or line. ``run_rl`` /
+``run_sft`` then start the actors, train, evaluate and write ``<out>``: config.yaml (the
+resolved config), metrics.jsonl, curves.png, summary.json, samples/ (RL), checkpoints/ and
+final_model/ (DeepSpeed shards, ``hf/`` for transformers).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from cluster.config import RLJob, SFTJob, dump_config, record_to_dict, resolve_output_dir, resume_errors
+from primitives.data import EvalData, Records, load_records, sft_samples_from_records, split_eval
+from primitives.loggers import mean_of
+from primitives.types import ModelConfig
+
+EMBEDDED_MODELS = ("tiny", "smollm2")
+MODEL_CACHE_ENV = "RAYRL_MODEL_CACHE"  # where the embedded SmolLM2 is converted to (default ~/.cache/rayrl)
+# the learning signal and the generator/trainer gap, summarised as medians over the RL steps
+SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/entropy", "grad_norm",
+           "mismatch/k3", "mismatch/max_abs_logp_diff", "mismatch/is_weight_mean", "mismatch/is_clipped_frac")
+PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step")
+
+
+class ConfigErrors(ValueError):
+    """Every problem found in a job's config, one per line."""
+
+    def __init__(self, errors):
+        self.errors = list(errors)
+        super().__init__("bad configuration:\n  - " + "\n  - ".join(self.errors))
+
+
+def raise_if(errors) -> None:
+    if errors:
+        raise ConfigErrors(errors)
+
+
+def checked(prepare):
+    """``prepare`` whose input errors (a bad file, row, field, reward, model) all surface as
+    ``ConfigErrors``: the command line reports them as usage errors, without a traceback."""
+    import functools
+
+    from primitives.data import MissingFieldError
+
+    @functools.wraps(prepare)
+    def run(*args, **kwargs):
+        try:
+            return prepare(*args, **kwargs)
+        except ConfigErrors:
+            raise
+        except (ValueError, FileNotFoundError, MissingFieldError) as e:
+            raise ConfigErrors([str(e)]) from e
+
+    return run
+
+
+# ----------------------------------------------------------------------------- checks of values
+
+def _checks(pairs) -> list:
+    return [msg for ok, msg in pairs if not ok]
+
+
+def cluster_errors(cluster, rl_roles: bool) -> list:
+    checks = [
+        (cluster.trainers >= 1, "cluster.trainers must be at least 1"),
+        (cluster.zero_stage in (1, 2, 3), f"cluster.zero_stage must be 1, 2 or 3, got {cluster.zero_stage}"),
+        (cluster.placement in ("PACK", "SPREAD"), f"cluster.placement must be PACK or SPREAD, got {cluster.placement}"),
+        (cluster.call_timeout_s > 0, "cluster.call_timeout_s must be positive"),
+        (cluster.micro_batch_size >= 1, "cluster.micro_batch_size must be at least 1"),
+        (cluster.threads_per_actor >= 1, "cluster.threads_per_actor must be at least 1"),
+    ]
+    if rl_roles:
+        checks += [
+            (cluster.generators >= 1, "cluster.generators must be at least 1"),
+            (cluster.reward_workers >= 1, "cluster.reward_workers must be at least 1"),
+            (cluster.generator_backend in ("auto", "hf", "vllm"),
+             f"cluster.generator_backend must be auto, hf or vllm, got {cluster.generator_backend}"),
+            (cluster.sync_bucket_mb > 0, "cluster.sync_bucket_mb must be positive"),
+        ]
+    return _checks(checks)
+
+
+def sft_errors(sft, in_rl_job: bool) -> list:
+    checks = [
+        (sft.steps >= 0, f"sft.steps must be >= 0, got {sft.steps}"),
+        (sft.batch >= 1, "sft.batch must be at least 1"),
+        (sft.lr > 0, f"sft.lr must be positive, got {sft.lr}"),
+        (sft.warmup >= 0, "sft.warmup must be >= 0"),
+        (sft.max_len is None or sft.max_len >= 2, "sft.max_len must be at least 2 tokens"),
+        (sft.eval_every >= 0, "sft.eval_every must be >= 0"),
+        (sft.eval_set.path is None or sft.eval_set.size is None,
+         "sft.eval_set: give path (an eval file) or size (a held-out share or count), not both"),
+    ]
+    if not in_rl_job:
+        checks += [(sft.steps >= 1, "sft.steps must be at least 1 in an SFT job"),
+                   (sft.path is not None, "sft.path is required: the SFT data file or directory")]
+    return _checks(checks)
+
+
+def rl_errors(job: RLJob) -> list:
+    """Every check of an RL job's values that needs no file, model or Ray."""
+    from primitives.algorithms import PRESETS
+    from primitives.losses import IS_LEVELS
+
+    algo, gen, ev, data = job.algorithm, job.generation, job.eval, job.data
+    rows = algo.prompts_per_step * (2 if algo.name == "online_dpo" else gen.group_size)  # DPO: a pair per prompt
+    return _checks([
+        (algo.name in PRESETS, f"algorithm.name '{algo.name}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
+        (algo.name != "ppo", "algorithm.name ppo needs a critic (a value model), which this job does not build yet; "
+                             "use reinforce_pp (REINFORCE++, critic-free) or grpo"),
+        (algo.steps >= 0, f"algorithm.steps must be >= 0, got {algo.steps}"),
+        (algo.prompts_per_step >= 1, "algorithm.prompts_per_step must be at least 1"),
+        (algo.lr > 0, f"algorithm.lr must be positive, got {algo.lr}"),
+        (algo.kl_coef is None or algo.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {algo.kl_coef}"),
+        (algo.ppo_epochs >= 1, f"algorithm.ppo_epochs must be at least 1, got {algo.ppo_epochs}"),
+        (algo.mini_batches >= 1, f"algorithm.mini_batches must be at least 1, got {algo.mini_batches}"),
+        (algo.mini_batches < 1 or rows // algo.mini_batches >= job.cluster.trainers,
+         f"algorithm.mini_batches {algo.mini_batches} leaves {rows // max(algo.mini_batches, 1)} rows per "
+         f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
+         "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
+        (algo.is_level in IS_LEVELS, f"algorithm.is_level must be one of {', '.join(IS_LEVELS)}, got {algo.is_level}"),
+        (algo.is_cap > 0, f"algorithm.is_cap must be positive, got {algo.is_cap}"),
+        (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
+        (gen.group_size >= 2, "generation.group_size must be at least 2: group advantages compare completions "
+                              "of one prompt"),
+        (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
+        (gen.temperature > 0, f"generation.temperature must be > 0 for RL sampling, got {gen.temperature} "
+                              "(logprobs are of softmax(logits / T); set eval.temperature 0 for greedy evaluation)"),
+        (0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1], got {gen.top_p}"),
+        (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),
+        (ev.every >= 0, "eval.every must be >= 0"),
+        (ev.k >= 1, f"eval.k must be at least 1, got {ev.k}"),
+        (ev.temperature >= 0, f"eval.temperature must be >= 0, got {ev.temperature}"),
+        (ev.k == 1 or ev.temperature > 0, f"eval.k {ev.k} samples at eval.temperature 0 are all the same greedy "
+                                          "completion; set eval.temperature > 0 for pass@k"),
+        (ev.max_items is None or ev.max_items >= 1, "eval.max_items must be at least 1"),
+        (ev.final_pass_k >= 0, "eval.final_pass_k must be >= 0"),
+        (job.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
+        ((data.task is None) != (data.path is None), "data: give either task (a generated task) or path (a prompt "
+                                                     f"file), not {'both' if data.task else 'neither'}"),
+        (data.task is None or data.eval_set == EvalData(), "data.eval_set applies to a prompt file (data.path); a "
+                                                           "task brings its own eval prompts"),
+        (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
+    ]) + cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
+
+
+# ----------------------------------------------------------------------------- paths and the model
+
+def with_resolved_paths(job):
+    """``job`` with logging.out and checkpoint.resume absolute (inside ``ray job submit`` under
+    $RAYRL_OUTPUT_ROOT, not Ray's temporary copy of the checkout)."""
+    ckpt = job.checkpoint
+    resume = resolve_output_dir(ckpt.resume) if ckpt.resume else None
+    return job._replace(logging=job.logging._replace(out=resolve_output_dir(job.logging.out)),
+                        checkpoint=ckpt._replace(resume=resume))
+
+
+def model_dir_errors(path: str) -> list:
+    """Why ``path`` is not a local HF causal-LM directory with a tokenizer, if it is not."""
+    if not os.path.isdir(path):
+        return [f"model.model_name_or_path {path}: no such directory (give a local Hugging Face model directory, "
+                f"or one of the embedded models: {', '.join(EMBEDDED_MODELS)})"]
+    errors = []
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        errors.append(f"model.model_name_or_path {path}: no config.json (not a Hugging Face model directory)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in tokenizer_files):
+        errors.append(f"model.model_name_or_path {path}: no tokenizer (none of {', '.join(tokenizer_files)}); "
+                      "save one beside the weights with tokenizer.save_pretrained(path)")
+    return errors
+
+
+def resolve_model(model: ModelConfig, out: str, seed: int) -> ModelConfig:
+    """``model`` with a local directory: the embedded ``tiny`` model is built into
+    ``<out>/base_model``; the embedded ``smollm2`` is converted once into ``$RAYRL_MODEL_CACHE``."""
+    name = model.model_name_or_path
+    if name == "tiny":
+        from primitives.tiny import save_tiny_model
+
+        return model._replace(model_name_or_path=save_tiny_model(os.path.join(out, "base_model"), seed=seed))
+    if name == "smollm2":
+        from primitives.pretrained import save_smollm2
+
+        cache = os.path.expanduser(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/rayrl")
+        return model._replace(model_name_or_path=save_smollm2(os.path.join(cache, "smollm2-135m-instruct")))
+    raise_if(model_dir_errors(name))
+    return model._replace(model_name_or_path=os.path.abspath(name))
+
+
+def model_errors(model: ModelConfig) -> list:
+    checks = [(model.dtype in ("float32", "bfloat16", "float16"),
+               f"model.dtype must be float32, bfloat16 or float16, got {model.dtype}")]
+    if model.model_name_or_path not in EMBEDDED_MODELS:
+        checks += [(False, e) for e in model_dir_errors(model.model_name_or_path)]
+    return _checks(checks)
+
+
+def load_tokenizer(model: ModelConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.model_name_or_path, trust_remote_code=model.trust_remote_code)
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_task(name: str, kwargs: Optional[dict], seed: int):
+    """The ``TaskData`` of a built-in task or a user ``module:function(seed, **kwargs)``."""
+    from primitives.hooks import did_you_mean, load_function
+    from primitives.tasks import TASKS, TaskData
+
+    if ":" in name:
+        fn = load_function(name)
+    elif name in TASKS:
+        fn = TASKS[name]
+    else:
+        raise ConfigErrors([f"data.task '{name}' is unknown{did_you_mean(name, TASKS) or ''} (built-in: "
+                            f"{', '.join(TASKS)}; or your own as module:function returning a TaskData)"])
+    try:
+        inspect.signature(fn).bind(seed=seed, **(kwargs or {}))
+    except TypeError as e:
+        raise ConfigErrors([f"data.task_kwargs {kwargs} do not fit {name}{inspect.signature(fn)}: {e}"]) from None
+    task = fn(seed=seed, **(kwargs or {}))
+    if not isinstance(task, TaskData):
+        raise ConfigErrors([f"data.task {name} returned {type(task).__name__}, not a primitives.tasks.TaskData"])
+    return task
+
+
+def rl_prompts(job: RLJob, eval_on: bool) -> tuple:
+    """``(train_items, eval_items, task)``: from the task or the prompt file."""
+    from primitives.data import load_train_eval
+
+    data = job.data
+    task = None
+    if data.task is not None:
+        task = load_task(data.task, data.task_kwargs, job.seed)
+        train, evals = task.train, task.eval
+    else:
+        eval_data = data.eval_set if eval_on else None
+        if eval_on and data.eval_set.path is None and data.eval_set.size is None:
+            raise ConfigErrors(["evaluation is on but data.eval_set has neither path (an eval file) nor size (a "
+                                "held-out share or count); set one, or eval.enabled: false"])
+        train, evals = load_train_eval(data.path, data.fields, data.format, eval_data, data.split)
+    if eval_on and not evals:
+        raise ConfigErrors([f"evaluation is on but the task {data.task} has no eval prompts; set eval.enabled: false"])
+    return list(train), list(evals), task
+
+
+def check_prompts(items, tokenizer, data) -> None:
+    """The prompts as the generators will render them: a chat template where chat prompts need
+    one, and none longer than ``data.max_prompt_tokens``."""
+    from primitives.data import chat_template_kwargs, check_prompt_lengths
+
+    check_prompt_lengths(items, tokenizer, data.max_prompt_tokens, chat_template_kwargs(tokenizer, data.format))
+
+
+def sft_samples(sft, tokenizer, task=None, seed: int = 0) -> tuple:
+    """``(train_samples, eval_samples)`` of the SFT data: ``sft.path``, else the task's
+    demonstrations; eval samples from ``sft.eval_set`` (a file or a held-out part), else ``[]``."""
+    from primitives.data import PromptFormat, SFTFields
+
+    if sft.path is not None:
+        records, fields, fmt = load_records(sft.path, sft.split), sft.fields, sft.format
+    elif task is not None and task.sft_rows:
+        rows = list(task.sft_rows)
+        records = Records(rows, [f"task demonstration {i}" for i in range(len(rows))])
+        fields = SFTFields(messages="messages") if task.sft_chat else SFTFields()
+        fmt = PromptFormat(chat=task.sft_chat, system_prompt=sft.format.system_prompt)
+    else:
+        raise ConfigErrors(["sft.steps > 0 but there is no SFT data: set sft.path (a file of chat messages or "
+                            "prompt/completion pairs)" + (" - the task brings no demonstrations" if task else "")])
+    samples = sft_samples_from_records(records, tokenizer, fields, fmt, sft.max_len)
+    if sft.eval_set.path is not None:
+        return samples, sft_samples_from_records(load_records(sft.eval_set.path, sft.eval_set.split), tokenizer,
+                                                 fields, fmt, sft.max_len)
+    if sft.eval_set.size is not None:
+        return split_eval(samples, sft.eval_set.size, sft.eval_set.seed or seed)
+    return samples, []
+
+
+# ----------------------------------------------------------------------------- output
+
+def start_output(job) -> tuple:
+    """Create ``<out>``, save the resolved config there, and return ``(logger, metrics_path)``."""
+    from primitives.loggers import multi_logger, run_logger, wandb_logger
+
+    out = job.logging.out
+    print(f"writing outputs to {out}", flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write(dump_config(job))
+    keys = ["loss/sft", "eval/loss_sft", "reward/mean", "eval/accuracy", "kl/ref_k3"]
+    logger, metrics_path = run_logger(out, keys, every=job.logging.console_every)
+    if job.logging.wandb_project:
+        logger = multi_logger(logger, wandb_logger(job.logging.wandb_project, config=record_to_dict(job),
+                                                   directory=out))
+    return logger, metrics_path
+
+
+def finish_output(job, metrics_path: str, plot_keys, title: str, summary: dict) -> dict:
+    from primitives.loggers import plot_curves, write_summary
+
+    out = job.logging.out
+    rows = [json.loads(line) for line in open(metrics_path)]
+    plot_curves(rows, [k for k in plot_keys if any(k in r for r in rows)], os.path.join(out, "curves.png"),
+                title=title)
+    summary = write_summary(out, summary)
+    print(f"outputs (config.yaml, summary.json, metrics.jsonl, curves.png, final_model/) are in {out}", flush=True)
+    return summary
+
+
+def phase_means(history) -> dict:
+    return {k.replace("time/", "time_") + "_mean_s": round(float(np.mean([m[k] for m in history if k in m])), 4)
+            for k in PHASES if any(k in m for m in history)}
+
+
+def medians(history, keys) -> dict:
+    return {k: float(np.median([m[k] for m in history if k in m])) for k in keys if any(k in m for m in history)}
+
+
+# ----------------------------------------------------------------------------- RL
+
+class RLInputs(NamedTuple):
+    """What ``prepare_rl`` checked and built; ``run_rl`` starts the actors with it."""
+
+    job: RLJob  # paths resolved, model a local directory
+    train_items: list
+    eval_items: list
+    sft_samples: list
+    sft_eval_samples: list
+    reward_fn: object
+    aggregate_fn: object
+    component_names: tuple
+    algo: object  # primitives.types.AlgorithmConfig
+    info: dict  # facts of the task for the summary
+
+
+def make_algorithm(rl):
+    """The ``AlgorithmConfig`` of the ``algorithm`` section: the preset with the section's
+    settings; its own KL coefficient unless ``kl_coef`` is given."""
+    from primitives.algorithms import get_algorithm
+
+    kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
+    return get_algorithm(rl.name, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches, is_level=rl.is_level,
+                         is_cap=rl.is_cap, **kl)
+
+
+@checked
+def prepare_rl(job: RLJob) -> RLInputs:
+    """Every check and every load that needs no Ray, in order of cost."""
+    from primitives.rewards import build_reward
+
+    job = with_resolved_paths(job)
+    errors = rl_errors(job) + model_errors(job.model)
+    if job.checkpoint.resume:
+        errors += resume_errors(job.checkpoint.resume)
+    raise_if(errors)
+    reward_fn, aggregate_fn, names = build_reward(job.rewards)
+    algo = make_algorithm(job.algorithm)
+    train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
+    job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+    tokenizer = load_tokenizer(job.model)
+    check_prompts(train + evals, tokenizer, job.data)
+    sft, sft_eval = sft_samples(job.sft, tokenizer, task, job.seed) if job.sft.steps and not job.checkpoint.resume \
+        else ([], [])
+    return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
+                    dict(task.info or {}) if task else {})
+
+
+def run_rl(job: RLJob) -> dict:
+    """The RL job end to end: prepare (no Ray), then actors, SFT stage, RL, evaluation, outputs."""
+    inputs = prepare_rl(job)
+    job = inputs.job
+    start = time.time()
+    logger, metrics_path = start_output(job)
+    result = train_rl(inputs, logger)
+    history = result["history"]
+    names = [f"reward/{n}" for n in inputs.component_names] if len(inputs.component_names) > 1 else []
+    summary = {
+        **{k: v for k, v in result.items() if k != "history"},
+        "algorithm": job.algorithm.name, "sft_steps": job.sft.steps, "rl_steps": job.algorithm.steps,
+        "model": job.model.model_name_or_path, "train_prompts": len(inputs.train_items),
+        "eval_prompts": len(inputs.eval_items), **inputs.info,
+        "generators": job.cluster.generators, "trainer_ranks": job.cluster.trainers,
+        "zero_stage": job.cluster.zero_stage,
+        "reward_mean_first5": mean_of(history[:5], "reward/mean"),
+        "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
+        **phase_means(history), "median_over_rl_steps": medians(history, SIGNALS),
+        "seed": job.seed, "wall_s": round(time.time() - start, 1), "out": job.logging.out,
+    }
+    keys = ["loss/sft", "reward/mean", "eval/accuracy", *names, "kl/ref_k3", "policy/entropy", "time/step"]
+    model_name = os.path.basename(job.model.model_name_or_path.rstrip("/"))
+    return finish_output(job, metrics_path, keys, f"{job.algorithm.name} on Ray ({model_name})", summary)
+
+
+def train_rl(inputs: RLInputs, logger) -> dict:
+    """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
+    and save the final model. Returns the figures of the run and its metrics history."""
+    from cluster.driver import (
+        copy_policy_to_reference,
+        evaluate,
+        gather,
+        load_cluster_checkpoint,
+        save_cluster_checkpoint,
+        sync_weights,
+        train,
+        train_sft,
+    )
+    from cluster.groups import fan_out
+    from cluster.setup import build_rl_cluster, shutdown_cluster
+    from primitives.algorithms import constant_schedule, uses_reference
+    from primitives.data import chat_template_kwargs, make_prompt_source
+    from primitives.training import linear_warmup
+    from primitives.types import GenerationConfig, TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job, out = inputs.job, inputs.job.logging.out
+    cfg, g, ev, algo = job.cluster, job.generation, job.eval, job.algorithm
+    template_kwargs = chat_template_kwargs(load_tokenizer(job.model), job.data.format) or None
+    gen = GenerationConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                           n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs)
+    eval_gen = gen._replace(temperature=ev.temperature, n=ev.k, top_p=1.0, top_k=0)
+    sft_stage = job.sft.steps > 0 and not job.checkpoint.resume
+    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if sft_stage else algo.lr,
+                                micro_batch_size=cfg.micro_batch_size)
+    names = inputs.component_names if len(inputs.component_names) > 1 else None
+    cluster = build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
+                               aggregate_fn=inputs.aggregate_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb)
+    try:
+        def run_eval(c, s) -> dict:
+            if not inputs.eval_items:
+                return {}
+            return evaluate(c, inputs.eval_items, eval_gen, k=ev.k, correct=ev.threshold, step=s.iteration,
+                            component_names=names,
+                            samples_path=os.path.join(out, "samples", f"step_{s.iteration}.jsonl"))
+
+        def save(c, s):
+            save_cluster_checkpoint(c, os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
+
+        if job.checkpoint.resume:  # weights, optimizer, reference, data position and versions
+            start_state = load_cluster_checkpoint(cluster, job.checkpoint.resume)
+        else:
+            if sft_stage:
+                train_sft(cluster, inputs.sft_samples, job.sft.steps, job.sft.batch,
+                          linear_warmup(job.sft.lr, job.sft.warmup), seed=job.seed, logger=logger,
+                          eval_samples=inputs.sft_eval_samples, eval_every=job.sft.eval_every)
+                sync_weights(cluster, version=0)
+                copy_policy_to_reference(cluster)
+                gather(fan_out(cluster.trainers, "reset_optimizer", algo.lr), cluster.timeout_s)
+            start_state = TrainState(rng_seed=job.seed)
+        before = run_eval(cluster, start_state)
+        if before:  # the curves' first point: the step before the first RL step
+            logger({**before, "step": start_state.iteration - 1})
+            print(f"eval accuracy {'at the checkpoint' if job.checkpoint.resume else 'before RL'}: "
+                  f"{before['eval/accuracy']:.3f}", flush=True)
+        state, cluster = train(cluster, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
+                               constant_schedule(inputs.algo), gen, algo.steps, algo.prompts_per_step,
+                               lambda step: algo.lr, start_state, logger, run_eval if inputs.eval_items else None,
+                               ev.every or algo.steps, save, job.checkpoint.every,
+                               max_resample_rounds=algo.max_resample_rounds, component_names=names)
+        history = list(state.metrics_history[len(start_state.metrics_history):])
+        after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
+        if after:
+            print(f"eval accuracy after {algo.name}: {after['eval/accuracy']:.3f}", flush=True)
+        final = {}
+        if ev.final_pass_k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
+            k = ev.final_pass_k
+            sampled = evaluate(cluster, inputs.eval_items, gen, k=k, step=state.iteration, correct=ev.threshold,
+                               component_names=names, samples_path=os.path.join(
+                                   out, "samples", f"pass_at_{k}_step_{state.iteration}.jsonl"))
+            final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
+                     "eval/pass_temperature": g.temperature}
+        save_cluster_checkpoint(cluster, os.path.join(out, "final_model"), state)
+        with_reference, address = cluster.reference is not None, cluster.ray_address
+    finally:
+        shutdown_cluster(cluster)
+    figures = {"reference_worker": with_reference, "ray_address": address}
+    if before:
+        figures.update({"accuracy_before_rl": before["eval/accuracy"], "accuracy_after_rl": after["eval/accuracy"],
+                        "accuracy_gain_points": round(100 * (after["eval/accuracy"] - before["eval/accuracy"]), 2),
+                        "eval_reward_mean_before": before["eval/reward_mean"],
+                        "eval_reward_mean_after": after["eval/reward_mean"]})
+    return {**figures, **final, "history": history}
+
+
+# ----------------------------------------------------------------------------- SFT
+
+class SFTInputs(NamedTuple):
+    job: SFTJob  # paths resolved, model a local directory
+    samples: list
+    eval_samples: list
+
+
+@checked
+def prepare_sft(job: SFTJob) -> SFTInputs:
+    """Every check and load of an SFT job that needs no Ray."""
+    job = with_resolved_paths(job)
+    errors = sft_errors(job.sft, in_rl_job=False) + cluster_errors(job.cluster, rl_roles=False)
+    errors += model_errors(job.model) + _checks([(job.checkpoint.every >= 0, "checkpoint.every must be >= 0")])
+    if job.checkpoint.resume:
+        errors += resume_errors(job.checkpoint.resume)
+    raise_if(errors)
+    job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+    samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model), seed=job.seed)
+    return SFTInputs(job, samples, eval_samples)
+
+
+def run_sft(job: SFTJob) -> dict:
+    """The SFT job: check and load (no Ray), train on the trainer group with eval loss,
+    checkpoints every ``checkpoint.every`` steps and the final model (HF in ``final_model/hf``)."""
+    from cluster.driver import evaluate_sft, load_cluster_checkpoint, save_cluster_checkpoint, train_sft
+    from cluster.setup import build_sft_cluster, shutdown_cluster
+    from primitives.training import linear_warmup
+    from primitives.types import TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job, samples, eval_samples = prepare_sft(job)
+    start, out, sft = time.time(), job.logging.out, job.sft
+    logger, metrics_path = start_output(job)
+    trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=sft.lr,
+                                micro_batch_size=job.cluster.micro_batch_size)
+    cluster = build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed)
+    try:
+        first = load_cluster_checkpoint(cluster, job.checkpoint.resume).iteration if job.checkpoint.resume else 0
+        before = evaluate_sft(cluster, eval_samples)["eval/loss_sft"] if eval_samples else None
+        save = lambda c, step: save_cluster_checkpoint(  # noqa: E731
+            c, os.path.join(out, "checkpoints", f"step_{step}"), TrainState(iteration=step, global_step=step))
+        last = train_sft(cluster, samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=job.seed,
+                         logger=logger, log_every=job.logging.console_every, eval_samples=eval_samples,
+                         eval_every=sft.eval_every or sft.steps, checkpoint_fn=save,
+                         checkpoint_every=job.checkpoint.every, start_step=first)
+        save_cluster_checkpoint(cluster, os.path.join(out, "final_model"),
+                                TrainState(iteration=sft.steps, global_step=sft.steps))
+    finally:
+        shutdown_cluster(cluster)
+    rows = [json.loads(line) for line in open(metrics_path)]
+    summary = {"sft_steps": sft.steps, "resumed_at_step": first, "train_samples": len(samples),
+               "eval_samples": len(eval_samples), "loss_sft_first": rows[0].get("loss/sft") if rows else None,
+               "loss_sft_last": last.get("loss/sft"), "eval_loss_before": before,
+               "eval_loss_after": last.get("eval/loss_sft"), "model": job.model.model_name_or_path,
+               "trainer_ranks": job.cluster.trainers, "zero_stage": job.cluster.zero_stage, "seed": job.seed,
+               "wall_s": round(time.time() - start, 1), "out": out, "hf_model": os.path.join(out, "final_model", "hf")}
+    return finish_output(job, metrics_path, ["loss/sft", "eval/loss_sft", "lr"], "SFT on Ray", summary)

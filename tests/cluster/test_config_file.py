@@ -1,0 +1,167 @@
+"""The config file and the command line (cluster/config.py, cluster/cli.py): YAML -> records,
+overrides, --help, --print-config, and errors that name the key, its line and the closest key."""
+import glob
+import os
+import subprocess
+import sys
+from typing import get_type_hints
+
+import pytest
+
+from cluster.cli import parse
+from cluster.config import (
+    JOBS,
+    ConfigError,
+    RLJob,
+    SFTJob,
+    dump_config,
+    load_job_config,
+    record_from_dict,
+)
+from primitives.rewards import RewardSpec
+from tests.conftest import ROOT
+
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
+
+
+def _write(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_sections_fill_records_over_their_defaults(tmp_path):
+    path = _write(tmp_path, """
+model: {model_name_or_path: /m, dtype: bfloat16}
+data:
+  path: prompts.jsonl
+  fields: {prompt: question, answer: solution}
+  eval_set: {size: 0.1}
+rewards:
+  - {name: exact_match, weight: 0.7, kwargs: {parser: boxed}}
+  - {name: regex_format, weight: 0.3, kwargs: {pattern: '\\\\boxed'}, label: format}
+algorithm: {lr: 1e-5, steps: 3}
+""")
+    job = load_job_config(path, RLJob)
+    assert job.model.model_name_or_path == "/m" and job.model.dtype == "bfloat16" and job.model.device == "auto"
+    # a section given in the file starts from its record's defaults: no task left over from RLJob()
+    assert job.data.task is None and job.data.path == "prompts.jsonl" and job.data.shuffle is True
+    assert (job.data.fields.prompt, job.data.fields.answer, job.data.eval_set.size) == ("question", "solution", 0.1)
+    assert job.rewards == (RewardSpec("exact_match", 0.7, {"parser": "boxed"}),
+                           RewardSpec("regex_format", 0.3, {"pattern": "\\\\boxed"}, "format"))
+    # YAML 1.1 reads 1e-5 (no dot) as a string; a float field takes it as the number
+    assert job.algorithm.lr == 1e-5 and isinstance(job.algorithm.lr, float) and job.algorithm.steps == 3
+    assert job.algorithm.name == "grpo" and job.cluster == RLJob().cluster  # untouched sections keep defaults
+    # a held-out size is a share (float) or a count (int): YAML's int stays a count
+    job = load_job_config(_write(tmp_path, "data: {path: p.jsonl, eval_set: {size: 64}}\n"), RLJob)
+    assert job.data.eval_set.size == 64 and isinstance(job.data.eval_set.size, int)
+    with pytest.raises(ConfigError, match="data.eval_set.size: expected int or float, got 'ten'"):
+        load_job_config(_write(tmp_path, "data: {eval_set: {size: ten}}\n"), RLJob)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("algoritm: {lr: 1}\n", "job.yaml:1: algoritm: unknown key; did you mean 'algorithm'?"),
+    ("algorithm:\n  name: grpo\n  learning_rate: 1\n", "job.yaml:3: algorithm.learning_rate: unknown key"),
+    ("data:\n  fields: {promt: q}\n", "job.yaml:2: data.fields.promt: unknown key; did you mean 'prompt'?"),
+    ("rewards:\n  - name: exact_match\n  - {name: x, wieght: 2}\n", "job.yaml:3: rewards.1.wieght: unknown key; "
+                                                                    "did you mean 'weight'?"),
+    ("algorithm: {steps: many}\n", "job.yaml:1: algorithm.steps: expected int, got 'many'"),
+    ("algorithm: {steps: 2.5}\n", "algorithm.steps: expected int, got 2.5"),
+    ("cluster: {pin_roles: 1}\n", "cluster.pin_roles: expected bool, got 1"),
+    ("algorithm: [1, 2]\n", "algorithm: expected a mapping of RLConfig fields"),
+    ("rewards: {name: x}\n", "rewards: expected a list"),
+    ("rewards:\n  - {weight: 2}\n", "rewards.0: missing required key 'name'"),
+    ("data: {task_kwargs: {a: [1, 2]}}\n", "data.task_kwargs.a: expected a number, string or boolean"),
+    ("model: {model_name_or_path: null}\n", "model.model_name_or_path: may not be empty"),
+    ("- a\n- b\n", "expected a mapping of sections"),
+    ("algorithm: {lr: 1\n", "not valid YAML"),
+])
+def test_bad_files_name_the_key_and_line(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_job_config(_write(tmp_path, text), RLJob)
+    assert message in str(e.value)
+
+
+def test_missing_file_and_empty_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: /no/such.yaml"):
+        load_job_config("/no/such.yaml", RLJob)
+    assert load_job_config(_write(tmp_path, "# nothing\n"), RLJob) == RLJob()
+    assert load_job_config(None, SFTJob) == SFTJob()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_load_and_print_back_to_themselves(path, tmp_path):
+    """--print-config's YAML loads back to the same record (the resolved config saved in a run
+    directory can be run again as it is)."""
+    job_type = SFTJob if os.path.basename(path).startswith("sft") else RLJob
+    job = load_job_config(path, job_type)
+    again = load_job_config(_write(tmp_path, dump_config(job), "printed.yaml"), job_type)
+    assert again == job
+
+
+def test_overrides_on_the_command_line(tmp_path):
+    path = os.path.join(ROOT, "examples", "configs", "default.yaml")
+    command, job, print_only = parse(["rl", path, "--algorithm.lr", "1e-5", "--cluster.generators", "3",
+                                      "--rewards.0.kwargs", "parser", "last_number", "--data.shuffle", "False",
+                                      "--generation.stop", "\n", ";", "--print-config"])
+    assert command == "rl" and print_only
+    assert job.algorithm.lr == 1e-5 and job.cluster.generators == 3 and job.data.shuffle is False
+    assert job.rewards[0].kwargs == {"parser": "last_number"} and job.generation.stop == ("\n", ";")
+    # the rest is the file's
+    assert job.algorithm.kl_coef == 0.01 and job.sft.steps == 1500 and job.data.task_kwargs["num_heldout"] == 256
+
+
+def test_unknown_override_names_the_closest_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse(["rl", "--algoritm.lr", "1"])
+    err = capsys.readouterr().err
+    assert "--algoritm.lr" in err and "--algorithm.lr" in err
+
+
+def test_bad_command_and_bad_file_are_usage_errors(tmp_path):
+    with pytest.raises(SystemExit, match="expected a command, rl or sft, got 'train'"):
+        parse(["train"])
+    with pytest.raises(SystemExit, match=r"rayrl rl: .*job.yaml:1: algoritm: unknown key"):
+        parse(["rl", _write(tmp_path, "algoritm: {}\n")])
+
+
+def _fields(record, prefix=""):
+    """Every leaf field of a job record as a command-line flag."""
+    for name, tp in get_type_hints(record).items():
+        flag = f"{prefix}{name.replace('_', '-')}"
+        default = record._field_defaults.get(name)
+        if isinstance(tp, type) and hasattr(tp, "_fields"):
+            yield from _fields(tp, flag + ".")
+        elif isinstance(default, tuple) and default and hasattr(default[0], "_fields"):
+            for i in range(len(default)):
+                yield from _fields(type(default[0]), f"{flag}.{i}.")
+        else:
+            yield "--" + flag
+
+
+@pytest.mark.parametrize("command", sorted(JOBS))
+def test_help_documents_every_field(command):
+    """``rayrl <command> --help`` (run as a user would, from a checkout) lists every field of the
+    job's records, each with its documentation."""
+    env = {**os.environ, "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "cluster", command, "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    flags = list(_fields(JOBS[command]))
+    assert len(flags) > 30
+    missing = [f for f in flags if f not in out.stdout]
+    assert not missing
+    for doc in ("RL learning rate", "completions per prompt (G)", "DeepSpeed ZeRO stage (1, 2 or 3)"):
+        assert doc in out.stdout or command == "sft"
+
+
+def test_print_config_prints_yaml_and_starts_nothing():
+    out = subprocess.run([sys.executable, "-m", "cluster", "rl", "examples/configs/default.yaml",
+                          "--algorithm.steps", "7", "--print-config"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    import yaml
+
+    printed = yaml.safe_load(out.stdout)
+    assert printed["algorithm"]["steps"] == 7 and printed["model"]["model_name_or_path"] == "tiny"
+    assert record_from_dict(RLJob, printed).algorithm.steps == 7

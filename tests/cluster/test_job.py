@@ -1,0 +1,266 @@
+"""The general jobs (cluster/job.py): every bad input fails in prepare, before Ray, naming the
+culprit; the default job (examples/configs/default.yaml) lifts held-out accuracy; a job resumes
+from its checkpoint; the SFT job trains, evaluates, checkpoints and resumes exactly."""
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from cluster.config import CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
+from cluster.job import ConfigErrors, prepare_rl, run_sft
+from primitives.data import EvalData, FieldMap, PromptFormat, SFTFields
+from primitives.rewards import RewardSpec
+from primitives.types import ModelConfig
+from tests.conftest import ROOT
+
+DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _file_job(tmp_path, model, **data):
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": a % 3} for a in range(20)]
+    data.setdefault("path", _jsonl(tmp_path / "prompts.jsonl", rows))
+    data.setdefault("eval_set", EvalData(size=0.25))
+    return RLJob(model=ModelConfig(model), data=DataConfig(**data),
+                 logging=LoggingConfig(out=str(tmp_path / "out")))
+
+
+def test_a_prompt_file_job_is_prepared_without_ray(tmp_path, tiny_model_path, monkeypatch):
+    """A JSONL of prompts with answers and an extra field: items, held-out split, metadata for
+    the rewards, the resolved output path - and Ray is never imported."""
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    job = _file_job(tmp_path, tiny_model_path)
+    job = job._replace(rewards=(RewardSpec("exact_match", 0.5, {"parser": "first_number"}),
+                                RewardSpec("length_window", 0.5, {"min_tokens": 1, "max_tokens": 4})))
+    inputs = prepare_rl(job)
+    assert "ray" not in sys.modules
+    assert (len(inputs.train_items), len(inputs.eval_items)) == (15, 5)
+    assert {it.index for it in inputs.train_items} | {it.index for it in inputs.eval_items} == set(range(20))
+    item = inputs.eval_items[0]
+    assert item.answer == str(2 * item.index // 1) and item.metadata == {"level": item.index % 3}
+    assert item.source.endswith(f"prompts.jsonl:{item.index + 1}")
+    assert inputs.component_names == ("exact_match", "length_window") and inputs.aggregate_fn is not None
+    assert inputs.job.logging.out == str(tmp_path / "out") and inputs.sft_samples == []
+
+
+def test_sft_stage_of_an_rl_job_reads_its_file(tmp_path, tiny_model_path):
+    sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(10)]
+    job = _file_job(tmp_path, tiny_model_path)._replace(sft=SFTConfig(
+        steps=5, path=_jsonl(tmp_path / "sft.jsonl", sft_rows), eval_set=EvalData(size=2)))
+    inputs = prepare_rl(job)
+    assert (len(inputs.sft_samples), len(inputs.sft_eval_samples)) == (8, 2)
+    # loss on the completion and eos only: "3+1=" is 4 prompt characters, "4" and eos are targets
+    sample = inputs.sft_samples[0]
+    assert sample.loss_mask.tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def _bad(tmp_path, base_model, changes):
+    job = _file_job(tmp_path, base_model)
+    for section, value in changes.items():
+        job = job._replace(**{section: value})
+    return job
+
+
+BAD_INPUTS = [
+    # (what to change, text the error must contain)
+    (lambda t, m: {"data": DataConfig(path=str(t / "nope.jsonl"), eval_set=EvalData(size=0.25))},
+     "data file not found: {t}/nope.jsonl"),
+    (lambda t, m: {"data": DataConfig(path=str(_text(t / "bad.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": '
+                                                                   '"2+2=", "answer": \n')),
+                                      eval_set=EvalData(size=0.5))}, "bad.jsonl:2"),
+    (lambda t, m: {"data": DataConfig(path=_jsonl(t / "q.jsonl", [{"question": "1+1=", "answer": "2"}] * 4),
+                                      eval_set=EvalData(size=1))}, "'prompt'"),
+    (lambda t, m: {"data": DataConfig(path=str(_text(t / "empty.jsonl", "")), eval_set=EvalData(size=1))},
+     "empty dataset"),
+    (lambda t, m: {"rewards": (RewardSpec("exact_mach"),)}, "did you mean 'exact_match'"),
+    (lambda t, m: {"rewards": (RewardSpec("no_such_module:reward"),)}, "cannot import 'no_such_module'"),
+    (lambda t, m: {"rewards": (RewardSpec("exact_match", 0.0), RewardSpec("length_window", 0.0,
+                                                                       {"min_tokens": 1, "max_tokens": 3}))},
+     "all reward weights are 0"),
+    (lambda t, m: {"rewards": (RewardSpec("exact_match", kwargs={"parse": "boxed"}),)}, "did you mean 'parser'"),
+    (lambda t, m: {"model": ModelConfig(str(t))}, "no config.json"),
+    (lambda t, m: {"model": ModelConfig(_weights_only(t, m))}, "no tokenizer"),
+    (lambda t, m: {"model": ModelConfig(_without_chat_template(t, m)),
+                   "data": DataConfig(path=_jsonl(t / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}],
+                                                                      "answer": "x"}] * 4),
+                                      fields=FieldMap(messages="messages"), format=PromptFormat(chat=True),
+                                      eval_set=EvalData(size=1))}, "needs a chat template"),
+    (lambda t, m: {"data": DataConfig(path=_jsonl(t / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4))},
+     "evaluation is on but data.eval_set has neither path"),
+    (lambda t, m: {"data": DataConfig(path=_jsonl(t / "long.jsonl", [{"prompt": "1" * 50, "answer": "2"}] * 4),
+                                      eval_set=EvalData(size=1), max_prompt_tokens=20)},
+     "long.jsonl:1: prompt is 50 tokens, over max_prompt_tokens=20"),
+    (lambda t, m: {"data": DataConfig(task="arithmetc")}, "did you mean 'arithmetic'"),
+    (lambda t, m: {"data": DataConfig(task="arithmetic", task_kwargs={"heldout": 3})}, "data.task_kwargs"),
+    (lambda t, m: {"data": DataConfig(task="arithmetic", path="x.jsonl")}, "give either task"),
+    (lambda t, m: {"sft": SFTConfig(steps=3)}, "sft.steps > 0 but there is no SFT data"),
+    (lambda t, m: {"checkpoint": CheckpointConfig(resume=str(t))}, "not a checkpoint directory"),
+    (lambda t, m: {"eval": EvalConfig(k=4)}, "eval.k 4 samples at eval.temperature 0"),
+]
+
+
+def _text(path, text):
+    path.write_text(text)
+    return path
+
+
+def _without_chat_template(tmp_path, model):
+    import shutil
+
+    target = tmp_path / "no_template"
+    shutil.copytree(model, target)
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def _weights_only(tmp_path, model):
+    import shutil
+
+    target = tmp_path / "weights_only"
+    target.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(model, name), target / name)
+    return str(target)
+
+
+@pytest.mark.parametrize("change, message", BAD_INPUTS, ids=[m[:40] for _, m in BAD_INPUTS])
+def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path, change, message, monkeypatch):
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    job = _bad(tmp_path, tiny_model_path, change(tmp_path, tiny_model_path))
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        prepare_rl(job)
+    assert message.format(t=tmp_path) in str(e.value)
+    assert "ray" not in sys.modules
+
+
+def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
+    from cluster.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0", "--generation.temperature", "0",
+              "--algorithm.name", "ppo", "--logging.out", str(tmp_path)])
+    text = str(e.value)
+    for part in ("cluster.zero_stage must be 1, 2 or 3", "cluster.generators must be at least 1",
+                 "generation.temperature must be > 0", "algorithm.name ppo needs a critic"):
+        assert part in text
+    with pytest.raises(ConfigErrors, match="sft.path is required"):
+        run_sft(SFTJob(logging=LoggingConfig(out=str(tmp_path))))
+
+
+@pytest.mark.slow
+def test_default_job_lifts_heldout_accuracy(tmp_path):
+    """The default job as `make run` runs it (shorter), through the command-line entry point."""
+    import ray
+
+    from cluster.cli import main
+
+    ray.shutdown()
+    out = str(tmp_path / "run")
+    try:
+        summary = main(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "40", "--eval.every", "20",
+                        "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
+    finally:
+        ray.shutdown()
+    assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
+    assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
+    assert (summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (2, 2, 2)
+    assert summary["reference_worker"] is True and summary["eval_prompts"] == 128
+    for phase in ("generate", "reward", "ref", "train", "sync"):
+        assert summary[f"time_{phase}_mean_s"] > 0
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["rl_steps"] == 40
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [-1, 19, 39]  # before RL, then every 20 steps
+    assert os.path.isfile(os.path.join(out, "curves.png")) and os.path.isfile(os.path.join(out, "config.yaml"))
+    samples = {os.path.basename(p): [json.loads(line) for line in open(p)]
+               for p in glob.glob(os.path.join(out, "samples", "step_*.jsonl"))}
+    assert sorted(samples) == ["step_0.jsonl", "step_20.jsonl", "step_40.jsonl"]
+    for records in samples.values():
+        assert len(records) == 128 and len({r["uid"] for r in records}) == 128
+        assert {"prompt", "completion", "answer", "reward", "reward_components", "uid", "step"} <= set(records[0])
+    assert sum(r["reward"] >= 1.0 for r in samples["step_40.jsonl"]) / 128 == pytest.approx(
+        summary["accuracy_after_rl"], abs=1e-9)
+    with open(os.path.join(out, "samples", "pass_at_4_step_40.jsonl")) as f:
+        sampled = [json.loads(line) for line in f]
+    assert len(sampled) == 4 * 128
+    solved = {r["group"] for r in sampled if r["reward"] >= 1.0}  # pass@4 with 4 samples: any right
+    assert summary["eval/pass@4"] == pytest.approx(len(solved) / 128, abs=1e-12)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_model", "hf")) is not None
+
+
+@pytest.mark.slow
+def test_checkpoint_then_resume_from_the_command_line(tmp_path):
+    import ray
+
+    from cluster.cli import main
+
+    out = str(tmp_path / "run")
+    short = ["--sft.steps", "20", "--eval.enabled", "False", "--eval.final-pass-k", "0"]
+    ray.shutdown()
+    try:
+        main(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--checkpoint.every", "2", *short])
+        ckpt = os.path.join(out, "checkpoints", "step_2")
+        assert os.path.isfile(os.path.join(ckpt, "train_state.json"))
+        assert os.path.isdir(os.path.join(ckpt, "reference")) and os.path.isdir(os.path.join(ckpt, "deepspeed"))
+        summary = main(["rl", DEFAULT, "--logging.out", out + "_resumed", "--algorithm.steps", "3",
+                        "--checkpoint.resume", ckpt, *short])
+    finally:
+        ray.shutdown()
+    rows = [json.loads(line) for line in open(os.path.join(out + "_resumed", "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [2]  # continued at step 2; no SFT again
+    assert not any("loss/sft" in r for r in rows)
+    assert summary["rl_steps"] == 3
+
+
+def _sft_job(tmp_path, model, out, steps, **changes):
+    rows = [{"prompt": f"{a:02d}+{b:02d}=", "completion": str(a + b)} for a in range(8) for b in range(8)]
+    path = tmp_path / "sft.jsonl"
+    if not path.exists():
+        _jsonl(path, rows)
+    job = SFTJob(model=ModelConfig(model),
+                 sft=SFTConfig(steps=steps, batch=16, lr=1e-3, path=str(path), eval_set=EvalData(size=0.25),
+                               eval_every=3, fields=SFTFields()),
+                 logging=LoggingConfig(out=str(tmp_path / out)))
+    return job._replace(**changes)
+
+
+@pytest.mark.slow
+def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_path):
+    """`rayrl sft`: eval loss on a held-out quarter falls; 6 steps straight equal 3 steps,
+    a checkpoint, and 3 more steps resumed from it (weights and logged losses)."""
+    import ray
+    from safetensors.numpy import load_file
+
+    ray.shutdown()
+    try:
+        straight = run_sft(_sft_job(tmp_path, tiny_model_path, "straight", 6,
+                                    checkpoint=CheckpointConfig(every=3)))
+        ckpt = str(tmp_path / "straight" / "checkpoints" / "step_3")
+        resumed = run_sft(_sft_job(tmp_path, tiny_model_path, "resumed", 6, checkpoint=CheckpointConfig(resume=ckpt)))
+    finally:
+        ray.shutdown()
+    assert straight["eval_samples"] == 16 and straight["train_samples"] == 48
+    assert straight["eval_loss_after"] < straight["eval_loss_before"]
+    assert resumed["resumed_at_step"] == 3
+    a = load_file(os.path.join(straight["hf_model"], "model.safetensors"))
+    b = load_file(os.path.join(resumed["hf_model"], "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+    rows = {out: [json.loads(line) for line in open(tmp_path / out / "metrics.jsonl")]
+            for out in ("straight", "resumed")}
+    last = {out: [r for r in rs if r["step"] == 5][0] for out, rs in rows.items()}
+    assert last["resumed"]["loss/sft"] == pytest.approx(last["straight"]["loss/sft"], abs=1e-6)
+    assert last["resumed"]["eval/loss_sft"] == pytest.approx(last["straight"]["eval/loss_sft"], abs=1e-6)
