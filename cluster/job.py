@@ -18,7 +18,15 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from cluster.config import RLJob, SFTJob, dump_config, record_to_dict, resolve_output_dir, resume_errors
-from primitives.data import EvalData, Records, load_records, sft_samples_from_records, split_eval
+from primitives.data import (
+    EvalData,
+    FieldMap,
+    PromptFormat,
+    Records,
+    load_records,
+    sft_samples_from_records,
+    split_eval,
+)
 from primitives.loggers import mean_of
 from primitives.types import ModelConfig
 
@@ -56,7 +64,7 @@ def checked(prepare):
             return prepare(*args, **kwargs)
         except ConfigErrors:
             raise
-        except (ValueError, FileNotFoundError, MissingFieldError) as e:
+        except (ValueError, OSError, MissingFieldError) as e:  # OSError: a missing or unreadable file
             raise ConfigErrors([str(e)]) from e
 
     return run
@@ -146,8 +154,10 @@ def rl_errors(job: RLJob) -> list:
         (job.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
         ((data.task is None) != (data.path is None), "data: give either task (a generated task) or path (a prompt "
                                                      f"file), not {'both' if data.task else 'neither'}"),
-        (data.task is None or data.eval_set == EvalData(), "data.eval_set applies to a prompt file (data.path); a "
-                                                           "task brings its own eval prompts"),
+        (data.task is None or (data.eval_set, data.fields, data.format, data.split) == (
+            EvalData(), FieldMap(), PromptFormat(), "train"),
+         "data.eval_set, fields, format and split apply to a prompt file (data.path); a task brings its own "
+         "prompts, formatted, and its eval prompts"),
         (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
     ]) + cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
 
@@ -230,6 +240,12 @@ def load_task(name: str, kwargs: Optional[dict], seed: int):
     task = fn(seed=seed, **(kwargs or {}))
     if not isinstance(task, TaskData):
         raise ConfigErrors([f"data.task {name} returned {type(task).__name__}, not a primitives.tasks.TaskData"])
+    from primitives.data import PromptItem
+
+    bad = next((x for x in list(task.train) + list(task.eval) if not isinstance(x, PromptItem)), None)
+    if not task.train or bad is not None:
+        raise ConfigErrors([f"data.task {name}: " + ("no training prompts (TaskData.train is empty)" if not task.train
+                                                     else f"TaskData items must be PromptItems, got {bad!r}")])
     return task
 
 
@@ -241,7 +257,7 @@ def rl_prompts(job: RLJob, eval_on: bool) -> tuple:
     task = None
     if data.task is not None:
         task = load_task(data.task, data.task_kwargs, job.seed)
-        train, evals = task.train, task.eval
+        train, evals = task.train, (task.eval if eval_on else [])
     else:
         eval_data = data.eval_set if eval_on else None
         if eval_on and data.eval_set.path is None and data.eval_set.size is None:
@@ -261,7 +277,7 @@ def check_prompts(items, tokenizer, data) -> None:
     check_prompt_lengths(items, tokenizer, data.max_prompt_tokens, chat_template_kwargs(tokenizer, data.format))
 
 
-def sft_samples(sft, tokenizer, task=None, seed: int = 0) -> tuple:
+def sft_samples(sft, tokenizer, task=None) -> tuple:
     """``(train_samples, eval_samples)`` of the SFT data: ``sft.path``, else the task's
     demonstrations; eval samples from ``sft.eval_set`` (a file or a held-out part), else ``[]``."""
     from primitives.data import PromptFormat, SFTFields
@@ -281,7 +297,7 @@ def sft_samples(sft, tokenizer, task=None, seed: int = 0) -> tuple:
         return samples, sft_samples_from_records(load_records(sft.eval_set.path, sft.eval_set.split), tokenizer,
                                                  fields, fmt, sft.max_len)
     if sft.eval_set.size is not None:
-        return split_eval(samples, sft.eval_set.size, sft.eval_set.seed or seed)
+        return split_eval(samples, sft.eval_set.size, sft.eval_set.seed)
     return samples, []
 
 
@@ -368,8 +384,7 @@ def prepare_rl(job: RLJob) -> RLInputs:
     job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
     tokenizer = load_tokenizer(job.model)
     check_prompts(train + evals, tokenizer, job.data)
-    sft, sft_eval = sft_samples(job.sft, tokenizer, task, job.seed) if job.sft.steps and not job.checkpoint.resume \
-        else ([], [])
+    sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume else ([], [])
     return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
                     dict(task.info or {}) if task else {})
 
@@ -450,7 +465,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
             if sft_stage:
                 train_sft(cluster, inputs.sft_samples, job.sft.steps, job.sft.batch,
                           linear_warmup(job.sft.lr, job.sft.warmup), seed=job.seed, logger=logger,
-                          eval_samples=inputs.sft_eval_samples, eval_every=job.sft.eval_every)
+                          eval_samples=inputs.sft_eval_samples, eval_every=job.sft.eval_every or job.sft.steps)
                 sync_weights(cluster, version=0)
                 copy_policy_to_reference(cluster)
                 gather(fan_out(cluster.trainers, "reset_optimizer", algo.lr), cluster.timeout_s)
@@ -508,7 +523,7 @@ def prepare_sft(job: SFTJob) -> SFTInputs:
         errors += resume_errors(job.checkpoint.resume)
     raise_if(errors)
     job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
-    samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model), seed=job.seed)
+    samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model))
     return SFTInputs(job, samples, eval_samples)
 
 
@@ -529,11 +544,14 @@ def run_sft(job: SFTJob) -> dict:
     cluster = build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed)
     try:
         first = load_cluster_checkpoint(cluster, job.checkpoint.resume).iteration if job.checkpoint.resume else 0
+        if first > sft.steps:
+            raise ConfigErrors([f"checkpoint.resume {job.checkpoint.resume} is at step {first}, past sft.steps "
+                                f"{sft.steps}; raise sft.steps to train on"])
         before = evaluate_sft(cluster, eval_samples)["eval/loss_sft"] if eval_samples else None
         save = lambda c, step: save_cluster_checkpoint(  # noqa: E731
             c, os.path.join(out, "checkpoints", f"step_{step}"), TrainState(iteration=step, global_step=step))
         last = train_sft(cluster, samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=job.seed,
-                         logger=logger, log_every=job.logging.console_every, eval_samples=eval_samples,
+                         logger=logger, eval_samples=eval_samples,
                          eval_every=sft.eval_every or sft.steps, checkpoint_fn=save,
                          checkpoint_every=job.checkpoint.every, start_step=first)
         save_cluster_checkpoint(cluster, os.path.join(out, "final_model"),

@@ -149,7 +149,8 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     """The trainer group alone (an SFT job): no generators, reward workers or reference."""
     from rl_actors.trainer import TrainerWorker
 
-    roles = [r for r in role_specs(cfg, with_reference=False) if r.name == "trainer"]
+    pins = NODE_GROUP_PINS if cfg.pin_roles else None
+    roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
     trainers = create_group(TrainerWorker, roles[0], create_placement_group(roles[0]),

@@ -4,7 +4,7 @@ Run:   python examples/grpo_single_process.py          (under a minute on 2 core
        python examples/grpo_single_process.py --help   (all flags)
 
 The same job on Ray actors (generators, DeepSpeed trainers, reward and reference workers)
-is ``examples/grpo_tiny.py``; this file is the readable one-process version of its loop.
+is ``rayrl rl examples/configs/default.yaml``; this file is the readable one-process version of its loop.
 
 What it does: builds a tiny Qwen2 and a character tokenizer locally (HF format, no
 network), fine-tunes it on imperfect demonstrations of two-number addition (a stated share

@@ -52,6 +52,10 @@ algorithm: {lr: 1e-5, steps: 3}
     # YAML 1.1 reads 1e-5 (no dot) as a string; a float field takes it as the number
     assert job.algorithm.lr == 1e-5 and isinstance(job.algorithm.lr, float) and job.algorithm.steps == 3
     assert job.algorithm.name == "grpo" and job.cluster == RLJob().cluster  # untouched sections keep defaults
+    # a section fills the job's own default of it: an SFT job's sft.steps and logging.out stay
+    sft = load_job_config(_write(tmp_path, "sft: {path: d.jsonl}\nlogging: {console_every: 5}\n"), SFTJob)
+    assert (sft.sft.path, sft.sft.steps, sft.logging.out, sft.logging.console_every) == ("d.jsonl", 100, "runs/sft", 5)
+    assert sft.cluster.generators == 0
     # a held-out size is a share (float) or a count (int): YAML's int stays a count
     job = load_job_config(_write(tmp_path, "data: {path: p.jsonl, eval_set: {size: 64}}\n"), RLJob)
     assert job.data.eval_set.size == 64 and isinstance(job.data.eval_set.size, int)
@@ -156,10 +160,16 @@ def test_help_documents_every_field(command):
 
 
 def test_print_config_prints_yaml_and_starts_nothing():
-    out = subprocess.run([sys.executable, "-m", "cluster", "rl", "examples/configs/default.yaml",
-                          "--algorithm.steps", "7", "--print-config"], cwd=ROOT, capture_output=True, text=True,
+    """Through the installed console script (its exit status is 0 on success, with nothing on
+    stderr) and through ``python -m cluster``."""
+    rayrl = os.path.join(os.path.dirname(sys.executable), "rayrl")
+    args = ["rl", "examples/configs/default.yaml", "--algorithm.steps", "7", "--print-config"]
+    script = subprocess.run([rayrl, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0 and script.stderr == "", script.stderr
+    out = subprocess.run([sys.executable, "-m", "cluster", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
+    assert out.stdout == script.stdout
     import yaml
 
     printed = yaml.safe_load(out.stdout)

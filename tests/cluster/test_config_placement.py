@@ -64,11 +64,11 @@ def test_bad_values_are_usage_errors_before_ray(argv, message, monkeypatch, tmp_
     the model is built and before the SFT stage."""
     import sys
 
-    from cluster.cli import main
+    from cluster.cli import run
 
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     with pytest.raises(SystemExit) as e:
-        main(["rl", "examples/configs/default.yaml", "--logging.out", str(tmp_path / "out"), *argv])
+        run(["rl", "examples/configs/default.yaml", "--logging.out", str(tmp_path / "out"), *argv])
     assert message in str(e.value) and str(e.value).startswith("rayrl rl: ")
     assert "ray" not in sys.modules  # nothing imported Ray, let alone started it
 

@@ -76,7 +76,8 @@ BAD_INPUTS = [
                                                                    '"2+2=", "answer": \n')),
                                       eval_set=EvalData(size=0.5))}, "bad.jsonl:2"),
     (lambda t, m: {"data": DataConfig(path=_jsonl(t / "q.jsonl", [{"question": "1+1=", "answer": "2"}] * 4),
-                                      eval_set=EvalData(size=1))}, "'prompt'"),
+                                      eval_set=EvalData(size=1))}, "q.jsonl:1: missing field 'prompt' (fields: answer, "
+                                                                   "question)"),
     (lambda t, m: {"data": DataConfig(path=str(_text(t / "empty.jsonl", "")), eval_set=EvalData(size=1))},
      "empty dataset"),
     (lambda t, m: {"rewards": (RewardSpec("exact_mach"),)}, "did you mean 'exact_match'"),
@@ -100,10 +101,19 @@ BAD_INPUTS = [
     (lambda t, m: {"data": DataConfig(task="arithmetc")}, "did you mean 'arithmetic'"),
     (lambda t, m: {"data": DataConfig(task="arithmetic", task_kwargs={"heldout": 3})}, "data.task_kwargs"),
     (lambda t, m: {"data": DataConfig(task="arithmetic", path="x.jsonl")}, "give either task"),
+    (lambda t, m: {"data": DataConfig(task="arithmetic", format=PromptFormat(chat=True))},
+     "format and split apply to a prompt file"),
+    (lambda t, m: {"data": DataConfig(path=str(_unreadable(t)), eval_set=EvalData(size=1))}, "unreadable.jsonl"),
     (lambda t, m: {"sft": SFTConfig(steps=3)}, "sft.steps > 0 but there is no SFT data"),
     (lambda t, m: {"checkpoint": CheckpointConfig(resume=str(t))}, "not a checkpoint directory"),
     (lambda t, m: {"eval": EvalConfig(k=4)}, "eval.k 4 samples at eval.temperature 0"),
 ]
+
+
+def _unreadable(tmp_path):
+    path = tmp_path / "unreadable.jsonl"
+    path.mkdir()  # a directory named like a file: reading it fails with an OSError, as an unreadable file does
+    return path
 
 
 def _text(path, text):
@@ -144,10 +154,10 @@ def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path
 
 
 def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.cli import run
 
     with pytest.raises(SystemExit) as e:
-        main(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0", "--generation.temperature", "0",
+        run(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0", "--generation.temperature", "0",
               "--algorithm.name", "ppo", "--logging.out", str(tmp_path)])
     text = str(e.value)
     for part in ("cluster.zero_stage must be 1, 2 or 3", "cluster.generators must be at least 1",
@@ -162,12 +172,12 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
     """The default job as `make run` runs it (shorter), through the command-line entry point."""
     import ray
 
-    from cluster.cli import main
+    from cluster.cli import run
 
     ray.shutdown()
     out = str(tmp_path / "run")
     try:
-        summary = main(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "40", "--eval.every", "20",
+        summary = run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "40", "--eval.every", "20",
                         "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
     finally:
         ray.shutdown()
@@ -204,23 +214,25 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
 def test_checkpoint_then_resume_from_the_command_line(tmp_path):
     import ray
 
-    from cluster.cli import main
+    from cluster.cli import run
 
     out = str(tmp_path / "run")
     short = ["--sft.steps", "20", "--eval.enabled", "False", "--eval.final-pass-k", "0"]
     ray.shutdown()
     try:
-        main(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--checkpoint.every", "2", *short])
+        run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--checkpoint.every", "2", *short])
         ckpt = os.path.join(out, "checkpoints", "step_2")
         assert os.path.isfile(os.path.join(ckpt, "train_state.json"))
         assert os.path.isdir(os.path.join(ckpt, "reference")) and os.path.isdir(os.path.join(ckpt, "deepspeed"))
-        summary = main(["rl", DEFAULT, "--logging.out", out + "_resumed", "--algorithm.steps", "3",
+        summary = run(["rl", DEFAULT, "--logging.out", out + "_resumed", "--algorithm.steps", "3",
                         "--checkpoint.resume", ckpt, *short])
     finally:
         ray.shutdown()
     rows = [json.loads(line) for line in open(os.path.join(out + "_resumed", "metrics.jsonl"))]
     assert [r["step"] for r in rows if "reward/mean" in r] == [2]  # continued at step 2; no SFT again
     assert not any("loss/sft" in r for r in rows)
+    assert not any(k.startswith("eval/") for r in rows for k in r)  # eval.enabled False: no evaluation at all
+    assert not os.path.exists(os.path.join(out + "_resumed", "samples"))
     assert summary["rl_steps"] == 3
 
 
@@ -264,3 +276,26 @@ def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_pat
     last = {out: [r for r in rs if r["step"] == 5][0] for out, rs in rows.items()}
     assert last["resumed"]["loss/sft"] == pytest.approx(last["straight"]["loss/sft"], abs=1e-6)
     assert last["resumed"]["eval/loss_sft"] == pytest.approx(last["straight"]["eval/loss_sft"], abs=1e-6)
+
+
+def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
+    """data.task: path/file.py:function(seed, **task_kwargs) -> TaskData; its demonstrations
+    feed the SFT stage; what it returns is checked."""
+    (tmp_path / "my_task.py").write_text(
+        "from primitives.data import PromptItem\n"
+        "from primitives.tasks import TaskData\n"
+        "def task(seed, n=4):\n"
+        "    items = [PromptItem(i, f'{i}+{seed}=', str(i + seed)) for i in range(n)]\n"
+        "    return TaskData(items[1:], items[:1], [{'prompt': '1+1=', 'completion': '2'}])\n"
+        "def wrong(seed):\n"
+        "    return []\n")
+    job = RLJob(model=ModelConfig(tiny_model_path), seed=5, sft=SFTConfig(steps=2),
+                data=DataConfig(task=f"{tmp_path}/my_task.py:task", task_kwargs={"n": 6}),
+                logging=LoggingConfig(out=str(tmp_path / "out")))
+    inputs = prepare_rl(job)
+    assert [it.prompt for it in inputs.train_items] == [f"{i}+5=" for i in range(1, 6)]
+    assert [it.answer for it in inputs.eval_items] == ["5"] and len(inputs.sft_samples) == 1
+    with pytest.raises(ConfigErrors, match="returned list, not a primitives.tasks.TaskData"):
+        prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:wrong")))
+    with pytest.raises(ConfigErrors, match=r"data.task_kwargs \{'m': 1\} do not fit"):
+        prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:task", task_kwargs={"m": 1})))

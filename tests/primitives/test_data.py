@@ -321,6 +321,44 @@ def test_enable_thinking_reaches_templates_that_read_it(tmp_path):
     # char tokens: 2 specials + "user\nhi" (7) + "\n" + 1 special + "assistant\n" (10) = 21; the think block adds 19
     assert check_prompt_lengths([item], tok, 100).tolist() == [21]
     assert check_prompt_lengths([item], tok, 100, template_kwargs=kwargs).tolist() == [40]
+    # the generator renders with the same variables (GenerationConfig.template_kwargs): its
+    # rollouts' prompt ids are the think-block prompt, 40 tokens
+    from primitives.generation import generate_rollouts
+    from primitives.tiny import TinyModelSpec, build_tiny_model
+    from primitives.types import GenerationConfig
+
+    model = build_tiny_model(tok, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1), 0)
+    gen = GenerationConfig(max_new_tokens=2, temperature=0.0)
+    assert len(generate_rollouts(model, tok, [item], gen)[0].prompt_ids) == 21
+    (rollout,) = generate_rollouts(model, tok, [item], gen._replace(template_kwargs=kwargs))
+    assert tok.decode(rollout.prompt_ids) == base + "<think>\n\n</think>\n\n"
+
+
+def test_tasks_a_job_names():
+    """The default job's task is the arithmetic task with its imperfect demonstrations as
+    prompt/completion rows; the chat task gives chat prompts and correct message demonstrations."""
+    from primitives.tasks import (
+        CHAT_QUESTION,
+        TASKS,
+        ArithmeticTaskSpec,
+        make_arithmetic_task,
+        sft_demonstrations,
+    )
+
+    task = TASKS["arithmetic"](seed=3, num_heldout=10, num_train=50)
+    spec = ArithmeticTaskSpec(num_train=50, num_heldout=10, seed=3)
+    train, heldout = make_arithmetic_task(spec)
+    pairs, wrong = sft_demonstrations(train, spec)
+    assert task.train == train and task.eval == heldout and not task.sft_chat
+    assert task.sft_rows == [{"prompt": p, "completion": c} for p, c in pairs] and task.info["sft_wrong_share"] == \
+        round(wrong, 4)
+    chat = TASKS["chat_arithmetic"](seed=1, max_operand=9, num_train=5, num_heldout=2)
+    item, row = chat.train[0], chat.sft_rows[0]
+    a, b = item.metadata["a"], item.metadata["b"]
+    assert item.prompt == Conversation((Message("user", CHAT_QUESTION.format(a=a, b=b)),)) and chat.sft_chat
+    assert row["messages"] == [{"role": "user", "content": CHAT_QUESTION.format(a=a, b=b)},
+                               {"role": "assistant", "content": str(a + b)}]
+    assert len(chat.eval) == 2 and {it.index for it in chat.eval} == {0, 1}
 
 
 def test_prompt_length_limit_names_first_offender(tokenizer, tmp_path):

@@ -297,6 +297,27 @@ def test_sft_loss_is_on_shifted_targets():
     assert m["loss/sft"] == pytest.approx(-(lp[0][1] + lp[1][2]) / 2, abs=1e-6)
 
 
+def test_sft_eval_loss_hand_value_and_shares_add_up():
+    """Held-out loss of two rows, no update: the mean NLL per target token. Row 0 targets
+    p(1|0), p(2|1); row 1 targets p(0|2). Split over two 'ranks' with the global count, the
+    shares add up to the whole (what the trainer group's merge relies on)."""
+    from primitives.training import sft_eval_loss
+
+    table = [[0.0, 1.0, 2.0], [0.5, -1.0, 0.3], [1.0, 1.0, -2.0]]
+    model = TableModel(table)
+    ids = np.array([[0, 1, 2, 0], [1, 2, 0, 0]], dtype=np.int64)
+    attn = np.array([[1, 1, 1, 0], [1, 1, 1, 0]])
+    mask = np.array([[0, 1, 1, 0], [0, 0, 1, 0]], dtype=np.float32)
+    lp = [log_softmax(row) for row in table]
+    expected = -(lp[0][1] + lp[1][2] + lp[2][0]) / 3
+    whole = sft_eval_loss(model, ids, attn, mask, num_tokens=3)
+    assert whole["eval/loss_sft"] == pytest.approx(expected, abs=1e-6) and whole["eval/sft_tokens"] == 3
+    parts = [sft_eval_loss(model, ids[i:i + 1], attn[i:i + 1], mask[i:i + 1], num_tokens=3) for i in range(2)]
+    assert parts[0]["eval/loss_sft"] == pytest.approx(-(lp[0][1] + lp[1][2]) / 3, abs=1e-6)
+    assert sum(p["eval/loss_sft"] for p in parts) == pytest.approx(expected, abs=1e-6)
+    assert all(p.grad is None for p in model.parameters())  # no gradient was taken
+
+
 def test_dropout_is_off_in_every_logprob_forward(tokenizer):
     from primitives.logprobs import completion_logprobs
     from primitives.tiny import TinyModelSpec, build_tiny_model
