@@ -65,12 +65,14 @@ class RLConfig(NamedTuple):
     steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
     prompts_per_step: int = 32  # prompts per RL step
     lr: float = 3e-4  # RL learning rate
+    warmup: int = 0  # linear warm-up steps of the RL learning rate
     kl_coef: Optional[float] = None  # KL coefficient (None: the preset's own); > 0 adds a reference worker
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer updates per pass (the rollout batch split into this many parts)
     is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
     is_cap: float = 2.0  # cap of the truncated importance weight
     max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step
+    overrides: Optional[dict[str, Scalar]] = None  # other AlgorithmConfig fields, e.g. {clip_eps_high: 0.28}
 
 
 class SamplingConfig(NamedTuple):

@@ -137,6 +137,7 @@ def rl_errors(job: RLJob) -> list:
         (algo.is_level in IS_LEVELS, f"algorithm.is_level must be one of {', '.join(IS_LEVELS)}, got {algo.is_level}"),
         (algo.is_cap > 0, f"algorithm.is_cap must be positive, got {algo.is_cap}"),
         (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
+        (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
         (gen.group_size >= 2, "generation.group_size must be at least 2: group advantages compare completions "
                               "of one prompt"),
         (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
@@ -358,14 +359,27 @@ class RLInputs(NamedTuple):
     info: dict  # facts of the task for the summary
 
 
-def make_algorithm(rl):
-    """The ``AlgorithmConfig`` of the ``algorithm`` section: the preset with the section's
-    settings; its own KL coefficient unless ``kl_coef`` is given."""
-    from primitives.algorithms import get_algorithm
+SECTION_ALGORITHM_FIELDS = ("name", "kl_coef", "ppo_epochs", "mini_batches", "is_level", "is_cap")
 
+
+def algorithm_of(rl):
+    """The ``AlgorithmConfig`` of the ``algorithm`` section: the preset with the section's
+    settings and ``overrides`` (any other field, e.g. ``clip_eps_high``, ``entropy_coef``);
+    the preset's own KL coefficient unless ``kl_coef`` is given."""
+    from primitives.algorithms import get_algorithm
+    from primitives.hooks import did_you_mean
+    from primitives.types import AlgorithmConfig
+
+    overrides = dict(rl.overrides or {})
+    for key in overrides:
+        if key in SECTION_ALGORITHM_FIELDS:
+            raise ConfigErrors([f"algorithm.overrides.{key}: set algorithm.{key} instead"])
+        if key not in AlgorithmConfig._fields:
+            hint = did_you_mean(key, AlgorithmConfig._fields) or "; see primitives.types.AlgorithmConfig"
+            raise ConfigErrors([f"algorithm.overrides.{key}: not an AlgorithmConfig field{hint}"])
     kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
     return get_algorithm(rl.name, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches, is_level=rl.is_level,
-                         is_cap=rl.is_cap, **kl)
+                         is_cap=rl.is_cap, **kl, **overrides)
 
 
 @checked
@@ -379,7 +393,7 @@ def prepare_rl(job: RLJob) -> RLInputs:
         errors += resume_errors(job.checkpoint.resume)
     raise_if(errors)
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
-    algo = make_algorithm(job.algorithm)
+    algo = algorithm_of(job.algorithm)
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
     job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
     tokenizer = load_tokenizer(job.model)
@@ -477,7 +491,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                   f"{before['eval/accuracy']:.3f}", flush=True)
         state, cluster = train(cluster, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
                                constant_schedule(inputs.algo), gen, algo.steps, algo.prompts_per_step,
-                               lambda step: algo.lr, start_state, logger, run_eval if inputs.eval_items else None,
+                               linear_warmup(algo.lr, algo.warmup), start_state, logger,
+                               run_eval if inputs.eval_items else None,
                                ev.every or algo.steps, save, job.checkpoint.every,
                                max_resample_rounds=algo.max_resample_rounds, component_names=names)
         history = list(state.metrics_history[len(start_state.metrics_history):])

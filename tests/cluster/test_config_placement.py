@@ -93,7 +93,7 @@ def test_each_preset_keeps_its_own_kl_unless_given():
     """algorithm.name dapo used to inherit the default job's KL 0.01 without a reference worker
     and failed at its first RL step; now the preset's KL stands and a given KL adds the reference."""
     from cluster.config import RLConfig
-    from cluster.job import make_algorithm
+    from cluster.job import algorithm_of as make_algorithm
     from primitives.algorithms import uses_reference
 
     algo = make_algorithm(RLConfig(kl_coef=0.01))
@@ -104,6 +104,14 @@ def test_each_preset_keeps_its_own_kl_unless_given():
         assert algo.kl_coef == 0.0 and not uses_reference(algo), name
     algo = make_algorithm(RLConfig(name="dapo", kl_coef=0.02, ppo_epochs=2, is_level="sequence"))
     assert algo.kl_coef == 0.02 and uses_reference(algo) and (algo.ppo_epochs, algo.is_level) == (2, "sequence")
+    # any other field through overrides, checked by name
+    algo = make_algorithm(RLConfig(name="dapo", overrides={"clip_eps_high": 0.3, "entropy_coef": 0.001}))
+    assert (algo.clip_eps_low, algo.clip_eps_high, algo.entropy_coef, algo.dynamic_sampling) == (0.2, 0.3, 0.001, True)
+    with pytest.raises(ValueError, match="algorithm.overrides.clip_eps_hi: not an AlgorithmConfig field; did you "
+                                         "mean 'clip_eps_high'"):
+        make_algorithm(RLConfig(overrides={"clip_eps_hi": 0.3}))
+    with pytest.raises(ValueError, match="set algorithm.kl_coef instead"):
+        make_algorithm(RLConfig(overrides={"kl_coef": 0.3}))
 
 
 def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):
