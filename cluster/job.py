@@ -23,6 +23,7 @@ from primitives.data import (
     FieldMap,
     PromptFormat,
     Records,
+    chat_template_kwargs,
     load_records,
     sft_samples_from_records,
     split_eval,
@@ -273,7 +274,7 @@ def rl_prompts(job: RLJob, eval_on: bool) -> tuple:
 def check_prompts(items, tokenizer, data) -> None:
     """The prompts as the generators will render them: a chat template where chat prompts need
     one, and none longer than ``data.max_prompt_tokens``."""
-    from primitives.data import chat_template_kwargs, check_prompt_lengths
+    from primitives.data import check_prompt_lengths
 
     check_prompt_lengths(items, tokenizer, data.max_prompt_tokens, chat_template_kwargs(tokenizer, data.format))
 
@@ -357,6 +358,7 @@ class RLInputs(NamedTuple):
     component_names: tuple
     algo: object  # primitives.types.AlgorithmConfig
     info: dict  # facts of the task for the summary
+    template_kwargs: Optional[dict]  # chat-template variables (enable_thinking) the generators render with
 
 
 SECTION_ALGORITHM_FIELDS = ("name", "kl_coef", "ppo_epochs", "mini_batches", "is_level", "is_cap")
@@ -400,7 +402,7 @@ def prepare_rl(job: RLJob) -> RLInputs:
     check_prompts(train + evals, tokenizer, job.data)
     sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume else ([], [])
     return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
-                    dict(task.info or {}) if task else {})
+                    dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None)
 
 
 def run_rl(job: RLJob) -> dict:
@@ -429,62 +431,76 @@ def run_rl(job: RLJob) -> dict:
     return finish_output(job, metrics_path, keys, f"{job.algorithm.name} on Ray ({model_name})", summary)
 
 
+def sampling_config(g, template_kwargs: Optional[dict]):
+    """The ``GenerationConfig`` of the ``generation`` section (n = the group size)."""
+    from primitives.types import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                            top_k=g.top_k, n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs)
+
+
+def sft_stage(cluster, inputs: RLInputs, logger) -> None:
+    """The RL job's SFT stage: train, send the weights to the generators, make them the
+    reference, and give the trainers a fresh optimizer at the RL learning rate."""
+    from cluster.driver import copy_policy_to_reference, gather, sync_weights, train_sft
+    from cluster.groups import fan_out
+    from primitives.training import linear_warmup
+
+    sft = inputs.job.sft
+    train_sft(cluster, inputs.sft_samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup),
+              seed=inputs.job.seed, logger=logger, eval_samples=inputs.sft_eval_samples,
+              eval_every=sft.eval_every or sft.steps)
+    sync_weights(cluster, version=0)
+    copy_policy_to_reference(cluster)
+    gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
+
+
+def accuracy_figures(before: dict, after: dict) -> dict:
+    """The summary's eval figures before and after RL (``{}`` when evaluation is off)."""
+    if not before:
+        return {}
+    return {"accuracy_before_rl": before["eval/accuracy"], "accuracy_after_rl": after["eval/accuracy"],
+            "accuracy_gain_points": round(100 * (after["eval/accuracy"] - before["eval/accuracy"]), 2),
+            "eval_reward_mean_before": before["eval/reward_mean"], "eval_reward_mean_after": after["eval/reward_mean"]}
+
+
 def train_rl(inputs: RLInputs, logger) -> dict:
     """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
     and save the final model. Returns the figures of the run and its metrics history."""
-    from cluster.driver import (
-        copy_policy_to_reference,
-        evaluate,
-        gather,
-        load_cluster_checkpoint,
-        save_cluster_checkpoint,
-        sync_weights,
-        train,
-        train_sft,
-    )
-    from cluster.groups import fan_out
+    from cluster.driver import evaluate, load_cluster_checkpoint, save_cluster_checkpoint, train
     from cluster.setup import build_rl_cluster, shutdown_cluster
     from primitives.algorithms import constant_schedule, uses_reference
-    from primitives.data import chat_template_kwargs, make_prompt_source
+    from primitives.data import make_prompt_source
     from primitives.training import linear_warmup
-    from primitives.types import GenerationConfig, TrainState
+    from primitives.types import TrainState
     from rl_actors.trainer import TrainerConfig
 
     job, out = inputs.job, inputs.job.logging.out
-    cfg, g, ev, algo = job.cluster, job.generation, job.eval, job.algorithm
-    template_kwargs = chat_template_kwargs(load_tokenizer(job.model), job.data.format) or None
-    gen = GenerationConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                           n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs)
+    cfg, ev, algo = job.cluster, job.eval, job.algorithm
+    gen = sampling_config(job.generation, inputs.template_kwargs)
     eval_gen = gen._replace(temperature=ev.temperature, n=ev.k, top_p=1.0, top_k=0)
-    sft_stage = job.sft.steps > 0 and not job.checkpoint.resume
-    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if sft_stage else algo.lr,
+    with_sft = job.sft.steps > 0 and not job.checkpoint.resume
+    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else algo.lr,
                                 micro_batch_size=cfg.micro_batch_size)
     names = inputs.component_names if len(inputs.component_names) > 1 else None
     cluster = build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
                                aggregate_fn=inputs.aggregate_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb)
+
+    def run_eval(c, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
+        return evaluate(c, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
+                        component_names=names, samples_path=os.path.join(out, "samples", f"{name}_{s.iteration}.jsonl"))
+
+    def save(c, s):
+        save_cluster_checkpoint(c, os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
+
     try:
-        def run_eval(c, s) -> dict:
-            if not inputs.eval_items:
-                return {}
-            return evaluate(c, inputs.eval_items, eval_gen, k=ev.k, correct=ev.threshold, step=s.iteration,
-                            component_names=names,
-                            samples_path=os.path.join(out, "samples", f"step_{s.iteration}.jsonl"))
-
-        def save(c, s):
-            save_cluster_checkpoint(c, os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
-
         if job.checkpoint.resume:  # weights, optimizer, reference, data position and versions
             start_state = load_cluster_checkpoint(cluster, job.checkpoint.resume)
         else:
-            if sft_stage:
-                train_sft(cluster, inputs.sft_samples, job.sft.steps, job.sft.batch,
-                          linear_warmup(job.sft.lr, job.sft.warmup), seed=job.seed, logger=logger,
-                          eval_samples=inputs.sft_eval_samples, eval_every=job.sft.eval_every or job.sft.steps)
-                sync_weights(cluster, version=0)
-                copy_policy_to_reference(cluster)
-                gather(fan_out(cluster.trainers, "reset_optimizer", algo.lr), cluster.timeout_s)
+            if with_sft:
+                sft_stage(cluster, inputs, logger)
             start_state = TrainState(rng_seed=job.seed)
-        before = run_eval(cluster, start_state)
+        before = run_eval(cluster, start_state) if inputs.eval_items else {}
         if before:  # the curves' first point: the step before the first RL step
             logger({**before, "step": start_state.iteration - 1})
             print(f"eval accuracy {'at the checkpoint' if job.checkpoint.resume else 'before RL'}: "
@@ -499,25 +515,17 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
         if after:
             print(f"eval accuracy after {algo.name}: {after['eval/accuracy']:.3f}", flush=True)
-        final = {}
-        if ev.final_pass_k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
-            k = ev.final_pass_k
-            sampled = evaluate(cluster, inputs.eval_items, gen, k=k, step=state.iteration, correct=ev.threshold,
-                               component_names=names, samples_path=os.path.join(
-                                   out, "samples", f"pass_at_{k}_step_{state.iteration}.jsonl"))
+        final, k = {}, ev.final_pass_k
+        if k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
+            sampled = run_eval(cluster, state, gen, k, f"pass_at_{k}_step")
             final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
-                     "eval/pass_temperature": g.temperature}
+                     "eval/pass_temperature": gen.temperature}
         save_cluster_checkpoint(cluster, os.path.join(out, "final_model"), state)
         with_reference, address = cluster.reference is not None, cluster.ray_address
     finally:
         shutdown_cluster(cluster)
-    figures = {"reference_worker": with_reference, "ray_address": address}
-    if before:
-        figures.update({"accuracy_before_rl": before["eval/accuracy"], "accuracy_after_rl": after["eval/accuracy"],
-                        "accuracy_gain_points": round(100 * (after["eval/accuracy"] - before["eval/accuracy"]), 2),
-                        "eval_reward_mean_before": before["eval/reward_mean"],
-                        "eval_reward_mean_after": after["eval/reward_mean"]})
-    return {**figures, **final, "history": history}
+    return {"reference_worker": with_reference, "ray_address": address, **accuracy_figures(before, after), **final,
+            "history": history}
 
 
 # ----------------------------------------------------------------------------- SFT
