@@ -276,6 +276,18 @@ def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_pat
     last = {out: [r for r in rs if r["step"] == 5][0] for out, rs in rows.items()}
     assert last["resumed"]["loss/sft"] == pytest.approx(last["straight"]["loss/sft"], abs=1e-6)
     assert last["resumed"]["eval/loss_sft"] == pytest.approx(last["straight"]["eval/loss_sft"], abs=1e-6)
+    # the logged eval loss (2 ranks, merged shares) against one process on the final weights
+    from transformers import AutoModelForCausalLM
+
+    from cluster.job import prepare_sft
+    from primitives.data import collate_sft
+    from primitives.training import sft_eval_loss
+
+    eval_samples = prepare_sft(_sft_job(tmp_path, tiny_model_path, "check", 6)).eval_samples
+    model = AutoModelForCausalLM.from_pretrained(straight["hf_model"])
+    ids, attn, mask = collate_sft(eval_samples, model.config.pad_token_id or 0)
+    single = sft_eval_loss(model, ids, attn, mask, num_tokens=int(mask[:, 1:].sum()))
+    assert straight["eval_loss_after"] == pytest.approx(single["eval/loss_sft"], abs=1e-5)
 
 
 def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
