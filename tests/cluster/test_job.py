@@ -46,7 +46,8 @@ def test_a_prompt_file_job_is_prepared_without_ray(tmp_path, tiny_model_path, mo
     item = inputs.eval_items[0]
     assert item.answer == str(2 * item.index // 1) and item.metadata == {"level": item.index % 3}
     assert item.source.endswith(f"prompts.jsonl:{item.index + 1}")
-    assert inputs.component_names == ("exact_match", "length_window") and inputs.aggregate_fn is not None
+    assert inputs.component_names == ("exact_match", "length_window")
+    assert inputs.aggregate_fn([1.0, 0.0]) == pytest.approx(0.5) and inputs.aggregate_fn([1.0, 1.0]) == 1.0
     assert inputs.job.logging.out == str(tmp_path / "out") and inputs.sft_samples == []
 
 
@@ -205,9 +206,18 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
     assert len(sampled) == 4 * 128
     solved = {r["group"] for r in sampled if r["reward"] >= 1.0}  # pass@4 with 4 samples: any right
     assert summary["eval/pass@4"] == pytest.approx(len(solved) / 128, abs=1e-12)
-    from transformers import AutoModelForCausalLM
+    # the final model, loaded in one process, has the greedy accuracy the job logged at the end
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_model", "hf")) is not None
+    from primitives.evaluation import greedy_accuracy
+    from primitives.rewards import exact_match
+    from primitives.tasks import arithmetic_task
+
+    hf = os.path.join(out, "final_model", "hf")
+    heldout = arithmetic_task(seed=0, num_heldout=128).eval
+    accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf), heldout,
+                               exact_match("first_number"), max_new_tokens=5)
+    assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)
 
 
 @pytest.mark.slow
