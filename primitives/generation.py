@@ -7,15 +7,19 @@ mask), sampling must be seedable per call, and stop strings are checked per row.
 
 Layout: prompts are left-padded; position ids are ``cumsum(attention_mask) - 1`` so a
 padded prompt sees the same positions as an unpadded one (DESIGN section 9, pitfall).
+
+``create_rollout`` / ``create_rollouts`` take one prompt end to end in one process (sample,
+reference logprobs, reward) for notebooks; training runs through ``cluster.driver.train``.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
+from primitives.data import PromptItem
 from primitives.types import Conversation, GenerationConfig, Message, Rollout, group_id, make_uid
 
 
@@ -208,12 +212,12 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
         chunk = rows[start: start + step]
         outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
         for (it, ids, k), o in zip(chunk, outs):
-            rollouts.append(create_rollout(it, ids, o, k, policy_version))
+            rollouts.append(pack_rollout(it, ids, o, k, policy_version))
     return rollouts
 
 
-def create_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sample: int = 0,
-                   policy_version: int = 0) -> Rollout:
+def pack_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sample: int = 0,
+                 policy_version: int = 0) -> Rollout:
     """A single-turn ``Rollout`` from a prompt item and one generation output."""
     return Rollout(
         uid=make_uid(item.epoch, item.index, sample), group=group_id(item.epoch, item.index),
@@ -224,6 +228,67 @@ def create_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sampl
         finish_reason=output.finish_reason, text=output.text, answer=item.answer,
         metadata=dict(item.metadata) if item.metadata else None,
     )
+
+
+# ----------------------------------------------------------------------------- one process
+
+def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig = GenerationConfig(),
+                    ref_model=None, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,
+                    shaping_fn: Optional[Callable] = None,
+                    generator: Optional[torch.Generator] = None) -> list:
+    """The group of ``gen_config.n`` rollouts of one prompt, in this process: for notebooks
+    and for inspecting what the model does. Training at scale goes through
+    ``cluster.driver.train``, which batches prompts, spreads work over actors and syncs weights.
+
+    ``prompt``: a str, a ``Conversation`` (needs a chat template), or a ``PromptItem``; a bare
+    prompt becomes ``PromptItem(index=0, prompt=prompt)``, so uids are ``e0/i0/s{k}`` and the
+    group is ``e0/i0``. ``policy_version`` is 0. Sampling uses ``generator`` when given, else a
+    private generator seeded with ``gen_config.seed``, else the global torch RNG.
+
+    ``ref_model`` (same tokenizer): sets ``ref_logprobs (T,)`` - its logprobs of the same
+    completion tokens at ``gen_config.temperature``, the temperature the behaviour logprobs
+    use (temperature 0, greedy, scores at 1.0, as the behaviour logprobs do). Its dropout is
+    switched off in place (``primitives.logprobs.disable_dropout``).
+
+    ``reward_fn`` (``rollout -> float`` or a vector with ``aggregate_fn``; ``shaping_fn(rollout,
+    reward) -> float``): sets ``reward`` (and ``reward_vector``) through
+    ``primitives.rewards.score_rollout``, after ``ref_logprobs`` so shaping can read them.
+    Without it ``reward`` stays None.
+    """
+    # logprobs and rewards import this module: importing them here keeps the import acyclic
+    from primitives.logprobs import rollout_logprobs
+    from primitives.rewards import score_rollout
+
+    item = prompt if isinstance(prompt, PromptItem) else PromptItem(index=0, prompt=prompt)
+    if generator is None and gen_config.seed is not None:
+        device = next(model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(gen_config.seed)
+    rollouts = generate_rollouts(model, tokenizer, [item], gen_config, generator=generator)
+    if ref_model is not None:
+        with torch.no_grad():
+            refs = rollout_logprobs(ref_model, rollouts, tokenizer.pad_token_id, gen_config.temperature)
+        rollouts = [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
+    if reward_fn is not None:
+        rollouts = [score_rollout(r, reward_fn, aggregate_fn, shaping_fn) for r in rollouts]
+    return rollouts
+
+
+def create_rollout(model, tokenizer, prompt: Any, gen_config: GenerationConfig = GenerationConfig(),
+                   ref_model=None, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,
+                   shaping_fn: Optional[Callable] = None,
+                   generator: Optional[torch.Generator] = None) -> Rollout:
+    """One completion of ``prompt`` as a ``Rollout``, in this process: for notebooks and for
+    inspecting what the model does (``create_rollout(model, tokenizer, "12+34=", gen_config,
+    reward_fn=my_reward)``). Training at scale goes through ``cluster.driver.train``.
+
+    The arguments are ``create_rollouts``'s (which see); ``gen_config.n`` must be 1 - a group
+    of several completions is ``create_rollouts``.
+    """
+    if gen_config.n != 1:
+        raise ValueError(f"create_rollout makes one completion but gen_config.n is {gen_config.n}; "
+                         f"use create_rollouts for a group of n completions")
+    return create_rollouts(model, tokenizer, prompt, gen_config, ref_model=ref_model, reward_fn=reward_fn,
+                           aggregate_fn=aggregate_fn, shaping_fn=shaping_fn, generator=generator)[0]
 
 
 # ----------------------------------------------------------------------------- reasoning

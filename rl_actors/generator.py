@@ -21,7 +21,7 @@ from cluster.weight_sync import (
     init_sync_group,
     tensor_checksums,
 )
-from primitives.generation import GenerationOutput, create_rollout, encode_prompts, generate_rollouts
+from primitives.generation import GenerationOutput, encode_prompts, generate_rollouts, pack_rollout
 from primitives.logprobs import rollout_logprobs
 from primitives.tools import hf_turn_generator, multiturn_rollout
 from primitives.types import GenerationConfig, ModelConfig
@@ -112,7 +112,7 @@ class VLLMEngine:
         rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(gen.n)]
         seed = None if gen.seed is None else gen.seed + version
         outs = self._outputs([ids for _, ids, _ in rows], gen, seed)
-        return [create_rollout(it, ids, o, k, version) for (it, ids, k), o in zip(rows, outs)]
+        return [pack_rollout(it, ids, o, k, version) for (it, ids, k), o in zip(rows, outs)]
 
     def turn_generator(self, gen: GenerationConfig, generator) -> Callable:
         return lambda context_ids: self._outputs([context_ids], gen, gen.seed)[0]

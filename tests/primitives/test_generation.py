@@ -1,4 +1,6 @@
-"""Sampling, left padding, stop strings, logprob parity, chat templates, think parsing."""
+"""Sampling, left padding, stop strings, logprob parity, chat templates, think parsing,
+and the one-process ``create_rollout`` a notebook reader calls first."""
+import copy
 import math
 
 import numpy as np
@@ -7,16 +9,21 @@ import torch
 
 from primitives.data import PromptItem
 from primitives.generation import (
+    GenerationOutput,
+    create_rollout,
+    create_rollouts,
     encode_prompts,
     filter_logits,
     generate_rollouts,
     generate_tokens,
     left_pad,
+    pack_rollout,
     parse_thinking,
     position_ids_from_mask,
     render_prompt,
 )
 from primitives.logprobs import completion_logprobs, pack_completions, rollout_logprobs, token_entropy
+from primitives.rewards import mean_aggregator
 from primitives.types import Conversation, GenerationConfig, Message
 
 PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
@@ -153,3 +160,91 @@ def test_micro_batched_logprobs_and_entropy(tiny_model, tokenizer):
     assert ent.shape == (4, T) and (ent > 0).all() and (ent <= math.log(len(tokenizer)) + 1e-4).all()
     # uniform logits have entropy log V
     torch.testing.assert_close(token_entropy(torch.zeros(1, 1, 8)), torch.tensor([[math.log(8)]]))
+
+
+def test_pack_rollout_packs_one_generation_output(tokenizer):
+    item = PromptItem(3, "1+1=", answer="2", epoch=1, metadata={"k": 1})
+    out = GenerationOutput(np.array([7, 8], dtype=np.int64), np.array([-0.5, -1.5], dtype=np.float32), "stop", "ab")
+    r = pack_rollout(item, [4, 5, 6], out, sample=2, policy_version=9)
+    assert (r.uid, r.group, r.prompt, r.answer, r.metadata) == ("e1/i3/s2", "e1/i3", "1+1=", "2", {"k": 1})
+    assert r.prompt_ids.tolist() == [4, 5, 6] and r.prompt_ids.dtype == np.int64
+    assert r.completion_ids.tolist() == [7, 8] and r.logprobs.tolist() == [-0.5, -1.5]
+    assert r.loss_mask.tolist() == [1.0, 1.0] and r.loss_mask.dtype == np.float32
+    assert (r.policy_version, r.finish_reason, r.text) == (9, "stop", "ab")
+    assert r.ref_logprobs is None and r.reward is None
+
+
+def _text_reward(rollout):
+    """A reward that depends on the completion text: its length in characters."""
+    return float(len(rollout.text))
+
+
+def test_create_rollout_the_seeds_first_call(tiny_model, tokenizer):
+    gen_config = GenerationConfig(max_new_tokens=8, temperature=0.7, seed=5)
+    rollout = create_rollout(tiny_model, tokenizer, "12+34=", gen_config, reward_fn=_text_reward)
+    assert (rollout.uid, rollout.group, rollout.prompt) == ("e0/i0/s0", "e0/i0", "12+34=")
+    assert len(rollout.text) > 0 and rollout.reward == float(len(rollout.text))
+    assert rollout.ref_logprobs is None
+    # the same tokens generate_rollouts samples with a generator seeded by gen_config.seed
+    same = generate_rollouts(tiny_model, tokenizer, [PromptItem(0, "12+34=")], gen_config,
+                             generator=torch.Generator().manual_seed(5))[0]
+    assert rollout.completion_ids.tolist() == same.completion_ids.tolist()
+    assert np.array_equal(rollout.logprobs, same.logprobs)
+    # without a reward function the rollout is unscored
+    assert create_rollout(tiny_model, tokenizer, "12+34=", gen_config).reward is None
+
+
+def test_create_rollout_vector_reward_and_shaping(tiny_model, tokenizer):
+    gen_config = GenerationConfig(max_new_tokens=6, temperature=0.7, seed=1)
+    r = create_rollout(tiny_model, tokenizer, "1+2=", gen_config,
+                       reward_fn=lambda ro: [float(len(ro.completion_ids)), 1.0], aggregate_fn=mean_aggregator,
+                       shaping_fn=lambda ro, reward: reward - 0.25)
+    T = len(r.completion_ids)
+    assert r.reward_vector.tolist() == [float(T), 1.0]
+    assert r.reward == pytest.approx((T + 1.0) / 2 - 0.25, abs=1e-6)
+
+
+def test_create_rollout_ref_logprobs(tiny_model, tokenizer):
+    from primitives.tiny import TinyModelSpec, build_tiny_model
+
+    gen_config = GenerationConfig(max_new_tokens=8, temperature=0.7, seed=2)
+    r = create_rollout(tiny_model, tokenizer, "12+34=", gen_config, copy.deepcopy(tiny_model))
+    assert r.ref_logprobs.shape == r.logprobs.shape and r.ref_logprobs.dtype == np.float32
+    assert np.abs(r.ref_logprobs - r.logprobs).max() < 1e-5  # same weights, same temperature (0.7, not 1)
+    other = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
+                             seed=2)
+    r2 = create_rollout(tiny_model, tokenizer, "12+34=", gen_config, ref_model=other)
+    assert r2.completion_ids.tolist() == r.completion_ids.tolist()
+    assert np.abs(r2.ref_logprobs - r2.logprobs).max() > 1e-2
+    # greedy (temperature 0): behaviour and reference logprobs are both at temperature 1.0
+    greedy = create_rollout(tiny_model, tokenizer, "12+34=", GenerationConfig(max_new_tokens=8, temperature=0.0),
+                            ref_model=copy.deepcopy(tiny_model))
+    assert np.abs(greedy.ref_logprobs - greedy.logprobs).max() < 1e-5
+    at_one = rollout_logprobs(tiny_model, [greedy], tokenizer.pad_token_id, temperature=1.0)[0]
+    assert np.abs(at_one - greedy.logprobs).max() < 1e-5
+
+
+def test_create_rollout_n_above_one_names_create_rollouts(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="create_rollouts"):
+        create_rollout(tiny_model, tokenizer, "12+34=", GenerationConfig(max_new_tokens=4, n=2))
+
+
+def test_create_rollouts_is_one_group(tiny_model, tokenizer):
+    item = PromptItem(3, "1+1=", answer="2", epoch=1)
+    rs = create_rollouts(tiny_model, tokenizer, item, GenerationConfig(max_new_tokens=4, n=3, seed=0),
+                         reward_fn=lambda r: float(r.answer == "2"))
+    assert [r.uid for r in rs] == ["e1/i3/s0", "e1/i3/s1", "e1/i3/s2"]
+    assert {r.group for r in rs} == {"e1/i3"} and [r.reward for r in rs] == [1.0, 1.0, 1.0]
+    bare = create_rollouts(tiny_model, tokenizer, "1+1=", GenerationConfig(max_new_tokens=4, n=2, seed=0))
+    assert [r.uid for r in bare] == ["e0/i0/s0", "e0/i0/s1"] and {r.group for r in bare} == {"e0/i0"}
+
+
+def test_create_rollout_conversation_prompt(tiny_model, tokenizer):
+    if tokenizer.chat_template is None:
+        pytest.skip("the tiny tokenizer has no chat template")
+    conv = Conversation((Message("user", "2+3?"),))
+    r = create_rollout(tiny_model, tokenizer, conv, GenerationConfig(max_new_tokens=4, seed=0),
+                       reward_fn=_text_reward)
+    assert r.prompt == conv and r.reward == float(len(r.text))
+    assert r.prompt_ids.tolist() == encode_prompts(tokenizer, [conv])[0].tolist()
+    assert tokenizer.decode(r.prompt_ids.tolist()).endswith("<|im_start|>assistant\n")
