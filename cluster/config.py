@@ -61,7 +61,7 @@ class DataConfig(NamedTuple):
 
 
 class RLConfig(NamedTuple):
-    name: str = "grpo"  # preset: grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo
+    name: str = "grpo"  # preset (grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo) or module:function
     steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
     prompts_per_step: int = 32  # prompts per RL step
     lr: float = 3e-4  # RL learning rate
@@ -72,7 +72,8 @@ class RLConfig(NamedTuple):
     is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
     is_cap: float = 2.0  # cap of the truncated importance weight
     max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step
-    overrides: Optional[dict[str, Scalar]] = None  # other AlgorithmConfig fields, e.g. {clip_eps_high: 0.28}
+    # other AlgorithmConfig fields, e.g. {clip_eps_high: 0.28, kl_fn: k2, advantage_fn: my.module:fn}
+    overrides: Optional[dict[str, Scalar]] = None
 
 
 class SamplingConfig(NamedTuple):

@@ -16,15 +16,15 @@ from tqdm import tqdm
 
 from cluster.groups import ActorFailure, call, fan_out, fan_out_each, gather, split_evenly
 from cluster.setup import RLCluster, replace_actor
-from primitives.algorithms import uses_reference
+from primitives.algorithms import AlgorithmConfig, uses_reference
 from primitives.batching import make_batch, rollout_metrics
 from primitives.checkpoint import state_from_json, state_to_json
 from primitives.data import SFTSample, collate_sft
 from primitives.evaluation import eval_metrics, sample_records, write_jsonl_atomic
-from primitives.filters import dynamic_sampling_filter
+from primitives.filters import apply_filters
 from primitives.loggers import noop_logger
 from primitives.metrics import merge_metrics, merge_rank_updates
-from primitives.types import AlgorithmConfig, GenerationConfig, TrainState
+from primitives.types import GenerationConfig, TrainState
 
 
 def _flat(lists) -> list:
@@ -77,18 +77,18 @@ def collect_rollouts(cluster: RLCluster, prompt_source: Callable, state: TrainSt
     with_ref = cluster.reference is not None and (uses_reference(algo) or cluster.reward_needs_reference)
     position, kept, times, rounds, drawn = state.data_position, [], {}, 0, 0
     while True:
-        want = prompts_per_step - len({r.group for r in kept}) if algo.dynamic_sampling else prompts_per_step
+        want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
         items, position = prompt_source(position, want)
         drawn += len(items)
         rollouts, t = generate_and_score(cluster, items, gen, with_ref)
         times = merge_metrics([times, t])
-        kept += dynamic_sampling_filter(rollouts) if algo.dynamic_sampling else rollouts
-        if not algo.dynamic_sampling or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
+        kept += apply_filters(rollouts, algo.filters)
+        if not algo.filters or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
             break
         rounds += 1
     if not kept:
-        raise RuntimeError(f"step {state.iteration}: dynamic sampling kept no group after {rounds + 1} rounds "
-                           "(every group had equal rewards)")
+        raise RuntimeError(f"step {state.iteration}: the filters of '{algo.name}' kept no group after {rounds + 1} "
+                           "rounds (with dynamic sampling: every group had equal rewards)")
     extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds)}
     return kept, position, {**times, **extra}
 
@@ -137,7 +137,7 @@ def train(cluster: RLCluster, prompt_source: Callable, algorithm_schedule: Calla
     restarts = 0
     for it in bar:
         t_step = time.perf_counter()
-        algo = algorithm_schedule(it)
+        algo = algorithm_schedule(it, state.metrics_history[-1] if state.metrics_history else {})
         collect = functools.partial(collect_rollouts, prompt_source=prompt_source, state=state, algo=algo, gen=gen,
                                     prompts_per_step=prompts_per_step, max_rounds=max_resample_rounds)
         (rollouts, position, metrics), cluster, restarts = with_replacement(

@@ -114,27 +114,43 @@ def sft_errors(sft, in_rl_job: bool) -> list:
     return _checks(checks)
 
 
+def algorithm_errors(job: RLJob) -> list:
+    """Checks of the algorithm record the section builds: it resolves, its functions take their
+    documented arguments, it needs no critic, and each trainer rank gets rows."""
+    from primitives.algorithms import check_algorithm_functions, needs_values, pairwise
+
+    algo, gen = job.algorithm, job.generation
+    try:
+        record = algorithm_of(algo)
+        check_algorithm_functions(record)
+    except ConfigErrors as e:
+        return e.errors
+    except ValueError as e:
+        return [f"algorithm: {e}"]
+    rows = algo.prompts_per_step * (2 if pairwise(record) else gen.group_size)  # pairwise loss: a pair per prompt
+    return _checks([
+        (not needs_values(record), f"algorithm '{record.name}' needs a critic (a value model), which this job does "
+                                   "not build yet; use reinforce_pp (REINFORCE++, critic-free) or grpo"),
+        (rows // algo.mini_batches >= job.cluster.trainers,
+         f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
+         f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
+         "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
+    ])
+
+
 def rl_errors(job: RLJob) -> list:
-    """Every check of an RL job's values that needs no file, model or Ray."""
-    from primitives.algorithms import PRESETS
+    """Every check of an RL job's values that needs no file, model or Ray; the algorithm record
+    is checked once the algorithm section's own numbers are sound."""
     from primitives.losses import IS_LEVELS
 
     algo, gen, ev, data = job.algorithm, job.generation, job.eval, job.data
-    rows = algo.prompts_per_step * (2 if algo.name == "online_dpo" else gen.group_size)  # DPO: a pair per prompt
-    return _checks([
-        (algo.name in PRESETS, f"algorithm.name '{algo.name}' is unknown (choose from {', '.join(sorted(PRESETS))})"),
-        (algo.name != "ppo", "algorithm.name ppo needs a critic (a value model), which this job does not build yet; "
-                             "use reinforce_pp (REINFORCE++, critic-free) or grpo"),
+    errors = _checks([
         (algo.steps >= 0, f"algorithm.steps must be >= 0, got {algo.steps}"),
         (algo.prompts_per_step >= 1, "algorithm.prompts_per_step must be at least 1"),
         (algo.lr > 0, f"algorithm.lr must be positive, got {algo.lr}"),
         (algo.kl_coef is None or algo.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {algo.kl_coef}"),
         (algo.ppo_epochs >= 1, f"algorithm.ppo_epochs must be at least 1, got {algo.ppo_epochs}"),
         (algo.mini_batches >= 1, f"algorithm.mini_batches must be at least 1, got {algo.mini_batches}"),
-        (algo.mini_batches < 1 or rows // algo.mini_batches >= job.cluster.trainers,
-         f"algorithm.mini_batches {algo.mini_batches} leaves {rows // max(algo.mini_batches, 1)} rows per "
-         f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
-         "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
         (algo.is_level in IS_LEVELS, f"algorithm.is_level must be one of {', '.join(IS_LEVELS)}, got {algo.is_level}"),
         (algo.is_cap > 0, f"algorithm.is_cap must be positive, got {algo.is_cap}"),
         (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
@@ -162,6 +178,7 @@ def rl_errors(job: RLJob) -> list:
          "prompts, formatted, and its eval prompts"),
         (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
     ]) + cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
+    return errors + ([] if any(e.startswith("algorithm.") for e in errors) else algorithm_errors(job))
 
 
 # ----------------------------------------------------------------------------- paths and the model
@@ -356,7 +373,7 @@ class RLInputs(NamedTuple):
     reward_fn: object
     aggregate_fn: object
     component_names: tuple
-    algo: object  # primitives.types.AlgorithmConfig
+    algo: object  # primitives.algorithms.AlgorithmConfig
     info: dict  # facts of the task for the summary
     template_kwargs: Optional[dict]  # chat-template variables (enable_thinking) the generators render with
 
@@ -368,16 +385,15 @@ def algorithm_of(rl):
     """The ``AlgorithmConfig`` of the ``algorithm`` section: the preset with the section's
     settings and ``overrides`` (any other field, e.g. ``clip_eps_high``, ``entropy_coef``);
     the preset's own KL coefficient unless ``kl_coef`` is given."""
-    from primitives.algorithms import get_algorithm
+    from primitives.algorithms import AlgorithmConfig, get_algorithm
     from primitives.hooks import did_you_mean
-    from primitives.types import AlgorithmConfig
 
     overrides = dict(rl.overrides or {})
     for key in overrides:
         if key in SECTION_ALGORITHM_FIELDS:
             raise ConfigErrors([f"algorithm.overrides.{key}: set algorithm.{key} instead"])
         if key not in AlgorithmConfig._fields:
-            hint = did_you_mean(key, AlgorithmConfig._fields) or "; see primitives.types.AlgorithmConfig"
+            hint = did_you_mean(key, AlgorithmConfig._fields) or "; see primitives.algorithms.AlgorithmConfig"
             raise ConfigErrors([f"algorithm.overrides.{key}: not an AlgorithmConfig field{hint}"])
     kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
     return get_algorithm(rl.name, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches, is_level=rl.is_level,

@@ -9,7 +9,7 @@ reward, discounted returns, global batch normalisation; GAE - Schulman et al. 20
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -160,15 +160,72 @@ def gae_advantages(token_r: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return adv, (adv + values) * mask
 
 
-def group_advantages(name: str, rewards: torch.Tensor, groups: Sequence, eps: float = 1e-6):
-    """Per-sequence advantages by estimator name (the group-based ones)."""
-    if name == "grpo":
-        return grpo_advantages(rewards, groups, eps)
-    if name == "dr_grpo":
-        return dr_grpo_advantages(rewards, groups)
-    if name == "rloo":
-        return rloo_advantages(rewards, groups)
-    raise ValueError(f"unknown group advantage estimator '{name}' (grpo, dr_grpo, rloo)")
+class AdvantageInputs(NamedTuple):
+    """What an ``advantage_fn(inputs, algo) -> (advantages (B, T), returns (B, T) or None)`` sees.
+
+    ``token_kl`` is ``algo.kl_fn`` of the generator's and the reference's logprobs when the
+    algorithm puts KL in the reward (``algo.kl_in_reward`` and ``kl_coef > 0``), else None;
+    the estimator decides how it enters (subtracted from the sequence reward before group
+    statistics, or as a per-token reward). ``values`` are the critic's, for GAE."""
+
+    rewards: torch.Tensor  # (B,) float32 sequence rewards (aggregated, shaped, overlong penalty)
+    groups: tuple  # B group ids: rollouts answering the same prompt share one
+    mask: torch.Tensor  # (B, T) float32 loss mask (1 on policy tokens)
+    token_kl: Optional[torch.Tensor] = None  # (B, T) float32 per-token KL estimate, 0 off the mask
+    values: Optional[torch.Tensor] = None  # (B, T) float32 critic values V_t
+
+
+def _sequence_rewards(x: AdvantageInputs, kl_coef: float) -> torch.Tensor:
+    """Rewards with the sequence's KL subtracted (KL in the reward, group estimators)."""
+    return x.rewards if x.token_kl is None else x.rewards - kl_coef * x.token_kl.sum(-1)
+
+
+def grpo_advantage(x: AdvantageInputs, algo):
+    """GRPO: ``(R - mean_G) / (std_G + algo.adv_eps)`` on every loss token."""
+    return broadcast_to_tokens(grpo_advantages(_sequence_rewards(x, algo.kl_coef), x.groups, algo.adv_eps),
+                               x.mask), None
+
+
+def dr_grpo_advantage(x: AdvantageInputs, algo):
+    """Dr.GRPO: ``R - mean_G`` on every loss token."""
+    return broadcast_to_tokens(dr_grpo_advantages(_sequence_rewards(x, algo.kl_coef), x.groups), x.mask), None
+
+
+def rloo_advantage(x: AdvantageInputs, algo):
+    """RLOO: ``R_i - mean_{j != i} R_j`` on every loss token."""
+    return broadcast_to_tokens(rloo_advantages(_sequence_rewards(x, algo.kl_coef), x.groups), x.mask), None
+
+
+def reinforce_pp_advantage(x: AdvantageInputs, algo):
+    """REINFORCE++: discounted token returns with the KL as a per-token reward, whitened."""
+    return reinforce_pp_advantages(x.rewards, x.mask, x.token_kl, algo.kl_coef, algo.gamma), None
+
+
+def reinforce_pp_baseline_advantage(x: AdvantageInputs, algo):
+    """REINFORCE++ with the group mean reward subtracted first (critic-free baseline)."""
+    return reinforce_pp_advantages(x.rewards, x.mask, x.token_kl, algo.kl_coef, algo.gamma, x.groups), None
+
+
+def gae_advantage(x: AdvantageInputs, algo):
+    """PPO: GAE over token rewards (KL per token, R on the last) and the critic's values;
+    returns ``(advantages, returns)``, the returns being the value loss's targets."""
+    if x.values is None:
+        raise ValueError("gae_advantage needs critic values for every rollout (build the job with a critic)")
+    return gae_advantages(token_rewards(x.rewards, x.mask, x.token_kl, algo.kl_coef), x.values, x.mask,
+                          algo.gamma, algo.lam)
+
+
+gae_advantage.needs_values = True  # primitives.hooks.trait: the driver asks the critic for values
+
+
+def no_advantage(x: AdvantageInputs, algo):
+    """Zeros: for losses that do not use advantages (online DPO marks pair roles itself)."""
+    return torch.zeros_like(x.mask), None
+
+
+ADVANTAGE_FNS = {"grpo": grpo_advantage, "dr_grpo": dr_grpo_advantage, "rloo": rloo_advantage,
+                 "reinforce_pp": reinforce_pp_advantage, "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
+                 "gae": gae_advantage, "none": no_advantage}
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:

@@ -1,17 +1,20 @@
 """From scored rollouts to the padded ``Batch`` one training step consumes (pure)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
 from primitives import advantages as adv
-from primitives.filters import PAIR_SELECTORS, select_pairs
-from primitives.kl import get_kl_fn
+from primitives.filters import select_pairs
+from primitives.hooks import call_hook, fn_name
 from primitives.logprobs import pack_completions
 from primitives.rewards import overlong_penalty
-from primitives.types import AlgorithmConfig, Batch
+from primitives.types import Batch
+
+if TYPE_CHECKING:
+    from primitives.algorithms import AlgorithmConfig
 
 
 def pad_right(arrays: Sequence[np.ndarray], T: int, dtype=np.float32) -> np.ndarray:
@@ -53,47 +56,35 @@ def collate(rollouts: Sequence, advantages_BT: np.ndarray, pad_id: int, budget: 
     )
 
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-
-
-def compute_advantages(rollouts: Sequence, algo: AlgorithmConfig, kl_fn: Optional[Callable] = None,
-                       values: Optional[Sequence[np.ndarray]] = None):
-    """``(advantages (B, T), returns (B, T) or None)`` numpy, by ``algo.advantage``."""
+def compute_advantages(rollouts: Sequence, algo: "AlgorithmConfig", values: Optional[Sequence[np.ndarray]] = None):
+    """``(advantages (B, T), returns (B, T) or None)`` numpy: ``algo.advantage_fn`` on the
+    rollouts' rewards, with ``algo.kl_fn`` of the generator's and the reference's logprobs when
+    KL goes in the reward, then batch whitening if ``algo.whiten_advantages``."""
     T = max(1, max(len(r.completion_ids) for r in rollouts))
     mask = torch.from_numpy(pad_right([r.loss_mask for r in rollouts], T))
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-    groups = [r.group for r in rollouts]
     kl = None
     if algo.kl_in_reward and algo.kl_coef:
         if any(r.ref_logprobs is None for r in rollouts):
             raise ValueError(f"algorithm '{algo.name}' puts KL in the reward but rollouts lack ref_logprobs")
-        kl = (kl_fn or get_kl_fn(algo.kl_estimator))(
-            torch.from_numpy(pad_right([r.logprobs for r in rollouts], T)),
-            torch.from_numpy(pad_right([r.ref_logprobs for r in rollouts], T)), mask)
-    returns = None
-    if algo.advantage in GROUP_ESTIMATORS:
-        if kl is not None:  # the sequence's KL leaves its reward before the group statistics
-            rewards = rewards - algo.kl_coef * kl.sum(-1)
-        a = adv.broadcast_to_tokens(adv.group_advantages(algo.advantage, rewards, groups, algo.adv_eps), mask)
-    elif algo.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
-        base = groups if algo.advantage == "reinforce_pp_baseline" else None
-        a = adv.reinforce_pp_advantages(rewards, mask, kl, algo.kl_coef, algo.gamma, base)
-    elif algo.advantage == "gae":
-        if values is None:
-            raise ValueError(f"algorithm '{algo.name}' uses GAE and needs critic values for every rollout")
-        v = torch.from_numpy(pad_right(values, T))
-        a, ret = adv.gae_advantages(adv.token_rewards(rewards, mask, kl, algo.kl_coef), v, mask, algo.gamma, algo.lam)
-        returns = adv.to_numpy(ret)
-    elif algo.advantage == "none":
-        a = torch.zeros_like(mask)
-    else:
-        raise ValueError(f"unknown advantage estimator '{algo.advantage}'")
+        kl = algo.kl_fn(torch.from_numpy(pad_right([r.logprobs for r in rollouts], T)),
+                        torch.from_numpy(pad_right([r.ref_logprobs for r in rollouts], T)), mask)
+    inputs = adv.AdvantageInputs(rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+                                 groups=tuple(r.group for r in rollouts), mask=mask, token_kl=kl,
+                                 values=None if values is None else torch.from_numpy(pad_right(values, T)))
+    out = call_hook(algo.advantage_fn, "advantage_fn", inputs, algo)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"advantage_fn {fn_name(algo.advantage_fn)} must return (advantages (B, T), returns or "
+                         f"None), got {type(out).__name__}")
+    a, returns = out
+    if tuple(a.shape) != tuple(mask.shape):
+        raise ValueError(f"advantage_fn {fn_name(algo.advantage_fn)} returned advantages of shape "
+                         f"{tuple(a.shape)}; expected (B, T) = {tuple(mask.shape)}")
     if algo.whiten_advantages:
         a = adv.masked_whiten(a, mask)
-    return adv.to_numpy(a), returns
+    return adv.to_numpy(a * mask), None if returns is None else adv.to_numpy(returns)
 
 
-def overlong_limit(algo: AlgorithmConfig, budget: int) -> int:
+def overlong_limit(algo: "AlgorithmConfig", budget: int) -> int:
     """The overlong penalty's hard limit: ``algo.max_completion_len``, else the generation budget."""
     limit = algo.max_completion_len or budget
     if limit <= 0:
@@ -102,7 +93,7 @@ def overlong_limit(algo: AlgorithmConfig, budget: int) -> int:
     return limit
 
 
-def apply_overlong_penalty(rollouts: Sequence, algo: AlgorithmConfig, budget: int = 0) -> list:
+def apply_overlong_penalty(rollouts: Sequence, algo: "AlgorithmConfig", budget: int = 0) -> list:
     """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13) added to each reward when
     ``algo.overlong_buffer_frac > 0``; the buffer is that share of the hard limit. Length is
     counted in policy tokens (tool output inside a completion does not count); for multi-turn
@@ -121,38 +112,35 @@ def mask_truncated(batch: Batch) -> Batch:
     return batch._replace(loss_mask=batch.loss_mask * keep, advantages=batch.advantages * keep)
 
 
-def make_batch(rollouts: Sequence, algo: AlgorithmConfig, pad_id: int, kl_fn: Optional[Callable] = None,
-               values: Optional[Sequence[np.ndarray]] = None, pair_selector: Optional[Callable] = None,
-               seed: int = 0, budget: int = 0) -> Batch:
-    """Scored rollouts -> Batch: overlong penalty, advantages, (pairs for online DPO),
-    padding, overlong filtering (truncated rows masked; for online DPO, never paired).
+def make_batch(rollouts: Sequence, algo: "AlgorithmConfig", pad_id: int,
+               values: Optional[Sequence[np.ndarray]] = None, seed: int = 0, budget: int = 0) -> Batch:
+    """Scored rollouts -> Batch: overlong penalty, advantages (``algo.advantage_fn``), or pairs
+    (``algo.pair_selector``) for a pairwise loss, padding, overlong filtering (truncated rows
+    masked; for a pairwise loss, never paired).
 
     ``budget`` is the generation budget the rollouts were sampled with
     (``GenerationConfig.max_new_tokens``): Dr.GRPO's constant normaliser and the default
-    limit of DAPO's overlong penalty. For ``policy_loss == "online_dpo"`` the rows are
-    (chosen, rejected) pairs, adjacent, with advantage +1 / -1 marking the role. Dynamic
-    sampling is the driver's job (it needs to generate more); this function only batches
-    what it is given.
+    limit of DAPO's overlong penalty. ``values`` are the critic's per rollout (GAE). With a
+    pair selector the rows are (chosen, rejected) pairs, adjacent, with advantage +1 / -1
+    marking the role. Rollout filters (dynamic sampling) are the driver's job (it needs to
+    generate more); this function only batches what it is given.
     """
     check_rollouts(rollouts)
     rollouts = apply_overlong_penalty(rollouts, algo, budget)
-    if algo.policy_loss == "online_dpo":
+    if algo.pair_selector is not None:
         if algo.filter_overlong:  # a pair needs both rows: truncated completions are never paired
             rollouts = [r for r in rollouts if r.finish_reason != "length"]
-        selector = pair_selector or PAIR_SELECTORS.get(algo.pair_selection)
-        if selector is None:
-            raise ValueError(f"unknown pair selection '{algo.pair_selection}' ({sorted(PAIR_SELECTORS)})")
-        pairs = select_pairs(rollouts, selector, seed)
+        pairs = select_pairs(rollouts, algo.pair_selector, seed)
         if not pairs:
-            raise ValueError("online_dpo: no group has two rollouts with different rewards")
+            raise ValueError(f"algorithm '{algo.name}': the pair selector {fn_name(algo.pair_selector)} found no "
+                             "pair (no group has two rollouts with different rewards)")
         rows = [r for pair in pairs for r in pair]
         T = max(len(r.completion_ids) for r in rows)
         sign = np.tile(np.array([1.0, -1.0], dtype=np.float32), len(pairs))[:, None]
         return collate(rows, np.broadcast_to(sign, (len(rows), T)).copy(), pad_id, budget)
-    else:
-        a, returns = compute_advantages(rollouts, algo, kl_fn, values)
-        v = pad_right(values, a.shape[1]) if values is not None else None
-        batch = collate(rollouts, a, pad_id, budget, returns, v)
+    a, returns = compute_advantages(rollouts, algo, values)
+    v = pad_right(values, a.shape[1]) if values is not None else None
+    batch = collate(rollouts, a, pad_id, budget, returns, v)
     return mask_truncated(batch) if algo.filter_overlong else batch
 
 

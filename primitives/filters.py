@@ -30,6 +30,17 @@ def dynamic_sampling_filter(rollouts: Sequence, tol: float = 0.0) -> list:
     return kept
 
 
+def apply_filters(rollouts: Sequence, filters: Sequence[Callable]) -> list:
+    """``rollouts`` through each filter in turn (an algorithm's ``filters``); a filter that
+    raises names itself."""
+    from primitives.hooks import call_hook
+
+    kept = list(rollouts)
+    for f in filters:
+        kept = list(call_hook(f, "filter", kept))
+    return kept
+
+
 def overlong_filter(rollouts: Sequence) -> list:
     """Drop completions cut off by the length limit (``finish_reason == "length"``)."""
     return [r for r in rollouts if r.finish_reason != "length"]

@@ -38,3 +38,85 @@ def did_you_mean(name, valid: Sequence, n: int = 1) -> str:
     """``"; did you mean 'a' or 'b'?"`` for the closest of ``valid`` to ``name`` (difflib), or ""."""
     close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=n)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def fn_name(fn) -> str:
+    """A readable name for a user function (``module.qualname``; partials name their function)."""
+    inner = getattr(fn, "func", fn)  # functools.partial
+    qual = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
+    if qual is None:
+        return repr(fn)
+    module = getattr(inner, "__module__", None)
+    return f"{module}.{qual}" if module and module != "builtins" else qual
+
+
+def with_traits(**traits) -> Callable:
+    """Decorator marking what a hook needs, read by ``trait``: e.g. ``@with_traits(pairwise=True,
+    needs_reference=True)`` on a loss over (chosen, rejected) rows, ``needs_values=True`` on an
+    advantage function that reads critic values. Traits are plain attributes, so they travel
+    with the function to the actors."""
+    def mark(fn: Callable) -> Callable:
+        for key, value in traits.items():
+            setattr(fn, key, value)
+        return fn
+
+    return mark
+
+
+def trait(fn, name: str, default=False):
+    """The trait ``name`` of ``fn`` (see ``with_traits``), looking through ``functools.partial``."""
+    if fn is None:
+        return default
+    if hasattr(fn, name):
+        return getattr(fn, name)
+    return getattr(getattr(fn, "func", None), name, default)
+
+
+def check_arity(fn: Callable, what: str, *args) -> None:
+    """``what`` (a hook) must accept ``args`` positionally: a ``TypeError`` from binding, turned
+    into a ValueError that names the hook, its function and the documented signature."""
+    import inspect
+
+    if not callable(fn):
+        raise ValueError(f"{what}: {fn!r} is not callable")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise ValueError(f"{what}: {fn_name(fn)}{sig} cannot be called with {len(args)} argument(s) ({e})") \
+            from None
+
+
+def check_picklable(fn, what: str) -> None:
+    """``fn`` must travel to Ray actors (by cloudpickle, as Ray sends it); a closure over a
+    lock, an open file or a model does not. Raises a ValueError naming the hook."""
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"{what}: {fn_name(fn)} cannot be sent to the Ray actors (cloudpickle: "
+                         f"{type(e).__name__}: {e}); define it at module level, or close over plain data only") \
+            from None
+
+
+class UserFunctionError(RuntimeError):
+    """A user's hook raised; the message names the hook, the function and where it ran."""
+
+
+def call_hook(fn: Callable, what: str, *args, where: str = ""):
+    """``fn(*args)``; an exception becomes a ``UserFunctionError`` naming ``what`` (the extension
+    point), the function and ``where`` (an actor's role and rank, a rollout uid)."""
+    try:
+        return fn(*args)
+    except UserFunctionError:
+        raise
+    except Exception as e:
+        place = f" ({where})" if where else ""
+        message = f"{what} {fn_name(fn)} raised{place}: {type(e).__name__}: {e}"
+        if isinstance(e, ValueError):  # bad input stays a ValueError, with the place added
+            raise ValueError(message) from e
+        raise UserFunctionError(message) from e

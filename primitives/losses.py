@@ -21,8 +21,6 @@ import torch.nn.functional as F
 
 from primitives.kl import per_token_kl
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
 
 class LossCounts(NamedTuple):
     """Global denominators of one optimizer step (over all ranks and micro-batches)."""
@@ -32,28 +30,41 @@ class LossCounts(NamedTuple):
     max_len: int = 0  # seq-mean-token-sum-norm's constant: the generation budget (tokens)
 
 
-def aggregate_loss(loss_BT: torch.Tensor, mask: torch.Tensor, mode: str, counts: LossCounts) -> torch.Tensor:
-    """Scalar loss from per-token losses.
+# Aggregations: ``(loss (B, T), mask (B, T), counts) -> scalar``; the algorithm record holds one.
+def token_mean(loss_BT: torch.Tensor, mask: torch.Tensor, counts: LossCounts) -> torch.Tensor:
+    """Sum over all loss tokens / the step's global token count (DAPO)."""
+    return (loss_BT * mask).sum() / max(counts.num_tokens, 1)
 
-    * ``token-mean``: sum over all tokens / global token count (DAPO).
-    * ``seq-mean-token-mean``: each sequence's token mean, summed / global sequence count (GRPO).
-    * ``seq-mean-token-sum-norm``: token sum / (global sequence count * max_len) (Dr.GRPO).
-    """
+
+def seq_mean_token_mean(loss_BT: torch.Tensor, mask: torch.Tensor, counts: LossCounts) -> torch.Tensor:
+    """Each sequence's token mean, summed / the step's global sequence count (GRPO)."""
+    per_seq = (loss_BT * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / max(counts.num_sequences, 1)
+
+
+def seq_mean_token_sum_norm(loss_BT: torch.Tensor, mask: torch.Tensor, counts: LossCounts) -> torch.Tensor:
+    """Token sum / (global sequence count * generation budget) (Dr.GRPO)."""
+    # Dr.GRPO divides by a constant, the generation budget, never this step's padded width
+    if counts.max_len <= 0:
+        raise ValueError("seq-mean-token-sum-norm divides by the generation budget: pass "
+                         "budget=GenerationConfig.max_new_tokens to make_batch (LossCounts.max_len is 0)")
+    return (loss_BT * mask).sum() / (max(counts.num_sequences, 1) * counts.max_len)
+
+
+AGGREGATIONS = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean,
+                "seq-mean-token-sum-norm": seq_mean_token_sum_norm}
+
+
+def aggregate_loss(loss_BT: torch.Tensor, mask: torch.Tensor, mode, counts: LossCounts) -> torch.Tensor:
+    """Scalar loss from per-token losses; ``mode`` is an aggregation function or its name
+    (``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``)."""
     if loss_BT.shape != mask.shape:
         raise ValueError(f"loss {tuple(loss_BT.shape)} and mask {tuple(mask.shape)} differ in shape")
-    masked = loss_BT * mask
-    if mode == "token-mean":
-        return masked.sum() / max(counts.num_tokens, 1)
-    if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_seq.sum() / max(counts.num_sequences, 1)
-    if mode == "seq-mean-token-sum-norm":
-        # Dr.GRPO divides by a constant, the generation budget, never this step's padded width
-        if counts.max_len <= 0:
-            raise ValueError("seq-mean-token-sum-norm divides by the generation budget: pass "
-                             "budget=GenerationConfig.max_new_tokens to make_batch (LossCounts.max_len is 0)")
-        return masked.sum() / (max(counts.num_sequences, 1) * counts.max_len)
-    raise ValueError(f"unknown loss aggregation '{mode}' (choose from {', '.join(AGGREGATIONS)})")
+    if isinstance(mode, str):
+        if mode not in AGGREGATIONS:
+            raise ValueError(f"unknown loss aggregation '{mode}' (choose from {', '.join(AGGREGATIONS)})")
+        mode = AGGREGATIONS[mode]
+    return mode(loss_BT, mask, counts)
 
 
 def ppo_clip_loss(logp, old_logp, advantages, eps_low: float = 0.2, eps_high: float = 0.2,

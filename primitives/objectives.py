@@ -6,13 +6,16 @@ replaces it.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
 from primitives import losses as L
+from primitives.hooks import with_traits
 from primitives.kl import kl_k3
-from primitives.types import AlgorithmConfig
+
+if TYPE_CHECKING:
+    from primitives.algorithms import AlgorithmConfig
 
 
 class LossInputs(NamedTuple):
@@ -26,9 +29,6 @@ class LossInputs(NamedTuple):
     behaviour_logp: Optional[torch.Tensor] = None  # the generator's logprobs (capped IS weight, mismatch)
     ref_logp: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None  # critic, with grad (PPO value step)
-    old_values: Optional[torch.Tensor] = None
-    returns: Optional[torch.Tensor] = None
 
 
 def _mean(x, mask):
@@ -47,8 +47,23 @@ def mismatch_metrics(old_logp, behaviour_logp, weights, capped, mask, share: flo
             "mismatch/is_clipped_frac": _mean(capped.float(), mask) * share}
 
 
-def policy_objective(inputs: LossInputs, algo: AlgorithmConfig):
-    """``(loss, metrics)`` for ppo_clip / gspo / online_dpo plus KL-in-loss and entropy terms.
+# Policy losses: ``(logp, old_logp, advantages, mask, algo) -> (loss (B, T), clipped (B, T) bool)``.
+def ppo_clip_policy_loss(logp, old_logp, advantages, mask, algo: "AlgorithmConfig"):
+    """PPO's clipped surrogate per token, with ``algo``'s clip range and dual clip."""
+    return L.ppo_clip_loss(logp, old_logp, advantages, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+
+
+def gspo_policy_loss(logp, old_logp, advantages, mask, algo: "AlgorithmConfig"):
+    """GSPO's sequence-ratio surrogate on every token (aggregate with seq-mean-token-mean)."""
+    return L.gspo_loss(logp, old_logp, advantages, mask, algo.clip_eps_low, algo.clip_eps_high)
+
+
+POLICY_LOSS_FNS = {"ppo_clip": ppo_clip_policy_loss, "gspo": gspo_policy_loss}
+
+
+def policy_objective(inputs: LossInputs, algo: "AlgorithmConfig"):
+    """``(loss, metrics)``: ``algo.policy_loss_fn`` aggregated by ``algo.aggregation``, plus
+    ``algo.kl_fn`` in the loss (unless KL goes in the reward) and the entropy bonus.
 
     The clip ratio is ``pi / pi_old`` with the trainer's own old logprobs (``logp.detach()``
     when the batch gets one update); the generator's logprobs enter only through the capped
@@ -59,16 +74,8 @@ def policy_objective(inputs: LossInputs, algo: AlgorithmConfig):
     x, mask = inputs, inputs.mask
     share = float(mask.sum()) / max(x.counts.num_tokens, 1)  # this micro-batch's share of tokens
     metrics = {}
-    if algo.policy_loss == "online_dpo":
-        return _online_dpo(x, algo)
     old = x.old_logp if x.old_logp is not None else x.logp.detach()
-    if algo.policy_loss == "ppo_clip":
-        per_tok, clipped = L.ppo_clip_loss(x.logp, old, x.advantages, algo.clip_eps_low,
-                                           algo.clip_eps_high, algo.dual_clip)
-    elif algo.policy_loss == "gspo":
-        per_tok, clipped = L.gspo_loss(x.logp, old, x.advantages, mask, algo.clip_eps_low, algo.clip_eps_high)
-    else:
-        raise ValueError(f"unknown policy loss '{algo.policy_loss}' (ppo_clip, gspo, online_dpo)")
+    per_tok, clipped = algo.policy_loss_fn(x.logp, old, x.advantages, mask, algo)
     if x.behaviour_logp is not None:
         level = algo.is_level if algo.is_level != "off" else "token"  # off: measured, not applied
         weights, capped = L.truncated_is_weights(old, x.behaviour_logp, mask, level, algo.is_cap)
@@ -84,28 +91,34 @@ def policy_objective(inputs: LossInputs, algo: AlgorithmConfig):
     if algo.kl_coef and not algo.kl_in_reward:
         if x.ref_logp is None:
             raise ValueError(f"algorithm '{algo.name}' has kl_coef={algo.kl_coef} in the loss but no ref_logprobs")
-        kl = L.kl_penalty(x.logp, x.ref_logp, mask, algo.kl_estimator)
+        kl = algo.kl_fn(x.logp, x.ref_logp, mask)
         kl_term = L.aggregate_loss(kl, mask, algo.aggregation, x.counts)
         loss = loss + algo.kl_coef * kl_term
         metrics["loss/kl"] = float(kl_term.detach())
     if x.ref_logp is not None:
-        metrics["kl/ref_k3"] = _mean(L.kl_penalty(x.logp.detach(), x.ref_logp, mask, "k3"), mask) * share
+        metrics["kl/ref_k3"] = _mean(kl_k3(x.logp.detach(), x.ref_logp, mask), mask) * share
     if x.entropy is not None:
         metrics["policy/entropy"] = _mean(x.entropy.detach(), mask) * share
         if algo.entropy_coef:
             ent = L.aggregate_loss(L.entropy_bonus(x.entropy, mask), mask, algo.aggregation, x.counts)
             loss = loss + algo.entropy_coef * ent
             metrics["loss/entropy"] = float(ent.detach())
-    if x.values is not None and x.returns is not None:
-        vl = L.aggregate_loss(L.clipped_value_loss(x.values, x.old_values, x.returns, mask, algo.value_clip),
-                              mask, "token-mean", x.counts)
-        loss = loss + algo.value_coef * vl
-        metrics["loss/value"] = float(vl.detach())
     metrics["loss/total"] = float(loss.detach())
     return loss, metrics
 
 
-def _online_dpo(x: LossInputs, algo: AlgorithmConfig):
+@with_traits(pairwise=True, needs_reference=True)
+def online_dpo_objective(inputs: LossInputs, algo: "AlgorithmConfig"):
+    """Online DPO over adjacent (chosen, rejected) rows (the pair selector's output);
+    advantages mark the roles +1 / -1. ``-log sigmoid(algo.dpo_beta * margin)`` per pair,
+    averaged over the step's pairs."""
+    return _online_dpo(inputs, algo)
+
+
+LOSS_FNS = {"policy": policy_objective, "online_dpo": online_dpo_objective}
+
+
+def _online_dpo(x: LossInputs, algo: "AlgorithmConfig"):
     """Rows come as adjacent (chosen, rejected) pairs; advantages mark them +1 / -1."""
     if x.ref_logp is None:
         raise ValueError("online_dpo needs reference logprobs")
@@ -118,7 +131,7 @@ def _online_dpo(x: LossInputs, algo: AlgorithmConfig):
     loss = loss_N.sum() / num_pairs
     share = seq.shape[0] / 2 / num_pairs
     metrics = {"loss/policy": float(loss.detach()), "loss/total": float(loss.detach()),
-               "dpo/margin": float(margin.mean()) * share,
+               "dpo/pairs": float(seq.shape[0] // 2), "dpo/margin": float(margin.mean()) * share,
                "dpo/accuracy": float((margin > 0).float().mean()) * share}
     if x.behaviour_logp is not None:  # measured, not applied: the DPO loss has no ratio to weight
         old = x.logp.detach()

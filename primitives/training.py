@@ -11,11 +11,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from primitives.algorithms import AlgorithmConfig, pairwise
+from primitives.hooks import call_hook
 from primitives.logprobs import completion_logprobs, sequence_logprobs
 from primitives.losses import LossCounts, sft_loss
 from primitives.metrics import merge_metrics
-from primitives.objectives import LossInputs, policy_objective
-from primitives.types import AlgorithmConfig, Batch
+from primitives.objectives import LossInputs
+from primitives.types import Batch
 
 
 def step_counts(batch: Batch) -> LossCounts:
@@ -34,26 +36,25 @@ def _tensor(a, device):
 
 
 def pair_unit(algo: AlgorithmConfig) -> int:
-    """Rows that must stay together when a batch is split: 2 keeps online-DPO pairs whole."""
-    return 2 if algo.policy_loss == "online_dpo" else 1
+    """Rows that must stay together when a batch is split: 2 keeps (chosen, rejected) pairs whole."""
+    return 2 if pairwise(algo) else 1
 
 
 def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCounts,
                      micro_batch_size: Optional[int] = None, temperature: float = 1.0,
-                     backward: Callable = _default_backward, loss_fn: Optional[Callable] = None,
-                     loss_scale: float = 1.0) -> dict:
+                     backward: Callable = _default_backward, loss_scale: float = 1.0, where: str = "") -> dict:
     """Accumulate gradients of the RL loss over ``batch`` in micro-batches.
 
     Each micro-batch's loss is already divided by the step's global counts, so the
     accumulated gradient is the gradient of the whole step's loss. ``loss_scale``
     compensates a backend that averages gradients over ranks (DeepSpeed: world size).
     ``temperature`` is the sampling temperature: logprobs are of ``softmax(logits / T)``.
-    ``loss_fn(LossInputs, algo) -> (loss, metrics)`` replaces ``policy_objective``.
+    The loss is ``algo.loss_fn(LossInputs, algo) -> (loss, metrics)``; if it raises, the error
+    names it and ``where`` (the trainer's role and rank).
     Returns the micro-batches' metrics merged (``primitives.metrics.merge_metrics``).
     """
     if batch.size == 0:
         raise ValueError("forward_backward: empty batch")
-    loss_fn = loss_fn or policy_objective
     device = next(model.parameters()).device
     step = micro_batch_size or batch.size
     if pair_unit(algo) == 2 and step % 2:
@@ -68,7 +69,8 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
                             advantages=_tensor(mb.advantages, device), mask=_tensor(mb.loss_mask, device),
                             counts=counts, behaviour_logp=_tensor(mb.behaviour_logprobs, device),
                             ref_logp=_tensor(mb.ref_logprobs, device), entropy=entropy)
-        loss, m = loss_fn(inputs, algo)
+        loss, m = call_hook(algo.loss_fn, "loss_fn", inputs, algo,
+                            where=f"{where}, rollouts {mb.rollouts[0].uid}..{mb.rollouts[-1].uid}".lstrip(", "))
         backward(loss * loss_scale)
         parts.append(m)
     return merge_metrics(parts)
@@ -120,18 +122,23 @@ def updates_of(batch: Batch, algo: AlgorithmConfig, prepare: Callable[[Batch, bo
 
 def train_on_batch(model, optimizer, batch: Batch, algo: AlgorithmConfig, temperature: float = 1.0,
                    max_grad_norm: Optional[float] = 1.0, micro_batch_size: Optional[int] = None,
-                   loss_fn: Optional[Callable] = None) -> list:
+                   lr: Optional[float] = None) -> list:
     """One rollout batch in one process: the updates of ``updates_of``, each a
     ``forward_backward`` and an ``optim_step``. With a single update the old logprobs are
     ``logp.detach()``. Returns one metric dict per update; ``primitives.metrics.mean_over_updates``
-    summarises them."""
+    summarises them. ``lr`` (if given) is set on every parameter group first."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
     def prepare(part: Batch, fix_old: bool) -> Batch:
         return with_old_logprobs(model, part, temperature, micro_batch_size) if fix_old else part
 
     updates = []
     for part, counts in updates_of(batch, algo, prepare):
-        m = forward_backward(model, part, algo, counts, micro_batch_size, temperature, loss_fn=loss_fn)
+        m = forward_backward(model, part, algo, counts, micro_batch_size, temperature)
         m["grad_norm"] = optim_step(model, optimizer, max_grad_norm)
+        m["lr"] = float(optimizer.param_groups[0]["lr"])
         updates.append(m)
     return updates
 

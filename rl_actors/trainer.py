@@ -31,6 +31,7 @@ from cluster.weight_sync import (
     init_sync_group,
     tensor_checksums,
 )
+from primitives.algorithms import AlgorithmConfig
 from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.logprobs import rollout_logprobs
 from primitives.training import (
@@ -42,7 +43,7 @@ from primitives.training import (
     updates_of,
     with_old_logprobs,
 )
-from primitives.types import AlgorithmConfig, Batch, ModelConfig
+from primitives.types import Batch, ModelConfig
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
 
@@ -179,7 +180,8 @@ class TrainerWorker:
         metrics = {}
         if shard.size:
             metrics = forward_backward(self.engine, shard, algo, counts, self.config.micro_batch_size,
-                                       temperature, backward=self._backward, loss_scale=float(self.world_size))
+                                       temperature, backward=self._backward, loss_scale=float(self.world_size),
+                                       where=f"{self.role} {self.rank}")
         else:
             self._empty_backward()
         return self._finish_step(metrics, lr)

@@ -53,7 +53,7 @@ def test_split_evenly_and_bucket_plan():
     (["--generation.temperature", "-1"], "generation.temperature must be > 0"),
     (["--algorithm.lr", "-1"], "algorithm.lr must be positive"),
     (["--sft.lr", "0"], "sft.lr must be positive"),
-    (["--algorithm.name", "ppo"], "algorithm.name ppo needs a critic"),
+    (["--algorithm.name", "ppo"], "algorithm 'ppo' needs a critic"),
     (["--algorithm.mini-batches", "200", "--algorithm.prompts-per-step", "4"], "every rank needs rows"),
     (["--algorithm.is-level", "tokens"], "algorithm.is_level must be one of off, token, sequence"),
     (["--rewards.0.name", "no_such_module:reward"], "cannot import 'no_such_module'"),
@@ -106,7 +106,7 @@ def test_each_preset_keeps_its_own_kl_unless_given():
     assert algo.kl_coef == 0.02 and uses_reference(algo) and (algo.ppo_epochs, algo.is_level) == (2, "sequence")
     # any other field through overrides, checked by name
     algo = make_algorithm(RLConfig(name="dapo", overrides={"clip_eps_high": 0.3, "entropy_coef": 0.001}))
-    assert (algo.clip_eps_low, algo.clip_eps_high, algo.entropy_coef, algo.dynamic_sampling) == (0.2, 0.3, 0.001, True)
+    assert (algo.clip_eps_low, algo.clip_eps_high, algo.entropy_coef, len(algo.filters)) == (0.2, 0.3, 0.001, 1)
     with pytest.raises(ValueError, match="algorithm.overrides.clip_eps_hi: not an AlgorithmConfig field; did you "
                                          "mean 'clip_eps_high'"):
         make_algorithm(RLConfig(overrides={"clip_eps_hi": 0.3}))

@@ -162,7 +162,7 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
               "--algorithm.name", "ppo", "--logging.out", str(tmp_path)])
     text = str(e.value)
     for part in ("cluster.zero_stage must be 1, 2 or 3", "cluster.generators must be at least 1",
-                 "generation.temperature must be > 0", "algorithm.name ppo needs a critic"):
+                 "generation.temperature must be > 0", "algorithm 'ppo' needs a critic"):
         assert part in text
     with pytest.raises(ConfigErrors, match="sft.path is required"):
         run_sft(SFTJob(logging=LoggingConfig(out=str(tmp_path))))

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from primitives import rewards as R
+from primitives.algorithms import AlgorithmConfig
 from primitives.batching import make_batch, rollout_metrics
 from primitives.rewards import RewardSpec, build_reward
-from primitives.types import AlgorithmConfig, Rollout
+from primitives.types import Rollout
 
 USER_MODULE = '''
 def has_word(rollout, word="yes"):

@@ -20,7 +20,7 @@ from primitives.advantages import discounted_returns, gae_advantages
 from primitives.batching import collate, make_batch
 from primitives.losses import LossCounts, aggregate_loss, gspo_loss, truncated_is_weights
 from primitives.metrics import mean_over_updates, merge_metrics, merge_rank_updates, reduction
-from primitives.objectives import LossInputs, policy_objective
+from primitives.objectives import LossInputs, online_dpo_objective, policy_objective
 from primitives.training import forward_backward, sft_forward_backward, step_counts, train_on_batch
 from primitives.types import Rollout
 
@@ -168,7 +168,7 @@ def test_online_dpo_averages_over_pairs():
     x = LossInputs(logp=t([[-1.0], [-3.0], [-2.0], [-1.0]]), old_logp=None,
                    advantages=t([[1.0], [-1.0], [1.0], [-1.0]]), mask=t([[1.0]] * 4), counts=LossCounts(4, 4),
                    ref_logp=t([[-2.0], [-2.0], [-1.0], [-1.0]]))
-    loss, m = policy_objective(x, algos.online_dpo(beta=0.5))
+    loss, m = online_dpo_objective(x, algos.online_dpo(beta=0.5))
     expected = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2
     assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
     assert m["dpo/margin"] == pytest.approx((1.0 - 0.5) / 2, abs=1e-6) and m["dpo/accuracy"] == 0.5
@@ -185,7 +185,7 @@ def test_online_dpo_orders_chosen_before_rejected():
     """Rows (chosen, rejected): pi sums -1 / -3, ref sums -2 / -2, margin 2, beta 0.1."""
     x = LossInputs(logp=t([[-0.5, -0.5], [-1.0, -2.0]]), old_logp=None, advantages=t([[1.0, 1.0], [-1.0, -1.0]]),
                    mask=t([[1.0, 1.0], [1.0, 1.0]]), counts=LossCounts(4, 2), ref_logp=t([[-1.0, -1.0], [-1.0, -1.0]]))
-    loss, m = policy_objective(x, algos.online_dpo(beta=0.1))
+    loss, m = online_dpo_objective(x, algos.online_dpo(beta=0.1))
     assert float(loss.detach()) == pytest.approx(math.log1p(math.exp(-0.2)), abs=1e-6)  # -log sigmoid(0.2)
     assert m["dpo/margin"] == pytest.approx(0.2, abs=1e-6) and m["dpo/accuracy"] == 1.0
 
@@ -376,7 +376,7 @@ def test_kl_in_the_reward_moves_group_advantages():
     so shaped rewards 0.8 and -0.05, mean 0.375, advantages +-0.425 (not +-0.5)."""
     rs = [rollout("a", "g", [1], [1, 1], [-1.0, -1.0], reward=1.0, ref=[-1.2, -1.2]),
           rollout("b", "g", [1], [1], [-1.0], reward=0.0, ref=[-1.1])]
-    algo = algos.dr_grpo(kl_coef=0.5, kl_in_reward=True, kl_estimator="k1")
+    algo = algos.dr_grpo(kl_coef=0.5, kl_in_reward=True, kl_fn="k1")
     batch = make_batch(rs, algo, pad_id=0, budget=4)
     np.testing.assert_allclose(batch.advantages, [[0.425, 0.425], [-0.425, 0.0]], atol=1e-6)
     assert batch.rewards.tolist() == [1.0, 0.0]  # logged rewards stay the task's
