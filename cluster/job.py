@@ -483,7 +483,8 @@ def accuracy_figures(before: dict, after: dict) -> dict:
 def train_rl(inputs: RLInputs, logger) -> dict:
     """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
     and save the final model. Returns the figures of the run and its metrics history."""
-    from cluster.driver import evaluate, load_cluster_checkpoint, save_cluster_checkpoint, train
+    from cluster.driver import evaluate, train
+    from cluster.ray_backend import RayBackend
     from cluster.setup import build_rl_cluster, shutdown_cluster
     from primitives.algorithms import constant_schedule, uses_reference
     from primitives.data import make_prompt_source
@@ -499,47 +500,48 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else algo.lr,
                                 micro_batch_size=cfg.micro_batch_size)
     names = inputs.component_names if len(inputs.component_names) > 1 else None
-    cluster = build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
-                               aggregate_fn=inputs.aggregate_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb)
+    backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
+                                          aggregate_fn=inputs.aggregate_fn, seed=job.seed,
+                                          bucket_mb=cfg.sync_bucket_mb))
 
-    def run_eval(c, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
-        return evaluate(c, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
+    def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
+        return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
                         component_names=names, samples_path=os.path.join(out, "samples", f"{name}_{s.iteration}.jsonl"))
 
-    def save(c, s):
-        save_cluster_checkpoint(c, os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
+    def save(b, s):
+        b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
 
     try:
         if job.checkpoint.resume:  # weights, optimizer, reference, data position and versions
-            start_state = load_cluster_checkpoint(cluster, job.checkpoint.resume)
+            start_state = backend.load(job.checkpoint.resume)
         else:
             if with_sft:
-                sft_stage(cluster, inputs, logger)
+                sft_stage(backend.cluster, inputs, logger)
             start_state = TrainState(rng_seed=job.seed)
-        before = run_eval(cluster, start_state) if inputs.eval_items else {}
+        before = run_eval(backend, start_state) if inputs.eval_items else {}
         if before:  # the curves' first point: the step before the first RL step
             logger({**before, "step": start_state.iteration - 1})
             print(f"eval accuracy {'at the checkpoint' if job.checkpoint.resume else 'before RL'}: "
                   f"{before['eval/accuracy']:.3f}", flush=True)
-        state, cluster = train(cluster, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
-                               constant_schedule(inputs.algo), gen, algo.steps, algo.prompts_per_step,
-                               linear_warmup(algo.lr, algo.warmup), start_state, logger,
-                               run_eval if inputs.eval_items else None,
-                               ev.every or algo.steps, save, job.checkpoint.every,
-                               max_resample_rounds=algo.max_resample_rounds, component_names=names)
+        state = train(backend, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
+                      constant_schedule(inputs.algo), gen, algo.steps, algo.prompts_per_step,
+                      linear_warmup(algo.lr, algo.warmup), start_state, logger,
+                      run_eval if inputs.eval_items else None,
+                      ev.every or algo.steps, save, job.checkpoint.every,
+                      max_resample_rounds=algo.max_resample_rounds, component_names=names)
         history = list(state.metrics_history[len(start_state.metrics_history):])
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
         if after:
             print(f"eval accuracy after {algo.name}: {after['eval/accuracy']:.3f}", flush=True)
         final, k = {}, ev.final_pass_k
         if k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
-            sampled = run_eval(cluster, state, gen, k, f"pass_at_{k}_step")
+            sampled = run_eval(backend, state, gen, k, f"pass_at_{k}_step")
             final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
                      "eval/pass_temperature": gen.temperature}
-        save_cluster_checkpoint(cluster, os.path.join(out, "final_model"), state)
-        with_reference, address = cluster.reference is not None, cluster.ray_address
+        backend.save(os.path.join(out, "final_model"), state)
+        with_reference, address = backend.cluster.reference is not None, backend.cluster.ray_address
     finally:
-        shutdown_cluster(cluster)
+        shutdown_cluster(backend.cluster)
     return {"reference_worker": with_reference, "ray_address": address, **accuracy_figures(before, after), **final,
             "history": history}
 

@@ -83,6 +83,21 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
     return ray.get_runtime_context().gcs_address
 
 
+def check_cluster_hooks(reward_fn: Callable, aggregate_fn: Optional[Callable], shaping_fn: Optional[Callable],
+                        ref_update_fn: Optional[Callable]) -> None:
+    """The functions the actors are built with take their documented arguments and can be
+    pickled (they travel to the reward and reference workers by value): named errors before
+    Ray starts."""
+    from primitives.hooks import check_arity, check_picklable
+
+    hooks = [(reward_fn, "reward_fn", (None,)), (aggregate_fn, "aggregate_fn", ([0.0],)),
+             (shaping_fn, "shaping_fn", (None, 0.0)), (ref_update_fn, "ref_update_fn", (None, {}, 0, None))]
+    for fn, what, args in hooks:
+        if fn is not None:
+            check_arity(fn, what, *args)
+            check_picklable(fn, what)
+
+
 def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
                      with_reference: bool, ref_update_fn: Optional[Callable] = None, aggregate_fn=None,
                      shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
@@ -97,6 +112,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     from rl_actors.reward import RewardWorker
     from rl_actors.trainer import TrainerWorker
 
+    check_cluster_hooks(reward_fn, aggregate_fn, shaping_fn, ref_update_fn)
     if node_resources is None and cfg.pin_roles:
         node_resources = NODE_GROUP_PINS
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))

@@ -3,8 +3,10 @@
 Run:   python examples/grpo_single_process.py          (under a minute on 2 cores)
        python examples/grpo_single_process.py --help   (all flags)
 
-The same job on Ray actors (generators, DeepSpeed trainers, reward and reference workers)
-is ``rayrl rl examples/configs/default.yaml``; this file is the readable one-process version of its loop.
+The RL loop is ``cluster.driver.train``, the very loop the Ray job runs
+(``rayrl rl examples/configs/default.yaml``: generators, DeepSpeed trainers, reward and
+reference workers), here over ``cluster.local.LocalBackend``: everything in this process,
+plain torch, no Ray. Same seed and config, same metrics (DESIGN invariant 7).
 
 What it does: builds a tiny Qwen2 and a character tokenizer locally (HF format, no
 network), fine-tunes it on imperfect demonstrations of two-number addition (a stated share
@@ -12,8 +14,8 @@ of carry problems drop the carry), then runs GRPO with an exact-match reward. It
 held-out greedy accuracy before and after RL and writes to --out: summary.json,
 metrics.jsonl, curves.png, base_model/, sft_model/ and final_model/ (HF checkpoints).
 
-What it leaves out, and why: no critic, no dynamic sampling, no KL (the SFT model is the
-only reference that matters here), one process.
+What it leaves out, and why: no critic, no dynamic sampling, no KL by default (the SFT
+model is the only reference that matters here; --kl-coef adds one), one process.
 """
 from __future__ import annotations
 
@@ -30,21 +32,18 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from primitives.algorithms import grpo  # noqa: E402
-from primitives.batching import make_batch  # noqa: E402
+from cluster.driver import evaluate_accuracy, train  # noqa: E402
+from cluster.local import LocalBackend  # noqa: E402
+from primitives.algorithms import constant_schedule, grpo  # noqa: E402
 from primitives.checkpoint import save_checkpoint  # noqa: E402
 from primitives.data import collate_sft, make_prompt_source, prepare_sft_text  # noqa: E402
 from primitives.evaluation import greedy_accuracy  # noqa: E402
-from primitives.generation import generate_rollouts  # noqa: E402
-from primitives.kl import create_reference_model  # noqa: E402
 from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
-from primitives.logprobs import rollout_logprobs  # noqa: E402
-from primitives.metrics import mean_over_updates  # noqa: E402
-from primitives.rewards import score_rollouts  # noqa: E402
 from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
 from primitives.tiny import save_tiny_model  # noqa: E402
-from primitives.training import optim_step, sft_forward_backward, train_on_batch  # noqa: E402
-from primitives.types import DataPosition, GenerationConfig  # noqa: E402
+from primitives.training import optim_step, sft_forward_backward  # noqa: E402
+from primitives.types import GenerationConfig, TrainState  # noqa: E402
+from rl_actors.trainer import TrainerConfig  # noqa: E402
 
 MAX_NEW_TOKENS = 5  # answers have at most 3 digits, plus eos
 
@@ -105,40 +104,22 @@ def sft_warmup(model, tokenizer, demos, args, logger) -> None:
             logger({"step": step, "phase": "sft", **m})
 
 
-def grpo_train(model, tokenizer, train_items, args, logger, eval_fn=None) -> list:
-    """The RL loop in one process: generate -> reward -> (reference) -> batch -> step.
-    ``eval_fn()`` (held-out accuracy) runs every ``--eval-every`` steps and after the last."""
-    algo = grpo(kl_coef=args.kl_coef)
-    ref_model = create_reference_model(model) if algo.kl_coef else None
+def grpo_train(model_path: str, train_items, args, logger, heldout) -> tuple:
+    """GRPO with ``cluster.driver.train`` over a ``LocalBackend`` started from ``model_path``;
+    held-out greedy accuracy every ``--eval-every`` steps and after the last.
+    Returns ``(metrics history, backend)``."""
+    backend = LocalBackend(model_path, arithmetic_reward, with_reference=args.kl_coef > 0,
+                           trainer=TrainerConfig(lr=args.rl_lr, max_grad_norm=1.0), seed=args.seed)
     gen_config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=args.temperature, n=args.group_size)
-    prompt_source = make_prompt_source(train_items, seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, weight_decay=0.0)
-    sampler = torch.Generator().manual_seed(args.seed)
-    position, history = DataPosition(), []
-    for step in tqdm(range(args.rl_steps), desc="grpo", unit="step"):
-        t0 = time.perf_counter()
-        items, position = prompt_source(position, args.prompts_per_step)
-        rollouts = generate_rollouts(model, tokenizer, items, gen_config, policy_version=step, generator=sampler)
-        t1 = time.perf_counter()
-        rollouts = score_rollouts(rollouts, arithmetic_reward)
-        if ref_model is not None:
-            refs = rollout_logprobs(ref_model, rollouts, tokenizer.pad_token_id, args.temperature)
-            rollouts = [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
-        batch = make_batch(rollouts, algo, tokenizer.pad_token_id, budget=gen_config.max_new_tokens)
-        t2 = time.perf_counter()
-        m = mean_over_updates(train_on_batch(model, opt, batch, algo, temperature=args.temperature, max_grad_norm=1.0))
-        t3 = time.perf_counter()
-        rewards = batch.rewards
-        metrics = {"step": step, "phase": "rl", **m, "reward/mean": float(rewards.mean()),
-                   "reward/std": float(rewards.std()),
-                   "response/len_mean": float(batch.loss_mask.sum(1).mean()),
-                   "time/generate": t1 - t0, "time/reward_ref_batch": t2 - t1, "time/train": t3 - t2,
-                   "data/epoch": position.epoch}
-        if eval_fn is not None and args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.rl_steps - 1):
-            metrics["eval/accuracy"] = eval_fn()
-        history.append(metrics)
-        logger(metrics)
-    return history
+
+    def eval_fn(b, state) -> dict:
+        return {"eval/accuracy": evaluate_accuracy(b, heldout, MAX_NEW_TOKENS)}
+
+    algo = grpo(kl_coef=args.kl_coef)
+    state = train(backend, make_prompt_source(train_items, seed=args.seed), constant_schedule(algo), gen_config,
+                  args.rl_steps, args.prompts_per_step, lambda step: args.rl_lr, TrainState(rng_seed=args.seed),
+                  logger, eval_fn if args.eval_every else None, args.eval_every)
+    return list(state.metrics_history), backend
 
 
 def main(argv=None) -> dict:
@@ -161,13 +142,14 @@ def main(argv=None) -> dict:
     acc_base = evaluate()
     sft_warmup(model, tokenizer, demos, args, logger)
     acc_before = evaluate()
-    save_checkpoint(os.path.join(args.out, "sft_model"), model, tokenizer)
+    sft_path = save_checkpoint(os.path.join(args.out, "sft_model"), model, tokenizer)
     tqdm.write(f"held-out accuracy after SFT (before RL): {acc_before:.3f}")
 
-    history = grpo_train(model, tokenizer, train_items, args, logger, eval_fn=evaluate)
-    acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] else evaluate()
+    history, backend = grpo_train(sft_path, train_items, args, logger, heldout)
+    acc_after = history[-1]["eval/accuracy"] if history and "eval/accuracy" in history[-1] \
+        else evaluate_accuracy(backend, heldout, MAX_NEW_TOKENS)
     tqdm.write(f"held-out accuracy after GRPO:            {acc_after:.3f}")
-    save_checkpoint(os.path.join(args.out, "final_model"), model, tokenizer)
+    save_checkpoint(os.path.join(args.out, "final_model"), backend.policy, backend.tokenizer)
 
     all_rows = [json.loads(line) for line in open(metrics_path)]
     plot_curves(all_rows, ["loss/sft", "reward/mean", "eval/accuracy", "policy/entropy", "grad_norm",

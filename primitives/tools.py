@@ -199,6 +199,32 @@ def no_tool_calls_stop(conversation: Conversation) -> bool:
     return last is not None and not last.tool_calls
 
 
+class ToolConfig(NamedTuple):
+    """What a tool-using rollout needs (``train(..., tools=ToolConfig(...))``); the functions
+    travel to the generators by value.
+
+    * ``parser(text) -> [ToolCall]``: the calls in one assistant turn.
+    * ``executor(ToolCall) -> ToolResult``: runs one call (``create_tool_executor``).
+    * ``stop_condition(Conversation) -> bool``: stop before the next turn.
+    """
+
+    executor: Callable
+    parser: Callable = None  # None: parse_xml_tool_calls
+    stop_condition: Callable = None  # None: no_tool_calls_stop
+    max_turns: int = 4
+
+
+def tool_metrics(rollouts) -> dict:
+    """Tool statistics of a step: ``tools/calls_per_rollout``, ``tools/success_rate`` (share of
+    executed calls whose result is not an error; 0 when none ran) and
+    ``tools/rollouts_with_calls`` (share of rollouts that called a tool)."""
+    results = [res for r in rollouts for res in r.tool_results]
+    n = max(len(rollouts), 1)
+    return {"tools/calls_per_rollout": sum(len(r.tool_calls) for r in rollouts) / n,
+            "tools/success_rate": sum(not res.is_error for res in results) / len(results) if results else 0.0,
+            "tools/rollouts_with_calls": sum(bool(r.tool_calls) for r in rollouts) / n}
+
+
 def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], GenerationOutput],
                       tool_parser: Callable = parse_xml_tool_calls, tool_executor: Callable = None,
                       stop_condition: Callable = no_tool_calls_stop, max_turns: int = 4,
@@ -210,8 +236,12 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
     template tokens between turns have loss_mask 0 and logprob 0.
     ``generate_turn(context_ids) -> GenerationOutput`` continues a context by one turn.
     """
+    from primitives.generation import message_to_dict
+    from primitives.hooks import call_hook
+
     if tool_executor is None:
         raise ValueError("multiturn_rollout needs a tool_executor")
+    uid = make_uid(item.epoch, item.index, sample)
     conv = item.prompt if isinstance(item.prompt, Conversation) else Conversation((Message("user", item.prompt),))
     prefix_text = render_prompt(tokenizer, conv)
     prompt_ids = np.asarray(tokenizer(prefix_text, add_special_tokens=False).input_ids, dtype=np.int64)
@@ -223,14 +253,20 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
         mask += [1.0] * len(out.completion_ids)
         logp += out.logprobs.tolist()
         finish = out.finish_reason
-        calls = tool_parser(out.text)
-        conv = conv.add_message(Message("assistant", out.text, tool_calls=tuple(calls) or None))
-        if not calls or stop_condition(conv) or turn == max_turns - 1 or out.finish_reason == "length":
+        calls = list(call_hook(tool_parser, "tool_parser", out.text, where=f"rollout {uid}"))
+        sampled = tokenizer.decode(out.completion_ids.tolist(), skip_special_tokens=False)
+        eos = tokenizer.eos_token or ""
+        # the turn as sampled (special tokens kept, the closing eos left to the template), so that
+        # re-rendering the conversation reproduces the sampled tokens before the tool output
+        content = sampled[: -len(eos)] if eos and sampled.endswith(eos) else sampled
+        conv = conv.add_message(Message("assistant", content, tool_calls=tuple(calls) or None))
+        if not calls or call_hook(stop_condition, "stop_condition", conv, where=f"rollout {uid}") \
+                or turn == max_turns - 1 or out.finish_reason == "length":
             break
-        results = [tool_executor(c) for c in calls]
+        results = [call_hook(tool_executor, "tool_executor", c, where=f"rollout {uid}") for c in calls]
         calls_all += calls
         results_all += results
-        before = prefix_text + tokenizer.decode(out.completion_ids.tolist(), skip_special_tokens=False)
+        before = prefix_text + sampled
         for res in results:
             conv = conv.add_message(Message("tool", res.content, tool_call_id=res.call_id, name=res.name))
         after = render_prompt(tokenizer, conv)
@@ -242,14 +278,16 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
         logp += [0.0] * len(tool_ids)
         prefix_text = after
     completion = np.asarray(ids, dtype=np.int64)
+    # the conversation with its roles, after the prompt item's own metadata (which survives)
+    metadata = {**(item.metadata or {}), "turns": len(conv.messages),
+                "conversation": [message_to_dict(m) for m in conv.messages]}
     return Rollout(
-        uid=make_uid(item.epoch, item.index, sample), group=group_id(item.epoch, item.index),
+        uid=uid, group=group_id(item.epoch, item.index),
         prompt=item.prompt, prompt_ids=prompt_ids, completion_ids=completion,
         loss_mask=np.asarray(mask, dtype=np.float32), logprobs=np.asarray(logp, dtype=np.float32),
         policy_version=policy_version, finish_reason=finish,
         text=tokenizer.decode(completion.tolist(), skip_special_tokens=True),
-        tool_calls=tuple(calls_all), tool_results=tuple(results_all), answer=item.answer,
-        metadata={"turns": conv.messages.__len__(), "conversation": [m.content for m in conv.messages]},
+        tool_calls=tuple(calls_all), tool_results=tuple(results_all), answer=item.answer, metadata=metadata,
     )
 
 

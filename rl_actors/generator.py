@@ -23,9 +23,29 @@ from cluster.weight_sync import (
 )
 from primitives.generation import GenerationOutput, encode_prompts, generate_rollouts, pack_rollout
 from primitives.logprobs import rollout_logprobs
-from primitives.tools import hf_turn_generator, multiturn_rollout
+from primitives.tools import ToolConfig, hf_turn_generator, multiturn_rollout, no_tool_calls_stop, parse_xml_tool_calls
 from primitives.types import GenerationConfig, ModelConfig
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
+
+
+def rollout_sampler(seed: int, rank: int, version: int, items: Sequence) -> torch.Generator:
+    """The sampling generator of one ``generate`` call, seeded by (seed, generator rank, policy
+    version, first prompt): the same call after a resume, on a replacement actor, or on the
+    local backend samples the same tokens."""
+    import zlib
+
+    key = f"{seed}/{rank}/{version}/{items[0].epoch}/{items[0].index}" if items else "-"
+    return torch.Generator(device="cpu").manual_seed(zlib.crc32(key.encode()))
+
+
+def multiturn_rollouts(engine, items: Sequence, gen: GenerationConfig, tools: ToolConfig, version: int,
+                       generator) -> list:
+    """``gen.n`` tool-using rollouts per item (``primitives.tools.multiturn_rollout``)."""
+    turn = engine.turn_generator(gen, generator)
+    return [multiturn_rollout(it, engine.tokenizer, turn, tools.parser or parse_xml_tool_calls, tools.executor,
+                              stop_condition=tools.stop_condition or no_tool_calls_stop, max_turns=tools.max_turns,
+                              sample=k, policy_version=version)
+            for it in items for k in range(gen.n)]
 
 
 def vllm_available() -> bool:
@@ -153,12 +173,7 @@ class GeneratorWorker:
         return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model}
 
     def _sampler(self, items: Sequence) -> torch.Generator:
-        """A generator seeded by (seed, rank, policy version, first prompt): the same call after
-        a resume - or on a replacement actor - samples the same tokens."""
-        import zlib
-
-        key = f"{self.seed}/{self.rank}/{self.policy_version}/{items[0].epoch}/{items[0].index}" if items else "-"
-        return torch.Generator(device="cpu").manual_seed(zlib.crc32(key.encode()))
+        return rollout_sampler(self.seed, self.rank, self.policy_version, items)
 
     def pad_token_id(self) -> int:
         return int(self.engine.tokenizer.pad_token_id)
@@ -169,14 +184,12 @@ class GeneratorWorker:
             return []
         return self.engine.generate(list(items), gen, self.policy_version, self._sampler(items))
 
-    def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tool_parser: Callable,
-                           tool_executor: Callable, max_turns: int = 4,
-                           stop_condition: Optional[Callable] = None) -> list:
-        turn = self.engine.turn_generator(gen, self._sampler(items))
-        kwargs = {"stop_condition": stop_condition} if stop_condition is not None else {}
-        return [multiturn_rollout(it, self.engine.tokenizer, turn, tool_parser, tool_executor, max_turns=max_turns,
-                                  sample=k, policy_version=self.policy_version, **kwargs)
-                for it in items for k in range(gen.n)]
+    def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tools: ToolConfig) -> list:
+        """``gen.n`` tool-using rollouts per item: the user's parser, executor and stop
+        condition run here, in the generator's process."""
+        if not items:
+            return []
+        return multiturn_rollouts(self.engine, list(items), gen, tools, self.policy_version, self._sampler(items))
 
     # --------------------------------------------------------------- weight sync
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:

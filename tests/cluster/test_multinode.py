@@ -45,7 +45,7 @@ def test_roles_land_on_their_nodes_and_train(two_nodes, tiny_model_path, generat
 
         items = make_arithmetic_task(ArithmeticTaskSpec(num_train=32, num_heldout=1))[0]
         sync_weights(rl, version=0)
-        state, rl = train(rl, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.01)),
+        state = train(rl, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.01)),
                       GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=6,
                       lr_schedule=lambda s: 1e-3, progress=False)
         assert state.policy_version == 2 and len(state.metrics_history) == 2

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.driver import ActorFailure, evaluate_accuracy, gather, sync_weights, train, train_sft
-from cluster.groups import call, fan_out
+from cluster.driver import evaluate_accuracy, gather, sync_weights, train, train_sft
+from cluster.groups import ActorFailure, call, fan_out
+from cluster.ray_backend import RayBackend
 from cluster.setup import build_rl_cluster, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
 from primitives.data import make_prompt_source, prepare_sft_text
@@ -36,7 +37,7 @@ def trained(rl_cluster, tiny_model_path):
     sft = train_sft(rl_cluster, samples, num_steps=3, batch_size=16, lr_schedule=lambda s: 1e-3, progress=False)
     sync_weights(rl_cluster, version=0)
     logged = []
-    state, _ = train(rl_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
+    state = train(rl_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
                   GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=4,
                   lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False,
                   eval_fn=lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, 4)}, eval_every=2)
@@ -80,12 +81,13 @@ def test_generator_logprobs_equal_trainer_logprobs(rl_cluster, trained):
 def test_multiturn_generation_on_a_generator(rl_cluster, trained):
     """The tool loop runs inside a generator actor; tool-output tokens stay out of the loss."""
     from primitives.data import PromptItem
-    from primitives.tools import calculator_tool, create_tool_executor, parse_xml_tool_calls
+    from primitives.tools import ToolConfig, calculator_tool, create_tool_executor, parse_xml_tool_calls
 
     items = [PromptItem(0, "What is 12*3? Use the calculator.", answer="36")]
     gen = GenerationConfig(max_new_tokens=6, n=2, stop=("</tool_call>",))
-    rollouts = gather([call(rl_cluster.generators, 0, "generate_multiturn", items, gen, parse_xml_tool_calls,
-                            create_tool_executor({"calc": calculator_tool}), 3)], rl_cluster.timeout_s)[0]
+    tools = ToolConfig(create_tool_executor({"calc": calculator_tool}), parse_xml_tool_calls, max_turns=3)
+    rollouts = gather([call(rl_cluster.generators, 0, "generate_multiturn", items, gen, tools)],
+                      rl_cluster.timeout_s)[0]
     assert [r.uid for r in rollouts] == ["e0/i0/s0", "e0/i0/s1"]
     for r in rollouts:
         assert len(r.completion_ids) == len(r.loss_mask) == len(r.logprobs) > 0
@@ -127,9 +129,9 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
         return got, nxt
 
     logged = []
-    state, _ = train(cluster, recording_source, constant_schedule(dapo(overlong_buffer_frac=0.5)),
-                     GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
-                     lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
+    train(cluster, recording_source, constant_schedule(dapo(overlong_buffer_frac=0.5)),
+          GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
+          lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
     m = logged[0]
     drawn = [i for draw in served for i in draw]
     assert m["data/prompts_drawn"] == len(drawn) and len(served[0]) == 6
@@ -206,9 +208,11 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
         if metrics["step"] in kills:
             _kill_and_wait(ray_local, kills[metrics["step"]])
 
-    state, cluster = train(rl_cluster, recording_source, constant_schedule(grpo(kl_coef=0.05)),
-                           GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
-                           lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
+    backend = RayBackend(rl_cluster)
+    state = train(backend, recording_source, constant_schedule(grpo(kl_coef=0.05)),
+                  GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
+                  lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
+    cluster = backend.cluster
     assert state.iteration == 6 and logged[-1]["recovery/actor_restarts"] == 2
     assert len(calls) == 8 and len(served) == 6  # two steps were collected twice, from the same position
     trained = [key for pos in sorted(served) for key in served[pos]]

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.driver import copy_policy_to_reference, gather, generate_and_score, sync_weights, train, train_sft
+from cluster.driver import collect, copy_policy_to_reference, gather, sync_weights, train, train_sft
 from cluster.groups import fan_out
+from cluster.ray_backend import RayBackend
 from cluster.setup import build_rl_cluster, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
 from primitives.data import make_prompt_source, prepare_sft_chat
@@ -99,7 +100,7 @@ def test_sft_then_two_rl_steps_on_the_real_model(run):
 def test_generator_and_trainer_agree_under_the_bpe_tokenizer(run, items, smollm2):
     cluster, _, _ = run
     _, tok = smollm2
-    rollouts, _ = generate_and_score(cluster, items[:3], GEN, with_ref=False)
+    rollouts, _ = collect(RayBackend(cluster), items[:3], GEN, with_ref=False)
     assert {r.policy_version for r in rollouts} == {2}
     assert all(r.finish_reason in ("stop", "length") and r.num_tokens > 0 for r in rollouts)
     stopped = [r for r in rollouts if r.finish_reason == "stop"]

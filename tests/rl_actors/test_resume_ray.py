@@ -30,7 +30,7 @@ def _cluster(path):
 def _train(cluster, state, until):
     return train(cluster, make_prompt_source(ITEMS, seed=4), constant_schedule(grpo(kl_coef=0.05)),
                  GenerationConfig(max_new_tokens=4, n=3), num_steps=until, prompts_per_step=4,
-                 lr_schedule=lambda s: 1e-3, state=state, progress=False)[0]
+                 lr_schedule=lambda s: 1e-3, state=state, progress=False)
 
 
 def _weights(cluster):

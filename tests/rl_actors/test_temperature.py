@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.driver import gather, generate_and_score, sync_weights, train, train_sft
+from cluster.driver import collect, gather, sync_weights, train, train_sft
 from cluster.groups import fan_out
+from cluster.ray_backend import RayBackend
 from cluster.setup import build_rl_cluster, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
 from primitives.data import make_prompt_source, prepare_sft_text
@@ -101,8 +102,8 @@ def test_generator_reference_and_trainer_score_at_the_sampling_temperature(clust
     from primitives.logprobs import rollout_logprobs
 
     _, items = first_step
-    rollouts, _ = generate_and_score(cluster, items[:4], GenerationConfig(max_new_tokens=4, n=2, temperature=T),
-                                     with_ref=True)
+    rollouts, _ = collect(RayBackend(cluster), items[:4], GenerationConfig(max_new_tokens=4, n=2, temperature=T),
+                          with_ref=True)
     assert {r.policy_version for r in rollouts} == {2}  # after the RL and SFT steps and their sync
     trainer = gather(fan_out(cluster.trainers, "logprobs", rollouts, T), cluster.timeout_s)[0]
     assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts)) < 1e-4

@@ -1,0 +1,229 @@
+"""The local backend of the RL loop: everything in this process, plain torch, no Ray.
+
+``train(LocalBackend(...), ...)`` is the notebook user's loop (the seeds' ``train(...)``):
+the same ``cluster.driver.train`` that drives a Ray cluster, over the same primitives. The
+policy generates with the weights it trains (a Ray generator holds an exact copy, synced
+after every step), the reference is a frozen copy (or moved by ``ref_update_fn`` at each
+sync), rewards run here, and a critic (PPO) is a value model with its own optimizer. The
+same seed and config give the same metrics as a 1-generator, 1-trainer Ray cluster
+(DESIGN invariant 7): the sampler of each call is seeded as a Ray generator seeds it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from primitives.algorithms import AlgorithmConfig
+from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state, state_from_json, state_to_json
+from primitives.generation import generate_rollouts
+from primitives.hooks import check_arity
+from primitives.kl import apply_ref_state, create_reference_model, ref_state_from_model
+from primitives.logprobs import rollout_logprobs
+from primitives.rewards import score_rollouts
+from primitives.training import step_counts, train_on_batch, updates_of
+from primitives.types import GenerationConfig, ModelConfig, TrainState
+from rl_actors.common import load_causal_lm
+from rl_actors.generator import multiturn_rollouts, rollout_sampler
+from rl_actors.trainer import TrainerConfig
+
+
+class LocalRollouts(NamedTuple):
+    """Rollouts computed so far and the seconds each phase took."""
+
+    rollouts: list
+    times: dict
+
+
+class _Engine(NamedTuple):  # what multiturn_rollouts needs of a generator engine
+    model: object
+    tokenizer: object
+
+    def turn_generator(self, gen, generator):
+        from primitives.tools import hf_turn_generator
+
+        return hf_turn_generator(self.model, self.tokenizer, gen, generator)
+
+
+class LocalBackend:
+    """The RL loop's operations in one process.
+
+    ``model`` is a ``ModelConfig`` or a model directory; ``reward_fn``, ``aggregate_fn`` and
+    ``shaping_fn`` score rollouts as a reward worker does; ``with_reference`` keeps a frozen
+    copy of the starting policy (``ref_update_fn(ref_state, policy_weights, step, kl)`` moves
+    it at each sync); ``critic`` builds a value model from the policy (``"policy"``) or a
+    reward-model directory. ``trainer`` holds the optimizer settings (AdamW, clipping, micro
+    batch), as for a Ray trainer group.
+    """
+
+    name = "local"
+
+    def __init__(self, model, reward_fn: Callable, aggregate_fn: Optional[Callable] = None,
+                 shaping_fn: Optional[Callable] = None, with_reference: bool = False,
+                 ref_update_fn: Optional[Callable] = None, trainer: TrainerConfig = TrainerConfig(),
+                 critic: Optional[str] = None, seed: int = 0):
+        check_arity(reward_fn, "reward_fn", None)
+        if aggregate_fn is not None:
+            check_arity(aggregate_fn, "aggregate_fn", [0.0])
+        if shaping_fn is not None:
+            check_arity(shaping_fn, "shaping_fn", None, 0.0)
+        if ref_update_fn is not None:
+            check_arity(ref_update_fn, "ref_update_fn", None, {}, 0, None)
+        config = model if isinstance(model, ModelConfig) else ModelConfig(model)
+        torch.manual_seed(seed)
+        self.config, self.seed, self.trainer_config = config, seed, trainer
+        self.policy, self.tokenizer = load_causal_lm(config._replace(dtype="float32"), "local policy")
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=trainer.lr, betas=tuple(trainer.betas),
+                                           weight_decay=trainer.weight_decay)
+        self.reward_fn, self.aggregate_fn, self.shaping_fn = reward_fn, aggregate_fn, shaping_fn
+        self.reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
+        self.reference = None
+        if with_reference or self.reward_needs_reference:
+            self.reference = create_reference_model(self.policy)
+        self.ref_update_fn = ref_update_fn
+        self.ref_state = ref_state_from_model(self.reference) if ref_update_fn is not None else None
+        self.critic = self.critic_optimizer = None
+        if critic is not None:
+            from primitives.value import value_model_from_policy, value_model_from_reward_model
+
+            self.critic = value_model_from_policy(self.policy) if critic == "policy" \
+                else value_model_from_reward_model(critic)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=trainer.lr,
+                                                      betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
+        self.policy_version, self.restarts = 0, 0
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
+
+    # ------------------------------------------------------------------ rollouts
+    def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> LocalRollouts:
+        t0 = time.perf_counter()
+        items = list(items)
+        sampler = rollout_sampler(self.seed, 0, self.policy_version, items)  # as generator rank 0 seeds it
+        if tools is None:
+            rollouts = generate_rollouts(self.policy, self.tokenizer, items, gen, self.policy_version, sampler)
+        else:
+            rollouts = multiturn_rollouts(_Engine(self.policy, self.tokenizer), items, gen, tools,
+                                          self.policy_version, sampler)
+        return LocalRollouts(rollouts, {"time/generate": time.perf_counter() - t0})
+
+    def reference_logprobs(self, done: LocalRollouts, temperature: float) -> LocalRollouts:
+        t0 = time.perf_counter()
+        refs = rollout_logprobs(self.reference, done.rollouts, self.pad_token_id, temperature)
+        rollouts = [r._replace(ref_logprobs=lp) for r, lp in zip(done.rollouts, refs)]
+        return LocalRollouts(rollouts, {**done.times, "time/ref": time.perf_counter() - t0})
+
+    def score(self, done: LocalRollouts) -> LocalRollouts:
+        t0 = time.perf_counter()
+        rollouts = score_rollouts(done.rollouts, self.reward_fn, self.aggregate_fn, self.shaping_fn)
+        return LocalRollouts(rollouts, {**done.times, "time/reward": time.perf_counter() - t0})
+
+    def fetch(self, done: LocalRollouts) -> tuple:
+        return list(done.rollouts), dict(done.times)
+
+    def values(self, rollouts: Sequence) -> list:
+        from primitives.value import rollout_values
+
+        if self.critic is None:
+            raise ValueError("this LocalBackend has no critic; pass critic='policy' for an algorithm whose "
+                             "advantage function reads values (PPO's GAE)")
+        return rollout_values(self.critic, rollouts, self.pad_token_id, self.trainer_config.micro_batch_size)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch, algo: AlgorithmConfig, temperature: float, lr: Optional[float],
+                   critic: bool = False) -> tuple:
+        """One rollout batch: the policy's updates (and the critic's), as one rank reports them."""
+        cfg = self.trainer_config
+        updates = train_on_batch(self.policy, self.optimizer, batch, algo, temperature, cfg.max_grad_norm,
+                                 cfg.micro_batch_size, lr)
+        critic_updates = self._value_step(batch, algo, lr) if critic else None
+        return [updates], (None if critic_updates is None else [critic_updates])
+
+    def _value_step(self, batch, algo: AlgorithmConfig, lr: Optional[float]) -> list:
+        from primitives.training import optim_step
+        from primitives.value import value_forward_backward
+
+        if lr is not None:
+            for group in self.critic_optimizer.param_groups:
+                group["lr"] = lr
+        updates = []
+        for part, _ in updates_of(batch, algo, lambda p, fix_old: p):
+            m = value_forward_backward(self.critic, part, step_counts(part), algo.value_clip,
+                                       self.trainer_config.micro_batch_size)
+            m["critic/grad_norm"] = optim_step(self.critic, self.critic_optimizer, self.trainer_config.max_grad_norm)
+            m["critic/lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
+            updates.append(m)
+        return updates
+
+    def sync(self, version: int, step: int, kl: Optional[float]) -> dict:
+        """The generator already holds the trained weights; a tracking reference moves."""
+        t0 = time.perf_counter()
+        if self.ref_update_fn is not None:
+            policy = {k: v.detach().clone() for k, v in self.policy.named_parameters()}
+            self.ref_state = self.ref_update_fn(self.ref_state, policy, step, kl)
+            apply_ref_state(self.reference, self.ref_state)
+        self.policy_version = version
+        return {"time/sync": time.perf_counter() - t0, "sync/version": float(version)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str, state: TrainState) -> str:
+        """Policy (HF), optimizer, reference, critic, RNG and ``TrainState``, atomically."""
+        import json
+
+        def write(tmp: str) -> None:
+            self.policy.save_pretrained(os.path.join(tmp, "hf"))
+            self.tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+            torch.save({"optimizer": self.optimizer.state_dict(), "rng": capture_rng_state(),
+                        "critic_optimizer": self.critic_optimizer.state_dict() if self.critic else None,
+                        "ref_last_reset": self.ref_state.last_reset_step if self.ref_state else 0},
+                       os.path.join(tmp, "local_state.pt"))
+            if self.reference is not None:
+                self.reference.save_pretrained(os.path.join(tmp, "reference"))
+            if self.critic is not None:
+                from primitives.value import save_value_model
+
+                save_value_model(self.critic, os.path.join(tmp, "critic"))
+            with open(os.path.join(tmp, "train_state.json"), "w") as f:
+                json.dump(state_to_json(state), f)
+
+        return atomic_directory(path, write)
+
+    def load(self, path: str) -> TrainState:
+        import json
+
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isfile(os.path.join(path, "local_state.pt")):
+            raise FileNotFoundError(f"{path} is not a local-backend checkpoint (no local_state.pt)")
+        saved = torch.load(os.path.join(path, "local_state.pt"), weights_only=False)
+        self.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(path, "hf")).state_dict())
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.reference is not None:
+            loaded = AutoModelForCausalLM.from_pretrained(os.path.join(path, "reference"))
+            self.reference.load_state_dict(loaded.state_dict())
+            if self.ref_state is not None:
+                self.ref_state = ref_state_from_model(self.reference, saved["ref_last_reset"])
+        if self.critic is not None:
+            from primitives.value import load_value_model
+
+            self.critic.load_state_dict(load_value_model(os.path.join(path, "critic")).state_dict())
+            self.critic_optimizer.load_state_dict(saved["critic_optimizer"])
+        restore_rng_state(saved["rng"])
+        with open(os.path.join(path, "train_state.json")) as f:
+            state = state_from_json(json.load(f))
+        self.policy_version = state.policy_version
+        return state
+
+    def retry(self, work: Callable[[], tuple], version: int):
+        return work()  # one process: nothing to replace
