@@ -10,7 +10,8 @@ Every metric a loss reports is one of three kinds, told by its key:
   ``max_`` / ``min_``, or ends with ``_max`` / ``_min`` (``mismatch/max_abs_logp_diff``,
   ``response/len_max``, ``reward/max``). They take the max / min.
 * a **global** value that every rank already holds whole (``grad_norm`` and ``lr`` after
-  DeepSpeed's reduction). The first part's value is kept.
+  DeepSpeed's reduction; the critic's ``critic/grad_norm`` and ``critic/lr`` likewise).
+  The first part's value is kept.
 
 A dict comprehension over ranks keeps the last rank's share (1/world_size of the truth);
 ``merge_metrics`` is the one place that knows how to combine them (STYLE.md point 15).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-GLOBAL_KEYS = ("grad_norm", "lr")
+GLOBAL_KEYS = ("grad_norm", "lr", "critic/grad_norm", "critic/lr")
 
 
 def reduction(key: str) -> str:

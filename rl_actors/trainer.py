@@ -1,22 +1,20 @@
 """TrainerWorker: one rank of a DeepSpeed ZeRO-1/2/3 engine (gloo + fp32 on CPU, NCCL + bf16 on GPU).
 
-Every rank receives the whole step batch by reference, trains on its contiguous shard, and
-divides its loss by the step's *global* token / sequence counts; DeepSpeed averages
-gradients over ranks, so the loss is multiplied by the world size to make the reduced
-gradient the gradient of the global loss. A step may hold any number of micro-batches:
-before each backward the trainer tells DeepSpeed whether it is the last one
-(``set_gradient_accumulation_boundary``), so gradients reduce once, then ``step`` updates.
-Forward passes go through the engine (not ``engine.module``): ZeRO-3 counts micro-steps
-in ``engine.forward``, and without that count each micro-batch's gradient overwrote the
-previous one (caught by the ZeRO equivalence test). Rank 0 is the source of the weight
-broadcast.
+The group plumbing (rendezvous, engine, one gradient reduction per update, checkpoints)
+is ``rl_actors.deepspeed_rank.DeepSpeedRank``, shared with the PPO critic. Every rank
+receives the whole step batch by reference, trains on its contiguous shard, and divides its
+loss by the step's *global* token / sequence counts; DeepSpeed averages gradients over
+ranks, so the loss is multiplied by the world size to make the reduced gradient the
+gradient of the global loss. Forward passes go through the engine (not ``engine.module``):
+ZeRO-3 counts micro-steps in ``engine.forward``, and without that count each micro-batch's
+gradient overwrote the previous one (caught by the ZeRO equivalence test). Rank 0 is the
+source of the weight broadcast.
 """
 from __future__ import annotations
 
 import json
 import os
-from contextlib import nullcontext
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +30,6 @@ from cluster.weight_sync import (
     tensor_checksums,
 )
 from primitives.algorithms import AlgorithmConfig
-from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.logprobs import rollout_logprobs
 from primitives.training import (
     forward_backward,
@@ -44,113 +41,27 @@ from primitives.training import (
     with_old_logprobs,
 )
 from primitives.types import Batch, ModelConfig
-from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
+from rl_actors.common import load_causal_lm
+from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, deepspeed_config, micro_batch_count
+
+__all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
 
-def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
-    """How many backward passes ``forward_backward`` makes over ``rows`` rows."""
-    step = micro_batch_size or rows
-    if unit == 2 and step % 2:
-        step += 1
-    return -(-rows // step) if rows else 0
+class TrainerWorker(DeepSpeedRank):
+    """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``DeepSpeedRank``
+    holds the group plumbing), RL and SFT updates on this rank's shard, weight broadcast."""
 
-
-class TrainerConfig(NamedTuple):
-    """Optimizer and engine settings of the trainer group."""
-
-    zero_stage: int = 2  # 1, 2 or 3
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 64  # rows per forward/backward on one rank
-    bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
-
-
-def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
-    if cfg.zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
-        "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
-                              "stage3_param_persistence_threshold": 0},
-        "gradient_clipping": cfg.max_grad_norm,
-        "bf16": {"enabled": bf16},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10 ** 9,
-        "wall_clock_breakdown": False,
-    }
-
-
-class TrainerWorker:
     role = "trainer"
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
                  seed: int = 0, num_threads: int = 1):
-        setup_process(num_threads, seed)
-        self.model_config, self.rank, self.world_size, self.config = model, rank, world_size, config
-        self.on_gpu = gpu_visible()
-        self.bf16 = self.on_gpu if config.bf16 is None else config.bf16
-        self.engine = self.optimizer = None
+        super().__init__(model, rank, world_size, config, seed, num_threads)
         self.sync_group = None
-        self.steps = 0
-        self._backwards_left = 0  # micro-batches still to come in the current step
 
-    def endpoint(self) -> tuple:
-        """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
-        import ray
-
-        from cluster.weight_sync import free_port
-
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
-
-    def setup(self, master_addr: str, master_port: int) -> dict:
-        """Join the trainers' process group and build the DeepSpeed engine (all ranks together)."""
-        if not self.on_gpu:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
-                           "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
-                                   init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                   world_size=self.world_size)
-        device = "cuda" if self.on_gpu else "cpu"
+    def build_module(self, device: str) -> torch.nn.Module:
         module, self.tokenizer = load_causal_lm(self.model_config._replace(device=device, dtype="float32"),
-                                                f"trainer {self.rank}")
-        optimizer = torch.optim.AdamW(module.parameters(), lr=self.config.lr, betas=tuple(self.config.betas),
-                                      weight_decay=self.config.weight_decay)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
-        self.device = self.engine.device
-        return self.info()
-
-    # --------------------------------------------------------------- info
-    def info(self) -> dict:
-        model = describe_model(self.module) if self.engine is not None else {}
-        return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16,
-                "model": model}
-
-    @property
-    def module(self):
-        return self.engine.module
-
-    def _set_lr(self, lr: Optional[float]) -> None:
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-
-    def _finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
-        self._set_lr(lr)
-        self.engine.step()
-        self.steps += 1
-        norm = self.engine.get_global_grad_norm()
-        metrics["grad_norm"] = float(norm) if norm is not None else float("nan")
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return metrics
+                                                f"{self.role} {self.rank}")
+        return module
 
     # --------------------------------------------------------------- training
     def train_step(self, batch: Batch, algo: AlgorithmConfig, temperature: float, lr: Optional[float] = None) -> list:
@@ -212,33 +123,7 @@ class TrainerWorker:
                                 self.config.micro_batch_size)
         return metrics if len(rows) else {}
 
-    def _empty_backward(self) -> None:
-        """A rank with no rows this step still joins the gradient reduction, with zeros."""
-        self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self._backwards_left -= 1
-        self.engine.set_gradient_accumulation_boundary(self._backwards_left <= 0)
-        self.engine.backward(loss, scale_wrt_gas=False)
-
-    def reset_optimizer(self, lr: Optional[float] = None) -> bool:
-        """Forget Adam moments (between SFT and RL, say) and optionally set a new lr."""
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        inner.state.clear()
-        self._set_lr(lr)
-        return True
-
     # --------------------------------------------------------------- weights
-    def _gathered(self, names: Sequence[str]):
-        """Context in which the named parameters are whole on this rank (ZeRO-3 gathers)."""
-        import deepspeed
-
-        params = dict(self.module.named_parameters())
-        chosen = [params[n] for n in names]
-        if self.config.zero_stage == 3:
-            return deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
-        return nullcontext()
-
     def weight_meta(self) -> list:
         """Names, full shapes and dtypes of the parameters (what a sync sends)."""
         meta = []
@@ -296,16 +181,6 @@ class TrainerWorker:
 
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.device)
 
-    def full_state(self, rank0_only: bool = False) -> dict:
-        """Every parameter, gathered, as numpy fp32. All ranks must call it under ZeRO-3;
-        with ``rank0_only`` the other ranks only join the gathers and return {}."""
-        out = {}
-        for name, p in self.module.named_parameters():
-            with self._gathered([name]):
-                if self.rank == 0 or not rank0_only:
-                    out[name] = p.detach().float().cpu().numpy().copy()
-        return out
-
     def weight_checksums(self) -> dict:
         sums = {}
         for name, p in self.module.named_parameters():
@@ -324,38 +199,23 @@ class TrainerWorker:
 
         Every rank writes its shard into one temporary directory that rank 0 renames when all
         are done; the driver calls this on all ranks together. ``extra_dirs`` (name -> finished
-        directory, e.g. the reference weights) are moved into the checkpoint in the same rename.
+        directory, e.g. the reference weights or a critic checkpoint) are moved into the
+        checkpoint in the same rename.
         """
-        import torch.distributed as dist
+        state = {name: torch.from_numpy(v) for name, v in self.full_state().items()}  # collective under ZeRO-3
 
-        tmp = path + ".tmp"
-        if self.rank == 0 and os.path.exists(tmp):
-            import shutil
-            shutil.rmtree(tmp)
-        dist.barrier()
-        self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps})
-        torch.save({"rng": capture_rng_state()}, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
-        state = {name: torch.from_numpy(v) for name, v in self.full_state().items()}
-        dist.barrier()
-        if self.rank == 0:
-            def write(staging: str) -> None:
-                os.rename(tmp, os.path.join(staging, "deepspeed"))
-                self.module.save_pretrained(os.path.join(staging, "hf"), state_dict=state)
-                self.tokenizer.save_pretrained(os.path.join(staging, "hf"))
-                for name, directory in (extra_dirs or {}).items():
-                    os.rename(directory, os.path.join(staging, name))
-                with open(os.path.join(staging, "train_state.json"), "w") as f:
-                    json.dump(train_state or {}, f)
-            atomic_directory(path, write)
-        dist.barrier()
-        return path
+        def write(staging: str) -> None:
+            self.module.save_pretrained(os.path.join(staging, "hf"), state_dict=state)
+            self.tokenizer.save_pretrained(os.path.join(staging, "hf"))
+            for name, directory in (extra_dirs or {}).items():
+                os.rename(directory, os.path.join(staging, name))
+            with open(os.path.join(staging, "train_state.json"), "w") as f:
+                json.dump(train_state or {}, f)
+
+        return self._save_checkpoint(path, write)
 
     def load_checkpoint(self, path: str) -> dict:
-        if not os.path.isdir(os.path.join(path, "deepspeed")):
-            raise FileNotFoundError(f"trainer {self.rank}: {path} is not a trainer checkpoint (no deepspeed/)")
-        _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine")
-        self.steps = int((client or {}).get("steps", 0))
-        rng = torch.load(os.path.join(path, "deepspeed", f"rng_rank{self.rank}.pt"), weights_only=False)
-        restore_rng_state(rng["rng"])
+        """Restore weights, optimizer, step count and RNG; returns the saved ``train_state``."""
+        self._load_checkpoint(path)
         with open(os.path.join(path, "train_state.json")) as f:
             return json.load(f)

@@ -1,0 +1,222 @@
+"""DeepSpeedRank: what every rank of a DeepSpeed ZeRO-1/2/3 group does, whatever it trains.
+
+The trainer (``rl_actors.trainer.TrainerWorker``) and the PPO critic
+(``rl_actors.critic.CriticWorker``) are both one rank of such a group, gloo + fp32 on CPU,
+NCCL + bf16 on GPU. This base class holds what they share; a subclass names its ``role``,
+builds its module (``build_module``) and says which metric keys its updates report.
+
+* **Rendezvous.** Rank 0's ``endpoint()`` gives ``(ip, free port)``; every rank then calls
+  ``setup(ip, port)`` together. Each group (trainers, critics) is its own set of processes
+  with its own default process group, so the two never share collectives.
+* **One reduction per update.** An update may hold any number of micro-batches: before each
+  backward the rank tells DeepSpeed whether it is the last one
+  (``set_gradient_accumulation_boundary``, counted down in ``_backwards_left``), so gradients
+  reduce once, then ``_finish_step`` steps. A rank without rows joins the reduction with a
+  zero loss (``_empty_backward``). DeepSpeed averages gradients over ranks, so a subclass
+  multiplies its loss (already divided by the step's *global* counts) by the world size.
+* **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and its RNG
+  state into one temporary directory that rank 0 moves into the checkpoint in a single
+  rename (``primitives.checkpoint.atomic_directory``); nothing is ever half-written.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import nullcontext
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
+from primitives.types import ModelConfig
+from rl_actors.common import actor_info, describe_model, gpu_visible, setup_process
+
+
+def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
+    """How many backward passes ``forward_backward`` makes over ``rows`` rows."""
+    step = micro_batch_size or rows
+    if unit == 2 and step % 2:
+        step += 1
+    return -(-rows // step) if rows else 0
+
+
+class TrainerConfig(NamedTuple):
+    """Optimizer and engine settings of a DeepSpeed group (the trainers, or the critics)."""
+
+    zero_stage: int = 2  # 1, 2 or 3
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 64  # rows per forward/backward on one rank
+    bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
+
+
+def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
+    if cfg.zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                              "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": cfg.max_grad_norm,
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedRank:
+    """One rank of a DeepSpeed group. Subclasses set ``role`` and ``metric_prefix`` (the
+    namespace of the ``grad_norm`` / ``lr`` keys ``_finish_step`` reports) and implement
+    ``build_module(device) -> nn.Module`` (called once, in ``setup``, after the process group
+    exists)."""
+
+    role = "rank"
+    metric_prefix = ""
+
+    def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
+                 seed: int = 0, num_threads: int = 1):
+        setup_process(num_threads, seed)
+        self.model_config, self.rank, self.world_size, self.config = model, rank, world_size, config
+        self.on_gpu = gpu_visible()
+        self.bf16 = self.on_gpu if config.bf16 is None else config.bf16
+        self.engine = self.optimizer = None
+        self.steps = 0
+        self._backwards_left = 0  # micro-batches still to come in the current update
+
+    def build_module(self, device: str) -> torch.nn.Module:
+        """The fp32 module this rank trains, on ``device`` (DeepSpeed casts it for bf16)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_module(device)")
+
+    def endpoint(self) -> tuple:
+        """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
+        import ray
+
+        from cluster.weight_sync import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join this group's process group and build the DeepSpeed engine (all ranks together)."""
+        if not self.on_gpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
+                           "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
+                                   init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                   world_size=self.world_size)
+        module = self.build_module("cuda" if self.on_gpu else "cpu")
+        optimizer = torch.optim.AdamW(module.parameters(), lr=self.config.lr, betas=tuple(self.config.betas),
+                                      weight_decay=self.config.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
+        self.device = self.engine.device
+        return self.info()
+
+    def info(self) -> dict:
+        model = describe_model(self.module) if self.engine is not None else {}
+        return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16,
+                "model": model}
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    # --------------------------------------------------------------- one update
+    def _set_lr(self, lr: Optional[float]) -> None:
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    def _finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
+        """Step the engine (after the last micro-batch's backward) and add the reduced
+        ``grad_norm`` and the ``lr``, under ``metric_prefix``."""
+        self._set_lr(lr)
+        self.engine.step()
+        self.steps += 1
+        norm = self.engine.get_global_grad_norm()
+        metrics[self.metric_prefix + "grad_norm"] = float(norm) if norm is not None else float("nan")
+        metrics[self.metric_prefix + "lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def _empty_backward(self) -> None:
+        """A rank with no rows this step still joins the gradient reduction, with zeros."""
+        self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self._backwards_left -= 1
+        self.engine.set_gradient_accumulation_boundary(self._backwards_left <= 0)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def reset_optimizer(self, lr: Optional[float] = None) -> bool:
+        """Forget Adam moments (between SFT and RL, say) and optionally set a new lr."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        inner.state.clear()
+        self._set_lr(lr)
+        return True
+
+    # --------------------------------------------------------------- weights
+    def _gathered(self, names: Sequence[str]):
+        """Context in which the named parameters are whole on this rank (ZeRO-3 gathers;
+        collective: every rank enters it)."""
+        import deepspeed
+
+        params = dict(self.module.named_parameters())
+        chosen = [params[n] for n in names]
+        if self.config.zero_stage == 3:
+            return deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
+        return nullcontext()
+
+    def full_state(self, rank0_only: bool = False) -> dict:
+        """Every parameter, gathered, as numpy fp32. All ranks must call it under ZeRO-3;
+        with ``rank0_only`` the other ranks only join the gathers and return {}."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            with self._gathered([name]):
+                if self.rank == 0 or not rank0_only:
+                    out[name] = p.detach().float().cpu().numpy().copy()
+        return out
+
+    # --------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, path: str, write: Callable[[str], None]) -> str:
+        """Write ``path`` atomically: ``deepspeed/`` (every rank's engine shard, optimizer
+        included, and ``rng_rank{r}.pt``) plus whatever ``write(staging_dir)`` adds on rank 0.
+
+        All ranks call this together: each writes its shard into one temporary directory,
+        and when all are done rank 0 moves it into the staging directory, runs ``write`` and
+        renames the staging directory to ``path``. Anything collective (ZeRO-3 gathers) must
+        happen before this call."""
+        import torch.distributed as dist
+
+        tmp = path + ".tmp"
+        if self.rank == 0 and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        dist.barrier()
+        self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps})
+        torch.save({"rng": capture_rng_state()}, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        dist.barrier()
+        if self.rank == 0:
+            def stage(staging: str) -> None:
+                os.rename(tmp, os.path.join(staging, "deepspeed"))
+                write(staging)
+            atomic_directory(path, stage)
+        dist.barrier()
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        """Restore the engine shard (weights and optimizer), the step count and the RNG of
+        this rank from ``path/deepspeed`` (all ranks call it together)."""
+        if not os.path.isdir(os.path.join(path, "deepspeed")):
+            raise FileNotFoundError(f"{self.role} {self.rank}: {path} is not a {self.role} checkpoint "
+                                    f"(no deepspeed/)")
+        _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine")
+        self.steps = int((client or {}).get("steps", 0))
+        rng = torch.load(os.path.join(path, "deepspeed", f"rng_rank{self.rank}.pt"), weights_only=False)
+        restore_rng_state(rng["rng"])
