@@ -46,6 +46,9 @@ class ClusterConfig(NamedTuple):
     call_timeout_s: float = 600.0  # bound on every wait for actors; a dead or stuck actor fails the job
     sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
+    critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
+    critic_cpus: float = 1.0  # CPUs per critic rank
+    critic_gpus: float = 0.0  # GPUs per critic rank
 
 
 class DataConfig(NamedTuple):
@@ -72,6 +75,8 @@ class RLConfig(NamedTuple):
     is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
     is_cap: float = 2.0  # cap of the truncated importance weight
     max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step
+    critic_lr: Optional[float] = None  # the critic's learning rate (PPO; None: algorithm.lr)
+    critic_init: str = "policy"  # the value model's start: policy (after any SFT stage) or a reward model directory
     # other AlgorithmConfig fields, e.g. {clip_eps_high: 0.28, kl_fn: k2, advantage_fn: my.module:fn}
     overrides: Optional[dict[str, Scalar]] = None
 

@@ -128,9 +128,12 @@ def algorithm_errors(job: RLJob) -> list:
     except ValueError as e:
         return [f"algorithm: {e}"]
     rows = algo.prompts_per_step * (2 if pairwise(record) else gen.group_size)  # pairwise loss: a pair per prompt
+    init = algo.critic_init
     return _checks([
-        (not needs_values(record), f"algorithm '{record.name}' needs a critic (a value model), which this job does "
-                                   "not build yet; use reinforce_pp (REINFORCE++, critic-free) or grpo"),
+        (not needs_values(record) or init == "policy" or os.path.isdir(init),
+         f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
+        (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
+                                                               f"'{record.name}', whose advantage reads critic values"),
         (rows // algo.mini_batches >= job.cluster.trainers,
          f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
@@ -155,6 +158,7 @@ def rl_errors(job: RLJob) -> list:
         (algo.is_cap > 0, f"algorithm.is_cap must be positive, got {algo.is_cap}"),
         (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
         (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
+        (algo.critic_lr is None or algo.critic_lr > 0, f"algorithm.critic_lr must be positive, got {algo.critic_lr}"),
         (gen.group_size >= 2, "generation.group_size must be at least 2: group advantages compare completions "
                               "of one prompt"),
         (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
@@ -480,13 +484,32 @@ def accuracy_figures(before: dict, after: dict) -> dict:
             "eval_reward_mean_before": before["eval/reward_mean"], "eval_reward_mean_after": after["eval/reward_mean"]}
 
 
+def with_critic(backend, inputs: RLInputs, with_sft: bool):
+    """Add the critic group for an algorithm whose advantage reads values (PPO), initialised
+    from the policy as it stands (after an SFT stage: its saved HF copy) or a reward model."""
+    from cluster.setup import add_critics
+    from primitives.types import TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job, cfg, algo = inputs.job, inputs.job.cluster, inputs.job.algorithm
+    model = job.model
+    if with_sft and algo.critic_init == "policy":
+        sft_copy = os.path.join(job.logging.out, "sft_model")
+        backend.save(sft_copy, TrainState())
+        model = ModelConfig(os.path.join(sft_copy, "hf"), job.model.dtype, job.model.device,
+                            job.model.trust_remote_code, job.model.attn_implementation)
+    critic_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=algo.critic_lr or algo.lr,
+                               micro_batch_size=cfg.micro_batch_size)
+    backend.cluster = add_critics(backend.cluster, model, cfg, critic_cfg, algo.critic_init, job.seed)
+
+
 def train_rl(inputs: RLInputs, logger) -> dict:
     """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
     and save the final model. Returns the figures of the run and its metrics history."""
     from cluster.driver import evaluate, train
     from cluster.ray_backend import RayBackend
     from cluster.setup import build_rl_cluster, shutdown_cluster
-    from primitives.algorithms import constant_schedule, uses_reference
+    from primitives.algorithms import constant_schedule, needs_values, uses_reference
     from primitives.data import make_prompt_source
     from primitives.training import linear_warmup
     from primitives.types import TrainState
@@ -512,11 +535,13 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
 
     try:
-        if job.checkpoint.resume:  # weights, optimizer, reference, data position and versions
+        if with_sft:
+            sft_stage(backend.cluster, inputs, logger)
+        if needs_values(inputs.algo):
+            with_critic(backend, inputs, with_sft)
+        if job.checkpoint.resume:  # weights, optimizer, reference, critic, data position and versions
             start_state = backend.load(job.checkpoint.resume)
         else:
-            if with_sft:
-                sft_stage(backend.cluster, inputs, logger)
             start_state = TrainState(rng_seed=job.seed)
         before = run_eval(backend, start_state) if inputs.eval_items else {}
         if before:  # the curves' first point: the step before the first RL step

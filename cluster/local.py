@@ -54,8 +54,8 @@ class LocalBackend:
     ``shaping_fn`` score rollouts as a reward worker does; ``with_reference`` keeps a frozen
     copy of the starting policy (``ref_update_fn(ref_state, policy_weights, step, kl)`` moves
     it at each sync); ``critic`` builds a value model from the policy (``"policy"``) or a
-    reward-model directory. ``trainer`` holds the optimizer settings (AdamW, clipping, micro
-    batch), as for a Ray trainer group.
+    reward-model directory, trained at ``critic_lr`` (default: the trainer's lr). ``trainer``
+    holds the optimizer settings (AdamW, clipping, micro batch), as for a Ray trainer group.
     """
 
     name = "local"
@@ -63,7 +63,7 @@ class LocalBackend:
     def __init__(self, model, reward_fn: Callable, aggregate_fn: Optional[Callable] = None,
                  shaping_fn: Optional[Callable] = None, with_reference: bool = False,
                  ref_update_fn: Optional[Callable] = None, trainer: TrainerConfig = TrainerConfig(),
-                 critic: Optional[str] = None, seed: int = 0):
+                 critic: Optional[str] = None, critic_lr: Optional[float] = None, seed: int = 0):
         check_arity(reward_fn, "reward_fn", None)
         if aggregate_fn is not None:
             check_arity(aggregate_fn, "aggregate_fn", [0.0])
@@ -90,7 +90,7 @@ class LocalBackend:
 
             self.critic = value_model_from_policy(self.policy) if critic == "policy" \
                 else value_model_from_reward_model(critic)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=trainer.lr,
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic_lr or trainer.lr,
                                                       betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
         self.policy_version, self.restarts = 0, 0
 
@@ -147,16 +147,14 @@ class LocalBackend:
         cfg = self.trainer_config
         updates = train_on_batch(self.policy, self.optimizer, batch, algo, temperature, cfg.max_grad_norm,
                                  cfg.micro_batch_size, lr)
-        critic_updates = self._value_step(batch, algo, lr) if critic else None
+        critic_updates = self._value_step(batch, algo) if critic else None
         return [updates], (None if critic_updates is None else [critic_updates])
 
-    def _value_step(self, batch, algo: AlgorithmConfig, lr: Optional[float]) -> list:
+    def _value_step(self, batch, algo: AlgorithmConfig) -> list:
+        """The critic's updates (the policy's PPO epochs and mini-batches), at the critic's lr."""
         from primitives.training import optim_step
         from primitives.value import value_forward_backward
 
-        if lr is not None:
-            for group in self.critic_optimizer.param_groups:
-                group["lr"] = lr
         updates = []
         for part, _ in updates_of(batch, algo, lambda p, fix_old: p):
             m = value_forward_backward(self.critic, part, step_counts(part), algo.value_clip,

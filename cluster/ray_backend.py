@@ -51,6 +51,11 @@ def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) ->
     """Trainer shards with optimizer and RNG, an HF copy, the reference weights and the
     ``TrainState`` (data position, versions, metrics), written atomically to ``path``."""
     extra = {}
+    if cluster.critics is not None:  # the critic's shards and HF copy, moved in by trainer rank 0
+        critic_tmp = path.rstrip("/") + ".critic.tmp"
+        shutil.rmtree(critic_tmp, ignore_errors=True)
+        gather(fan_out(cluster.critics, "save_checkpoint", critic_tmp), cluster.timeout_s)
+        extra["critic"] = critic_tmp
     if cluster.reference is not None:
         ref_tmp = path.rstrip("/") + ".reference.tmp"
         shutil.rmtree(ref_tmp, ignore_errors=True)
@@ -67,6 +72,10 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
     state = state_from_json(saved)
     if cluster.reference is not None and os.path.isdir(os.path.join(path, "reference")):
         gather([call(cluster.reference, 0, "load_weights_from", os.path.join(path, "reference"))], cluster.timeout_s)
+    if cluster.critics is not None:
+        if not os.path.isdir(os.path.join(path, "critic")):
+            raise FileNotFoundError(f"{path} holds no critic/ to resume the critic from")
+        gather(fan_out(cluster.critics, "load_checkpoint", os.path.join(path, "critic")), cluster.timeout_s)
     if cluster.generators is not None:  # an SFT job has no generators
         sync_weights(cluster, state.policy_version)
     return state
@@ -105,7 +114,7 @@ class RayBackend:
 
     @property
     def has_critic(self) -> bool:
-        return getattr(self.cluster, "critics", None) is not None
+        return self.cluster.critics is not None
 
     # ------------------------------------------------------------------ rollouts
     def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> RolloutRefs:
@@ -159,7 +168,7 @@ class RayBackend:
         c = self.cluster
         batch_ref = ray.put(batch)
         calls = fan_out(c.trainers, "train_step", batch_ref, algo, temperature, lr)
-        critic_calls = fan_out(c.critics, "value_step", batch_ref, algo, lr) if critic else []
+        critic_calls = fan_out(c.critics, "value_step", batch_ref, algo) if critic else []  # at the critic's lr
         results = gather(calls + critic_calls, c.timeout_s)
         return results[: len(calls)], (results[len(calls):] if critic else None)
 

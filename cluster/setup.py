@@ -19,7 +19,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # custom resources that k8s/ worker groups advertise; cluster.pin_roles places each role there
 NODE_GROUP_PINS = {"generator": {"generator_node": 0.01}, "reward": {"generator_node": 0.01},
-                   "trainer": {"trainer_node": 0.01}, "reference": {"trainer_node": 0.01}}
+                   "trainer": {"trainer_node": 0.01}, "reference": {"trainer_node": 0.01},
+                   "critic": {"trainer_node": 0.01}}
 
 
 class RLCluster(NamedTuple):
@@ -36,6 +37,7 @@ class RLCluster(NamedTuple):
     ray_address: str
     factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
     reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
+    critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
 
 
 def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None) -> list:
@@ -213,7 +215,26 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     return join_weight_sync(cluster) if role == "generator" else cluster
 
 
+def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, critic_cfg: TrainerConfig,
+                init: str = "policy", seed: int = 0) -> RLCluster:
+    """A critic group (``cfg.critics`` DeepSpeed ranks) for an algorithm with a value model:
+    initialised from ``model`` (the policy as it stands: after an SFT stage, its saved copy)
+    or from a reward model directory (``init``). Its ranks rendezvous among themselves."""
+    from rl_actors.critic import CriticWorker
+
+    if cluster.critics is not None:
+        raise ValueError("the cluster already has critics")
+    pins = NODE_GROUP_PINS if cfg.pin_roles else {}
+    spec = RoleSpec("critic", cfg.critics, cfg.critic_cpus, cfg.critic_gpus, pins.get("critic"), cfg.placement)
+    check_fits([spec], *cluster_resources())
+    critics = create_group(CriticWorker, spec, create_placement_group(spec),
+                           lambda r: ((model, r, cfg.critics, critic_cfg, seed, cfg.threads_per_actor, init), {}))
+    master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]
+    gather(fan_out(critics, "setup", *master), cluster.timeout_s)
+    return cluster._replace(critics=critics)
+
+
 def shutdown_cluster(cluster: RLCluster) -> None:
-    for group in (cluster.generators, cluster.trainers, cluster.rewards, cluster.reference):
+    for group in (cluster.generators, cluster.trainers, cluster.rewards, cluster.reference, cluster.critics):
         if group is not None:
             kill_group(group)

@@ -58,7 +58,25 @@ def test_same_seed_same_metrics_on_local_and_ray(ray_local, tiny_model_path, loc
         ray_metrics = _run(RayBackend(cluster))
     finally:
         shutdown_cluster(cluster)
-    for step, (a, b) in enumerate(zip(local_metrics, ray_metrics)):
+    _assert_same(local_metrics, ray_metrics)
+    assert ray_metrics[-1]["reward/mean"] == local_metrics[-1]["reward/mean"]  # the same tokens were sampled
+
+
+# ----------------------------------------------------------------------------- PPO with a critic
+PPO_STEPS = 2
+
+
+def _run_ppo(backend):
+    from primitives.algorithms import ppo
+
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
+    state = train(backend, make_prompt_source(items, seed=5), constant_schedule(ppo(kl_coef=0.05)), GEN, PPO_STEPS,
+                  PROMPTS, lambda step: LR, progress=False)
+    return list(state.metrics_history)
+
+
+def _assert_same(first, second):
+    for step, (a, b) in enumerate(zip(first, second)):
         a, b = _comparable(a), _comparable(b)
         assert set(a) == set(b), f"step {step}: keys differ {set(a) ^ set(b)}"
         for key in a:
@@ -66,4 +84,24 @@ def test_same_seed_same_metrics_on_local_and_ray(ray_local, tiny_model_path, loc
                 assert a[key] == b[key], (step, key)
             else:
                 assert np.isclose(a[key], b[key], rtol=1e-5, atol=1e-5), (step, key, a[key], b[key])
-    assert ray_metrics[-1]["reward/mean"] == local_metrics[-1]["reward/mean"]  # the same tokens were sampled
+
+
+def test_ppo_critic_on_one_process_equals_two_trainer_and_two_critic_ranks(ray_local, tiny_model_path):
+    """PPO (GAE on the critic's values, k1 KL in the reward): the local backend (one policy, one
+    value model) and a Ray cluster with 2 trainer ranks and 2 critic ranks log the same numbers,
+    the critic's included."""
+    from cluster.setup import add_critics
+    from primitives.types import ModelConfig
+
+    local = _run_ppo(LocalBackend(tiny_model_path, spread_reward, with_reference=True,
+                                  trainer=TrainerConfig(lr=LR, max_grad_norm=1.0), critic="policy", seed=0))
+    assert all(m["critic/value_loss"] > 0 for m in local) and "critic/grad_norm" in local[0]
+    cfg = ClusterConfig(generators=1, trainers=2, critics=2, reward_workers=1, zero_stage=2, call_timeout_s=300)
+    trainer_cfg = TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0)
+    cluster = build_rl_cluster(tiny_model_path, cfg, trainer_cfg, spread_reward, with_reference=True, seed=0)
+    try:
+        cluster = add_critics(cluster, ModelConfig(tiny_model_path), cfg, trainer_cfg)
+        ray_metrics = _run_ppo(RayBackend(cluster))
+    finally:
+        shutdown_cluster(cluster)
+    _assert_same(local, ray_metrics)
