@@ -3,9 +3,9 @@
 The critic is a value model (``primitives.value.ValueModel``: the policy's backbone, or a
 reward model's, with a scalar head) trained by its own AdamW in its own DeepSpeed engine.
 Critic ranks rendezvous among themselves exactly as trainers do (rank 0's ``endpoint()``,
-then ``setup(ip, port)`` on every rank; ``rl_actors.deepspeed_rank.DeepSpeedRank`` holds
-that plumbing), so the critic group is sharded like the trainer group but never shares a
-collective with it.
+then ``setup(ip, port)`` on every rank; the ``rl_actors.deepspeed_rank.DeepSpeedRank`` each
+worker holds does that plumbing, as the trainer's does), so the critic group is sharded
+like the trainer group but never shares a collective with it.
 
 Per PPO step the driver:
 
@@ -40,7 +40,7 @@ from primitives.value import (
     value_model_from_reward_model,
 )
 from rl_actors.common import check_model_path
-from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, micro_batch_count
+from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, micro_batch_count, rendezvous_endpoint
 
 
 def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:
@@ -49,8 +49,9 @@ def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:
     return [v for share in per_rank for v in share]
 
 
-class CriticWorker(DeepSpeedRank):
-    """One critic rank. ``model`` is the policy's ``ModelConfig`` (its tokenizer, and its
+class CriticWorker:
+    """One critic rank: a value model in a DeepSpeed engine (``self.ds``, a ``DeepSpeedRank``,
+    holds the group plumbing). ``model`` is the policy's ``ModelConfig`` (its tokenizer, and its
     backbone when ``init="policy"``); ``init`` is ``"policy"`` or the directory of an HF
     sequence-classification reward model with one label, whose backbone and score head
     become the value model. ``head_init_std`` > 0 draws a policy-initialised head from a
@@ -58,7 +59,6 @@ class CriticWorker(DeepSpeedRank):
     and engine settings (its lr, ZeRO stage, micro-batch size)."""
 
     role = "critic"
-    metric_prefix = "critic/"  # critic/grad_norm, critic/lr: apart from the policy's keys
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
                  seed: int = 0, num_threads: int = 1, init: str = "policy", head_init_std: float = 0.0):
@@ -66,23 +66,45 @@ class CriticWorker(DeepSpeedRank):
         if init != "policy" and not os.path.isdir(init):
             raise FileNotFoundError(f"critic {rank}: init must be 'policy' or a reward model directory, got "
                                     f"'{init}' (not a directory)")
-        super().__init__(model, rank, world_size, config, seed, num_threads)
+        # critic/grad_norm, critic/lr: apart from the policy's keys
+        self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role,
+                                metric_prefix="critic/")
+        self.rank, self.world_size, self.config = rank, world_size, config
         self.init, self.head_init_std, self.seed = init, head_init_std, seed
 
-    def build_module(self, device: str) -> torch.nn.Module:
+    def endpoint(self) -> tuple:
+        """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
+        return rendezvous_endpoint()
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Build the value model (fp32; DeepSpeed casts it for bf16), join the critics' process
+        group and build the DeepSpeed engine (all ranks together)."""
         from transformers import AutoTokenizer
 
-        path = self.model_config.model_name_or_path
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.model_config.trust_remote_code)
+        path = self.ds.model_config.model_name_or_path
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.ds.model_config.trust_remote_code)
         if self.init == "policy":
             module = value_model_from_policy(path, head_init_std=self.head_init_std, dtype=torch.float32,
                                              seed=self.seed)
         else:
             module = value_model_from_reward_model(self.init, dtype=torch.float32)
-        return module.to(device)
+        self.ds.setup(master_addr, master_port, module.to(self.ds.module_device))
+        return self.info()
 
     def info(self) -> dict:
-        return {**super().info(), "init": self.init}
+        return {**self.ds.info(), "init": self.init}
+
+    @property
+    def module(self):
+        return self.ds.module
+
+    def reset_optimizer(self, lr: Optional[float] = None) -> bool:
+        """Forget Adam moments and optionally set a new lr."""
+        return self.ds.reset_optimizer(lr)
+
+    def full_state(self, rank0_only: bool = False) -> dict:
+        """Every parameter, gathered, as numpy fp32 (collective under ZeRO-3; see ``DeepSpeedRank.full_state``)."""
+        return self.ds.full_state(rank0_only)
 
     def pad_token_id(self) -> int:
         tok = self.tokenizer
@@ -148,14 +170,14 @@ class CriticWorker(DeepSpeedRank):
 
     def _update(self, shard: Batch, counts, clip: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts."""
-        self._backwards_left = max(1, micro_batch_count(shard.size, self.config.micro_batch_size))
+        self.ds.start_update(micro_batch_count(shard.size, self.config.micro_batch_size))
         metrics = {}
         if shard.size:
-            metrics = value_forward_backward(self.engine, shard, counts, clip, self.config.micro_batch_size,
-                                             backward=self._backward, loss_scale=float(self.world_size))
+            metrics = value_forward_backward(self.ds.engine, shard, counts, clip, self.config.micro_batch_size,
+                                             backward=self.ds.backward, loss_scale=float(self.world_size))
         else:
-            self._empty_backward()
-        return self._finish_step(metrics, lr)
+            self.ds.empty_backward()
+        return self.ds.finish_step(metrics, lr)
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> str:
@@ -165,7 +187,7 @@ class CriticWorker(DeepSpeedRank):
         the policy's checkpoint, pass the finished directory to the trainer's
         ``save_checkpoint(..., extra_dirs={"critic": path})``."""
         hf_tmp = path + ".hf.tmp"
-        with self._gathered([name for name, _ in self.module.named_parameters()]):  # collective under ZeRO-3
+        with self.ds.gathered([name for name, _ in self.module.named_parameters()]):  # collective under ZeRO-3
             if self.rank == 0:
                 save_value_model(self.module, hf_tmp)
                 self.tokenizer.save_pretrained(hf_tmp)
@@ -173,13 +195,13 @@ class CriticWorker(DeepSpeedRank):
         def write(staging: str) -> None:
             os.rename(hf_tmp, os.path.join(staging, "hf"))
             with open(os.path.join(staging, "critic.json"), "w") as f:
-                json.dump({"steps": self.steps, "init": self.init}, f)
+                json.dump({"steps": self.ds.steps, "init": self.init}, f)
 
-        return self._save_checkpoint(path, write)
+        return self.ds.save(path, write)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore the value model, its optimizer, the step count and the RNG (all ranks
         together, into a group of the same ZeRO stage and size); returns ``critic.json``."""
-        self._load_checkpoint(path)
+        self.ds.load(path)
         with open(os.path.join(path, "critic.json")) as f:
             return json.load(f)

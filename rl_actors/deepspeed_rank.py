@@ -2,18 +2,21 @@
 
 The trainer (``rl_actors.trainer.TrainerWorker``) and the PPO critic
 (``rl_actors.critic.CriticWorker``) are both one rank of such a group, gloo + fp32 on CPU,
-NCCL + bf16 on GPU. This base class holds what they share; a subclass names its ``role``,
-builds its module (``build_module``) and says which metric keys its updates report.
+NCCL + bf16 on GPU. Each actor holds a ``DeepSpeedRank`` (``self.ds``) and builds its own
+fp32 module (a causal LM, a value model); this object holds the engine and does what the
+two share.
 
-* **Rendezvous.** Rank 0's ``endpoint()`` gives ``(ip, free port)``; every rank then calls
-  ``setup(ip, port)`` together. Each group (trainers, critics) is its own set of processes
-  with its own default process group, so the two never share collectives.
-* **One reduction per update.** An update may hold any number of micro-batches: before each
-  backward the rank tells DeepSpeed whether it is the last one
-  (``set_gradient_accumulation_boundary``, counted down in ``_backwards_left``), so gradients
-  reduce once, then ``_finish_step`` steps. A rank without rows joins the reduction with a
-  zero loss (``_empty_backward``). DeepSpeed averages gradients over ranks, so a subclass
-  multiplies its loss (already divided by the step's *global* counts) by the world size.
+* **Rendezvous.** Rank 0's actor answers ``rendezvous_endpoint()``: ``(ip, free port)``;
+  every rank then calls ``setup(ip, port, module)`` together. Each group (trainers,
+  critics) is its own set of processes with its own default process group, so the two
+  never share collectives.
+* **One reduction per update.** An update may hold any number of micro-batches:
+  ``start_update(n)`` says how many backward passes it makes, and before each ``backward``
+  the rank tells DeepSpeed whether it is the last one (``set_gradient_accumulation_boundary``),
+  so gradients reduce once, then ``finish_step`` steps. A rank without rows joins the
+  reduction with a zero loss (``empty_backward``). DeepSpeed averages gradients over ranks,
+  so the caller multiplies its loss (already divided by the step's *global* counts) by the
+  world size.
 * **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and its RNG
   state into one temporary directory that rank 0 moves into the checkpoint in a single
   rename (``primitives.checkpoint.atomic_directory``); nothing is ever half-written.
@@ -69,42 +72,42 @@ def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
     }
 
 
-class DeepSpeedRank:
-    """One rank of a DeepSpeed group. Subclasses set ``role`` and ``metric_prefix`` (the
-    namespace of the ``grad_norm`` / ``lr`` keys ``_finish_step`` reports) and implement
-    ``build_module(device) -> nn.Module`` (called once, in ``setup``, after the process group
-    exists)."""
+def rendezvous_endpoint() -> tuple:
+    """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
+    import ray
 
-    role = "rank"
-    metric_prefix = ""
+    from cluster.weight_sync import free_port
+
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port(ip)
+
+
+class DeepSpeedRank:
+    """One rank of a DeepSpeed group, held by the actor that is that rank. ``role`` names
+    the actor in ``info`` and errors; ``metric_prefix`` is the namespace of the
+    ``grad_norm`` / ``lr`` keys ``finish_step`` reports."""
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
-                 seed: int = 0, num_threads: int = 1):
+                 seed: int = 0, num_threads: int = 1, *, role: str, metric_prefix: str = ""):
         setup_process(num_threads, seed)
         self.model_config, self.rank, self.world_size, self.config = model, rank, world_size, config
+        self.role, self.metric_prefix = role, metric_prefix
         self.on_gpu = gpu_visible()
         self.bf16 = self.on_gpu if config.bf16 is None else config.bf16
+        if not self.on_gpu:  # before anything imports deepspeed (transformers does): it picks its accelerator once
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.engine = self.optimizer = None
         self.steps = 0
         self._backwards_left = 0  # micro-batches still to come in the current update
 
-    def build_module(self, device: str) -> torch.nn.Module:
-        """The fp32 module this rank trains, on ``device`` (DeepSpeed casts it for bf16)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement build_module(device)")
+    @property
+    def module_device(self) -> str:
+        """Where the actor builds its fp32 module, before ``setup``."""
+        return "cuda" if self.on_gpu else "cpu"
 
-    def endpoint(self) -> tuple:
-        """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
-        import ray
-
-        from cluster.weight_sync import free_port
-
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
-
-    def setup(self, master_addr: str, master_port: int) -> dict:
-        """Join this group's process group and build the DeepSpeed engine (all ranks together)."""
-        if not self.on_gpu:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    def setup(self, master_addr: str, master_port: int, module: torch.nn.Module) -> None:
+        """Join this group's process group and wrap ``module`` (fp32, on ``module_device``;
+        DeepSpeed casts it for bf16) in the DeepSpeed engine with its AdamW (all ranks together)."""
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
                            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
         import deepspeed
@@ -112,13 +115,11 @@ class DeepSpeedRank:
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
                                    init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                    world_size=self.world_size)
-        module = self.build_module("cuda" if self.on_gpu else "cpu")
         optimizer = torch.optim.AdamW(module.parameters(), lr=self.config.lr, betas=tuple(self.config.betas),
                                       weight_decay=self.config.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
         self.device = self.engine.device
-        return self.info()
 
     def info(self) -> dict:
         model = describe_model(self.module) if self.engine is not None else {}
@@ -130,15 +131,30 @@ class DeepSpeedRank:
         return self.engine.module
 
     # --------------------------------------------------------------- one update
-    def _set_lr(self, lr: Optional[float]) -> None:
+    def set_lr(self, lr: Optional[float]) -> None:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
-    def _finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
+    def start_update(self, micro_batches: int) -> None:
+        """The next update makes ``micro_batches`` backward passes (at least one: a rank
+        without rows makes ``empty_backward``)."""
+        self._backwards_left = max(1, micro_batches)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward; the gradients reduce over ranks after the update's last."""
+        self._backwards_left -= 1
+        self.engine.set_gradient_accumulation_boundary(self._backwards_left <= 0)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def empty_backward(self) -> None:
+        """A rank with no rows this step still joins the gradient reduction, with zeros."""
+        self.backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+
+    def finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
         """Step the engine (after the last micro-batch's backward) and add the reduced
         ``grad_norm`` and the ``lr``, under ``metric_prefix``."""
-        self._set_lr(lr)
+        self.set_lr(lr)
         self.engine.step()
         self.steps += 1
         norm = self.engine.get_global_grad_norm()
@@ -146,24 +162,15 @@ class DeepSpeedRank:
         metrics[self.metric_prefix + "lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
-    def _empty_backward(self) -> None:
-        """A rank with no rows this step still joins the gradient reduction, with zeros."""
-        self._backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self._backwards_left -= 1
-        self.engine.set_gradient_accumulation_boundary(self._backwards_left <= 0)
-        self.engine.backward(loss, scale_wrt_gas=False)
-
     def reset_optimizer(self, lr: Optional[float] = None) -> bool:
         """Forget Adam moments (between SFT and RL, say) and optionally set a new lr."""
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         inner.state.clear()
-        self._set_lr(lr)
+        self.set_lr(lr)
         return True
 
     # --------------------------------------------------------------- weights
-    def _gathered(self, names: Sequence[str]):
+    def gathered(self, names: Sequence[str]):
         """Context in which the named parameters are whole on this rank (ZeRO-3 gathers;
         collective: every rank enters it)."""
         import deepspeed
@@ -179,13 +186,13 @@ class DeepSpeedRank:
         with ``rank0_only`` the other ranks only join the gathers and return {}."""
         out = {}
         for name, p in self.module.named_parameters():
-            with self._gathered([name]):
+            with self.gathered([name]):
                 if self.rank == 0 or not rank0_only:
                     out[name] = p.detach().float().cpu().numpy().copy()
         return out
 
     # --------------------------------------------------------------- checkpoints
-    def _save_checkpoint(self, path: str, write: Callable[[str], None]) -> str:
+    def save(self, path: str, write: Callable[[str], None]) -> str:
         """Write ``path`` atomically: ``deepspeed/`` (every rank's engine shard, optimizer
         included, and ``rng_rank{r}.pt``) plus whatever ``write(staging_dir)`` adds on rank 0.
 
@@ -210,7 +217,7 @@ class DeepSpeedRank:
         dist.barrier()
         return path
 
-    def _load_checkpoint(self, path: str) -> None:
+    def load(self, path: str) -> None:
         """Restore the engine shard (weights and optimizer), the step count and the RNG of
         this rank from ``path/deepspeed`` (all ranks call it together)."""
         if not os.path.isdir(os.path.join(path, "deepspeed")):

@@ -1,7 +1,8 @@
 """TrainerWorker: one rank of a DeepSpeed ZeRO-1/2/3 engine (gloo + fp32 on CPU, NCCL + bf16 on GPU).
 
 The group plumbing (rendezvous, engine, one gradient reduction per update, checkpoints)
-is ``rl_actors.deepspeed_rank.DeepSpeedRank``, shared with the PPO critic. Every rank
+is a ``rl_actors.deepspeed_rank.DeepSpeedRank`` the worker holds (``self.ds``), as the PPO
+critic does; the worker builds the causal LM and does the policy's work. Every rank
 receives the whole step batch by reference, trains on its contiguous shard, and divides its
 loss by the step's *global* token / sequence counts; DeepSpeed averages gradients over
 ranks, so the loss is multiplied by the world size to make the reduced gradient the
@@ -42,26 +43,56 @@ from primitives.training import (
 )
 from primitives.types import Batch, ModelConfig
 from rl_actors.common import load_causal_lm
-from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, deepspeed_config, micro_batch_count
+from rl_actors.deepspeed_rank import (
+    DeepSpeedRank,
+    TrainerConfig,
+    deepspeed_config,
+    micro_batch_count,
+    rendezvous_endpoint,
+)
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
 
-class TrainerWorker(DeepSpeedRank):
-    """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``DeepSpeedRank``
-    holds the group plumbing), RL and SFT updates on this rank's shard, weight broadcast."""
+class TrainerWorker:
+    """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``self.ds``, a
+    ``DeepSpeedRank``, holds the group plumbing), RL and SFT updates on this rank's shard,
+    weight broadcast."""
 
     role = "trainer"
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
                  seed: int = 0, num_threads: int = 1):
-        super().__init__(model, rank, world_size, config, seed, num_threads)
+        self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role)
+        self.rank, self.world_size, self.config = rank, world_size, config
         self.sync_group = None
 
-    def build_module(self, device: str) -> torch.nn.Module:
-        module, self.tokenizer = load_causal_lm(self.model_config._replace(device=device, dtype="float32"),
-                                                f"{self.role} {self.rank}")
-        return module
+    def endpoint(self) -> tuple:
+        """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
+        return rendezvous_endpoint()
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Load the policy (fp32; DeepSpeed casts it for bf16), join the trainers' process group
+        and build the DeepSpeed engine (all ranks together)."""
+        module, self.tokenizer = load_causal_lm(
+            self.ds.model_config._replace(device=self.ds.module_device, dtype="float32"), f"{self.role} {self.rank}")
+        self.ds.setup(master_addr, master_port, module)
+        return self.info()
+
+    def info(self) -> dict:
+        return self.ds.info()
+
+    @property
+    def module(self):
+        return self.ds.module
+
+    def reset_optimizer(self, lr: Optional[float] = None) -> bool:
+        """Forget Adam moments (between SFT and RL, say) and optionally set a new lr."""
+        return self.ds.reset_optimizer(lr)
+
+    def full_state(self, rank0_only: bool = False) -> dict:
+        """Every parameter, gathered, as numpy fp32 (collective under ZeRO-3; see ``DeepSpeedRank.full_state``)."""
+        return self.ds.full_state(rank0_only)
 
     # --------------------------------------------------------------- training
     def train_step(self, batch: Batch, algo: AlgorithmConfig, temperature: float, lr: Optional[float] = None) -> list:
@@ -87,28 +118,28 @@ class TrainerWorker(DeepSpeedRank):
     def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts."""
         unit = pair_unit(algo)
-        self._backwards_left = max(1, micro_batch_count(shard.size, self.config.micro_batch_size, unit))
+        self.ds.start_update(micro_batch_count(shard.size, self.config.micro_batch_size, unit))
         metrics = {}
         if shard.size:
-            metrics = forward_backward(self.engine, shard, algo, counts, self.config.micro_batch_size,
-                                       temperature, backward=self._backward, loss_scale=float(self.world_size),
+            metrics = forward_backward(self.ds.engine, shard, algo, counts, self.config.micro_batch_size,
+                                       temperature, backward=self.ds.backward, loss_scale=float(self.world_size),
                                        where=f"{self.role} {self.rank}")
         else:
-            self._empty_backward()
-        return self._finish_step(metrics, lr)
+            self.ds.empty_backward()
+        return self.ds.finish_step(metrics, lr)
 
     def sft_step(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
                  lr: Optional[float] = None) -> dict:
         """One SFT optimizer step: this rank's rows, loss normalised by the global target count."""
         num_tokens = int(loss_mask[:, 1:].sum())
         rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
-        self._backwards_left = max(1, micro_batch_count(len(rows), self.config.micro_batch_size))
-        metrics = sft_forward_backward(self.engine, input_ids[rows], attention_mask[rows], loss_mask[rows],
-                                       num_tokens, self.config.micro_batch_size, backward=self._backward,
+        self.ds.start_update(micro_batch_count(len(rows), self.config.micro_batch_size))
+        metrics = sft_forward_backward(self.ds.engine, input_ids[rows], attention_mask[rows], loss_mask[rows],
+                                       num_tokens, self.config.micro_batch_size, backward=self.ds.backward,
                                        loss_scale=float(self.world_size)) if len(rows) else {}
         if not len(rows):
-            self._empty_backward()
-        return self._finish_step(metrics, lr)
+            self.ds.empty_backward()
+        return self.ds.finish_step(metrics, lr)
 
     def pad_token_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
@@ -119,7 +150,7 @@ class TrainerWorker(DeepSpeedRank):
         num_tokens = int(loss_mask[:, 1:].sum())
         rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
         part = rows if len(rows) else np.arange(1)
-        metrics = sft_eval_loss(self.engine, input_ids[part], attention_mask[part], loss_mask[part], num_tokens,
+        metrics = sft_eval_loss(self.ds.engine, input_ids[part], attention_mask[part], loss_mask[part], num_tokens,
                                 self.config.micro_batch_size)
         return metrics if len(rows) else {}
 
@@ -129,7 +160,7 @@ class TrainerWorker(DeepSpeedRank):
         meta = []
         for name, p in self.module.named_parameters():
             shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-            dtype = torch.bfloat16 if self.bf16 else torch.float32
+            dtype = torch.bfloat16 if self.ds.bf16 else torch.float32
             meta.append(TensorMeta(name, shape, dtype_name(dtype)))
         return meta
 
@@ -141,7 +172,7 @@ class TrainerWorker(DeepSpeedRank):
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
             self.sync_group = stateless_init_process_group(address.host, address.port, 0, address.world_size,
-                                                           self.device)
+                                                           self.ds.device)
         elif self.rank == 0:
             self.sync_group = init_sync_group(address, 0)
         return True
@@ -152,7 +183,7 @@ class TrainerWorker(DeepSpeedRank):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
         params = dict(self.module.named_parameters())
-        with self._gathered([m.name for m in meta]):
+        with self.ds.gathered([m.name for m in meta]):
             if self.rank == 0:
                 args = NCCLTrainerSendWeightsArgs(group=self.sync_group, packed=True,
                                                   packed_buffer_size_bytes=bucket_bytes)
@@ -168,9 +199,9 @@ class TrainerWorker(DeepSpeedRank):
         moved = 0
         for idx in bucket_plan(meta, bucket_bytes):
             metas = [meta[i] for i in idx]
-            with self._gathered([m.name for m in metas]):
+            with self.ds.gathered([m.name for m in metas]):
                 if self.rank == 0:
-                    moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.device,
+                    moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.ds.device,
                                                get_tensors=lambda ms: [params[m.name].data for m in ms])
         return moved
 
@@ -179,12 +210,12 @@ class TrainerWorker(DeepSpeedRank):
         and the baseline the bucketed sync is measured against)."""
         from cluster.weight_sync import DTYPES, raw_broadcast
 
-        return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.device)
+        return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.ds.device)
 
     def weight_checksums(self) -> dict:
         sums = {}
         for name, p in self.module.named_parameters():
-            with self._gathered([name]):
+            with self.ds.gathered([name]):
                 sums.update(tensor_checksums([(name, p.data)]))
         return sums
 
@@ -212,10 +243,10 @@ class TrainerWorker(DeepSpeedRank):
             with open(os.path.join(staging, "train_state.json"), "w") as f:
                 json.dump(train_state or {}, f)
 
-        return self._save_checkpoint(path, write)
+        return self.ds.save(path, write)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore weights, optimizer, step count and RNG; returns the saved ``train_state``."""
-        self._load_checkpoint(path)
+        self.ds.load(path)
         with open(os.path.join(path, "train_state.json")) as f:
             return json.load(f)
