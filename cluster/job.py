@@ -525,7 +525,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     names = inputs.component_names if len(inputs.component_names) > 1 else None
     backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
                                           aggregate_fn=inputs.aggregate_fn, seed=job.seed,
-                                          bucket_mb=cfg.sync_bucket_mb))
+                                          bucket_mb=cfg.sync_bucket_mb, reserve_critics=needs_values(inputs.algo)))
 
     def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
         return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,

@@ -40,7 +40,8 @@ class RLCluster(NamedTuple):
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
 
 
-def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None) -> list:
+def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None,
+               with_critic: bool = False) -> list:
     """The RoleSpec of each role; ``node_resources`` maps a role to custom resources that pin
     it to matching nodes (e.g. {"generator": {"generator_node": 0.01}})."""
     extra = node_resources or {}
@@ -51,7 +52,14 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
              RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
     if with_reference:
         roles.append(RoleSpec("reference", 1, cfg.reference_cpus, cfg.reference_gpus, extra.get("reference"), strategy))
+    if with_critic:
+        roles.append(critic_spec(cfg, extra))
     return roles
+
+
+def critic_spec(cfg: ClusterConfig, node_resources: Optional[dict] = None) -> RoleSpec:
+    return RoleSpec("critic", cfg.critics, cfg.critic_cpus, cfg.critic_gpus, (node_resources or {}).get("critic"),
+                    cfg.placement)
 
 
 def start_ray(cfg: ClusterConfig, roles) -> str:
@@ -103,12 +111,14 @@ def check_cluster_hooks(reward_fn: Callable, aggregate_fn: Optional[Callable], s
 def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
                      with_reference: bool, ref_update_fn: Optional[Callable] = None, aggregate_fn=None,
                      shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
-                     node_resources: Optional[dict] = None) -> RLCluster:
+                     node_resources: Optional[dict] = None, reserve_critics: bool = False) -> RLCluster:
     """Check resources, place each role, create and set up every actor, wire weight sync.
 
     ``model`` (a ``ModelConfig``, or a bare path for the defaults) reaches every actor as given:
     dtype, device, ``trust_remote_code`` and attention implementation. The trainers keep fp32
-    master weights whatever the dtype (DeepSpeed casts to bf16 on GPU)."""
+    master weights whatever the dtype (DeepSpeed casts to bf16 on GPU). ``reserve_critics``
+    counts a critic group (``add_critics``, later) in the resources a local Ray starts with
+    and checks up front."""
     from rl_actors.generator import GeneratorWorker
     from rl_actors.reference import RefLogprobWorker
     from rl_actors.reward import RewardWorker
@@ -119,7 +129,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
         node_resources = NODE_GROUP_PINS
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
     with_reference = with_reference or reward_needs_reference
-    roles = role_specs(cfg, with_reference, node_resources)
+    roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
     spec = {r.name: r for r in roles}
@@ -224,8 +234,7 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
 
     if cluster.critics is not None:
         raise ValueError("the cluster already has critics")
-    pins = NODE_GROUP_PINS if cfg.pin_roles else {}
-    spec = RoleSpec("critic", cfg.critics, cfg.critic_cpus, cfg.critic_gpus, pins.get("critic"), cfg.placement)
+    spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
     check_fits([spec], *cluster_resources())
     critics = create_group(CriticWorker, spec, create_placement_group(spec),
                            lambda r: ((model, r, cfg.critics, critic_cfg, seed, cfg.threads_per_actor, init), {}))

@@ -217,10 +217,28 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
     return algo
 
 
+def _on_sample(fn, what: str, *args):
+    """``fn(*args)`` on a small sample; any failure is a ValueError naming ``what``."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise ValueError(f"{what} {fn_name(fn)} fails on a small sample: {type(e).__name__}: {e}") from None
+
+
+def _per_token(out, what: str, fn, shape: tuple) -> None:
+    if not hasattr(out, "shape") or tuple(out.shape) != shape:
+        raise ValueError(f"{what} {fn_name(fn)} must return a per-token (B, T) tensor; on a {shape} sample it "
+                         f"returned {getattr(out, 'shape', type(out).__name__)}")
+
+
 def check_algorithm_functions(algo: AlgorithmConfig) -> None:
-    """Each function field accepts its documented arguments (checked by signature, before any
-    work starts); errors name the field and the function."""
+    """Each function field takes its documented arguments (by signature) and gives the
+    documented result on a small sample (2 groups of 2 rows, 3 tokens), before any work
+    starts; errors name the field and the function."""
     import torch
+
+    from primitives.losses import LossCounts
+    from primitives.objectives import LossInputs
 
     where = f"algorithm '{algo.name}'"
     z = torch.zeros(1, 1)
@@ -233,11 +251,34 @@ def check_algorithm_functions(algo: AlgorithmConfig) -> None:
         check_arity(algo.pair_selector, f"{where}: pair_selector", [], None)
     for f in algo.filters:
         check_arity(f, f"{where}: filter", [])
-    # the KL estimator runs on a sample: it must give one value per token
-    out = algo.kl_fn(torch.zeros(2, 3), torch.full((2, 3), -0.5), torch.ones(2, 3))
-    if not hasattr(out, "shape") or tuple(out.shape) != (2, 3):
-        raise ValueError(f"{where}: kl_fn {fn_name(algo.kl_fn)} must return a per-token (B, T) tensor; "
-                         f"on a (2, 3) sample it returned {getattr(out, 'shape', type(out).__name__)}")
+    B, T = 4, 3
+    mask, logp = torch.ones(B, T), torch.full((B, T), -1.0)
+    kl = _on_sample(algo.kl_fn, f"{where}: kl_fn", logp, torch.full((B, T), -1.5), mask)
+    _per_token(kl, f"{where}: kl_fn", algo.kl_fn, (B, T))
+    sample = adv.AdvantageInputs(torch.tensor([1.0, 0.0, 0.5, 0.25]), ("a", "a", "b", "b"), mask,
+                                 token_kl=kl if algo.kl_in_reward else None,
+                                 values=torch.zeros(B, T) if needs_values(algo) else None)
+    out = _on_sample(algo.advantage_fn, f"{where}: advantage_fn", sample, algo)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"{where}: advantage_fn {fn_name(algo.advantage_fn)} must return (advantages, returns or "
+                         f"None); on a sample it returned {type(out).__name__}")
+    _per_token(out[0], f"{where}: advantage_fn", algo.advantage_fn, (B, T))
+    per_tok = _on_sample(algo.policy_loss_fn, f"{where}: policy_loss_fn", logp, logp, torch.ones(B, T), mask, algo)
+    if not (isinstance(per_tok, tuple) and len(per_tok) == 2):
+        raise ValueError(f"{where}: policy_loss_fn {fn_name(algo.policy_loss_fn)} must return (per-token loss, "
+                         f"clipped); on a sample it returned {type(per_tok).__name__}")
+    _per_token(per_tok[0], f"{where}: policy_loss_fn", algo.policy_loss_fn, (B, T))
+    counts = LossCounts(num_tokens=B * T, num_sequences=B, max_len=T)
+    total = _on_sample(algo.aggregation, f"{where}: aggregation", per_tok[0], mask, counts)
+    if not hasattr(total, "shape") or tuple(total.shape) != ():
+        raise ValueError(f"{where}: aggregation {fn_name(algo.aggregation)} must return a scalar tensor")
+    inputs = LossInputs(logp=logp.clone().requires_grad_(True), old_logp=None,
+                        advantages=torch.tensor([[1.0] * T, [-1.0] * T] * 2), mask=mask, counts=counts,
+                        behaviour_logp=logp, ref_logp=torch.full((B, T), -1.5), entropy=torch.ones(B, T))
+    result = _on_sample(algo.loss_fn, f"{where}: loss_fn", inputs, algo)
+    if not (isinstance(result, tuple) and len(result) == 2 and hasattr(result[0], "backward")
+            and isinstance(result[1], dict)):
+        raise ValueError(f"{where}: loss_fn {fn_name(algo.loss_fn)} must return (loss tensor, metrics dict)")
 
 
 def uses_reference(algo: AlgorithmConfig) -> bool:

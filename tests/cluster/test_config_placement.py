@@ -53,11 +53,17 @@ def test_split_evenly_and_bucket_plan():
     (["--generation.temperature", "-1"], "generation.temperature must be > 0"),
     (["--algorithm.lr", "-1"], "algorithm.lr must be positive"),
     (["--sft.lr", "0"], "sft.lr must be positive"),
-    (["--algorithm.name", "ppo"], "algorithm 'ppo' needs a critic"),
     (["--algorithm.mini-batches", "200", "--algorithm.prompts-per-step", "4"], "every rank needs rows"),
     (["--algorithm.is-level", "tokens"], "algorithm.is_level must be one of off, token, sequence"),
     (["--rewards.0.name", "no_such_module:reward"], "cannot import 'no_such_module'"),
     (["--algorithm.name", "gspo", "--algorithm.ppo-epochs", "0"], "algorithm.ppo_epochs must be at least 1"),
+    (["--algorithm.name", "no_such_module:my_algorithm"], "cannot import 'no_such_module'"),
+    (["--algorithm.overrides", "kl_fn", "k4"], "kl_fn: unknown name 'k4'"),
+    (["--algorithm.overrides", "kl_fn", "primitives.kl:kl_k1", "advantage_fn", "primitives.kl:kl_k2"],
+     "advantage_fn primitives.kl.kl_k2 fails on a small sample"),
+    (["--algorithm.name", "online_dpo", "--algorithm.overrides", "pair_selector", "none"],
+     "pair_selector: unknown name 'none'"),
+    (["--algorithm.name", "ppo", "--cluster.critics", "0"], "cluster.critics must be at least 1"),
 ])
 def test_bad_values_are_usage_errors_before_ray(argv, message, monkeypatch, tmp_path):
     """Each is a clean exit naming the field (no traceback), before Ray is imported, before
