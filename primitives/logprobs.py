@@ -45,6 +45,15 @@ def disable_dropout(model) -> None:
                 setattr(module, name, 0.0)
 
 
+def check_layout(input_ids, attention_mask, prompt_len: int) -> None:
+    """A ``Batch``-layout input: ids and mask of one shape, the prompt inside the sequence."""
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                         f"{tuple(attention_mask.shape)} differ in shape")
+    if not 0 < prompt_len < input_ids.shape[1]:
+        raise ValueError(f"prompt_len {prompt_len} must lie inside the sequence length {input_ids.shape[1]}")
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                         temperature: float = 1.0, micro_batch_size: Optional[int] = None,
                         with_entropy: bool = False):
@@ -55,11 +64,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     caller disables them. ``micro_batch_size`` bounds the rows in one forward pass.
     Dropout is switched off first (``disable_dropout``).
     """
-    if input_ids.shape != attention_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
-                         f"{tuple(attention_mask.shape)} differ in shape")
-    if not 0 < prompt_len < input_ids.shape[1]:
-        raise ValueError(f"prompt_len {prompt_len} must lie inside the sequence length {input_ids.shape[1]}")
+    check_layout(input_ids, attention_mask, prompt_len)
     disable_dropout(model)
     step = micro_batch_size or input_ids.shape[0]
     logps, ents = [], []

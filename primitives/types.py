@@ -175,50 +175,6 @@ class Batch(BatchFields):
         return int((self.loss_mask.sum(1) > 0).sum())
 
 
-class AlgorithmConfig(NamedTuple):
-    """Which maths one RL step uses. Names are resolved by ``primitives.algorithms``.
-
-    Built by the presets in ``primitives.algorithms`` (``grpo()``, ``dapo()`` ...); a
-    schedule maps the iteration to one of these, so switching algorithm is a function.
-    """
-
-    name: str = "grpo"
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae | none
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | online_dpo
-    aggregation: str = "seq-mean-token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: Optional[float] = None  # c > 1 enables dual clip (Ye et al. 2020)
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    kl_in_reward: bool = False  # True: PPO / REINFORCE++ style; False: GRPO style (in the loss)
-    entropy_coef: float = 0.0
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    # DAPO soft overlong penalty: the buffer as a share of max_completion_len (0 = off; the
-    # paper's 4096 of 20480 tokens is 0.2)
-    overlong_buffer_frac: float = 0.0
-    overlong_penalty: float = 1.0  # DAPO: penalty at the hard limit
-    max_completion_len: int = 0  # the overlong penalty's hard limit; 0 = the generation budget
-    filter_overlong: bool = False  # DAPO overlong filtering: truncated completions get no loss (masked)
-    dpo_beta: float = 0.1  # online DPO
-    pair_selection: str = "top_bottom"  # online DPO pair selector
-    gamma: float = 1.0  # discount (GAE / REINFORCE++)
-    lam: float = 1.0  # GAE lambda
-    value_clip: float = 0.2  # PPO value loss clip
-    value_coef: float = 0.5
-    whiten_advantages: bool = False  # batch whitening after the advantage function
-    adv_eps: float = 1e-6
-    needs_reference: bool = True  # False: never fetch reference logprobs (then kl_coef must be 0)
-    # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-    # brings you off-policy RL training"): the loss of each token is weighted by
-    # min(pi_old / pi_behaviour, is_cap), per token or per sequence, so a generator that
-    # differs from the trainer (vLLM, bf16, top-p, stale weights) is corrected explicitly.
-    is_level: str = "token"  # off | token | sequence
-    is_cap: float = 2.0  # the truncation C of the importance weight
-    ppo_epochs: int = 1  # passes over each rollout batch
-    mini_batches: int = 1  # optimizer updates per pass (the batch split into this many parts)
-
-
 class TrainingStats(NamedTuple):
     """What one optimizer step reports (scalars; summed over micro-batches / ranks)."""
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from primitives.checkpoint import atomic_directory
 from primitives.generation import position_ids_from_mask
-from primitives.logprobs import disable_dropout, pack_completions
+from primitives.logprobs import check_layout, disable_dropout, pack_completions
 from primitives.losses import LossCounts, aggregate_loss, clipped_value_loss
 from primitives.types import Batch
 
@@ -172,11 +172,7 @@ def completion_values(value_model, input_ids: torch.Tensor, attention_mask: torc
     ``V_t`` is the value at position ``P - 1 + t``: the state before completion token t is
     produced. Gradients flow unless the caller disables them; dropout is switched off.
     """
-    if input_ids.shape != attention_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
-                         f"{tuple(attention_mask.shape)} differ in shape")
-    if not 0 < prompt_len < input_ids.shape[1]:
-        raise ValueError(f"prompt_len {prompt_len} must lie inside the sequence length {input_ids.shape[1]}")
+    check_layout(input_ids, attention_mask, prompt_len)
     disable_dropout(value_model)
     step = micro_batch_size or input_ids.shape[0]
     parts = []
