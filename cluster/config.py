@@ -48,7 +48,7 @@ class ClusterConfig(NamedTuple):
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
     critic_cpus: float = 1.0  # CPUs per critic rank
-    critic_gpus: float = 0.0  # GPUs per critic rank
+    critic_gpus: Optional[float] = None  # GPUs per critic rank (None: as many as a trainer rank)
 
 
 class DataConfig(NamedTuple):
@@ -64,7 +64,7 @@ class DataConfig(NamedTuple):
 
 
 class RLConfig(NamedTuple):
-    name: str = "grpo"  # preset (grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, online_dpo) or module:function
+    name: str = "grpo"  # preset (grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, ppo, online_dpo) or module:function
     steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
     prompts_per_step: int = 32  # prompts per RL step
     lr: float = 3e-4  # RL learning rate

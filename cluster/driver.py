@@ -76,13 +76,43 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
     return kept, position, {**times, **extra}
 
 
+def check_algorithm_for(backend, algo) -> None:
+    """``algo`` fits this backend: its functions take their arguments and give the documented
+    results on a sample, it has the critic and reference it needs, and on Ray every function
+    it carries (filters included) can be pickled. Named errors, before a step of ``algo``."""
+    from primitives.algorithms import check_algorithm_functions, check_algorithm_picklable, validate_algorithm
+
+    check_algorithm_functions(validate_algorithm(algo))
+    if needs_values(algo) and not backend.has_critic:
+        raise ValueError(f"algorithm '{algo.name}': its advantage function reads critic values (GAE), but the "
+                         f"{backend.name} backend has no critic")
+    if uses_reference(algo) and not backend.has_reference:
+        raise ValueError(f"algorithm '{algo.name}' needs reference logprobs (kl_coef={algo.kl_coef}, or a loss "
+                         f"that reads them), but the {backend.name} backend has no reference model")
+    if backend.name == "ray":
+        check_algorithm_picklable(algo)
+
+
+def _seen(algo, checked: set) -> bool:
+    """Whether ``algo`` was checked before (and remember it); a record holding something
+    unhashable is checked every time."""
+    try:
+        if algo in checked:
+            return True
+        checked.add(algo)
+    except TypeError:
+        pass
+    return False
+
+
 def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
                       eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools) -> None:
     """Every hook of ``train`` takes its documented arguments, and on Ray the ones that travel
-    to actors can be pickled: named errors before the first step."""
+    to actors can be pickled: named errors before the first step. (An algorithm a schedule
+    turns to later is checked when it first appears.)"""
     from primitives.hooks import check_picklable
 
-    algo = check_schedule(algorithm_schedule)
+    check_algorithm_for(backend, check_schedule(algorithm_schedule))
     check_arity(prompt_source, "prompt_source", None, 1)
     check_arity(logger, "logger", {})
     if eval_fn is not None:
@@ -95,13 +125,7 @@ def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Call
                                                                        (None,))):
             if fn is not None:
                 check_arity(fn, what, *args)
-    if needs_values(algo) and not backend.has_critic:
-        raise ValueError(f"algorithm '{algo.name}': its advantage function reads critic values (GAE), but the "
-                         f"{backend.name} backend has no critic")
-    if backend.name == "ray":
-        for field in ("advantage_fn", "policy_loss_fn", "loss_fn", "aggregation", "kl_fn", "pair_selector"):
-            check_picklable(getattr(algo, field), f"algorithm '{algo.name}': {field}")
-        if tools is not None:
+        if backend.name == "ray":
             check_picklable(tools, "tools (parser, executor, stop condition)")
 
 
@@ -134,10 +158,13 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
     backend = as_backend(backend)
     check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools)
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
+    checked = set()  # algorithms already checked against this backend (records are hashable)
     for it in bar:
         t_step = time.perf_counter()
         last = state.metrics_history[-1] if state.metrics_history else {}
         algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
+        if not _seen(algo, checked):
+            check_algorithm_for(backend, algo)
         work = lambda algo=algo, state=state: collect_rollouts(  # noqa: E731
             backend, prompt_source, state, algo, gen, prompts_per_step, max_resample_rounds, tools)
         rollouts, position, metrics = backend.retry(work, state.policy_version)

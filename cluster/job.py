@@ -117,12 +117,13 @@ def sft_errors(sft, in_rl_job: bool) -> list:
 def algorithm_errors(job: RLJob) -> list:
     """Checks of the algorithm record the section builds: it resolves, its functions take their
     documented arguments, it needs no critic, and each trainer rank gets rows."""
-    from primitives.algorithms import check_algorithm_functions, needs_values, pairwise
+    from primitives.algorithms import check_algorithm_functions, check_algorithm_picklable, needs_values, pairwise
 
     algo, gen = job.algorithm, job.generation
     try:
         record = algorithm_of(algo)
         check_algorithm_functions(record)
+        check_algorithm_picklable(record)
     except ConfigErrors as e:
         return e.errors
     except ValueError as e:

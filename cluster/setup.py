@@ -58,8 +58,8 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
 
 
 def critic_spec(cfg: ClusterConfig, node_resources: Optional[dict] = None) -> RoleSpec:
-    return RoleSpec("critic", cfg.critics, cfg.critic_cpus, cfg.critic_gpus, (node_resources or {}).get("critic"),
-                    cfg.placement)
+    gpus = cfg.trainer_gpus if cfg.critic_gpus is None else cfg.critic_gpus
+    return RoleSpec("critic", cfg.critics, cfg.critic_cpus, gpus, (node_resources or {}).get("critic"), cfg.placement)
 
 
 def start_ray(cfg: ClusterConfig, roles) -> str:
@@ -234,8 +234,11 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
 
     if cluster.critics is not None:
         raise ValueError("the cluster already has critics")
+    import ray
+
     spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
-    check_fits([spec], *cluster_resources())
+    free = ray.available_resources()  # what the other roles left (build_rl_cluster(reserve_critics=True))
+    check_fits([spec], free, [free])
     critics = create_group(CriticWorker, spec, create_placement_group(spec),
                            lambda r: ((model, r, cfg.critics, critic_cfg, seed, cfg.threads_per_actor, init), {}))
     master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]

@@ -197,12 +197,13 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
         raise ValueError(f"{where}: clip ranges must be >= 0")
     if not 0.0 <= algo.overlong_buffer_frac <= 1.0:
         raise ValueError(f"{where}: overlong_buffer_frac must be in [0, 1], got {algo.overlong_buffer_frac}")
-    if algo.policy_loss_fn is gspo_policy_loss and algo.aggregation is not seq_mean_token_mean:
-        raise ValueError(f"{where}: GSPO's loss is per sequence and needs aggregation 'seq-mean-token-mean', "
-                         f"got {fn_name(algo.aggregation)}")
-    if algo.policy_loss_fn is gspo_policy_loss and algo.dual_clip is not None:
-        raise ValueError(f"{where}: GSPO clips a sequence ratio; dual_clip ({algo.dual_clip}) applies to token "
-                         "ratios only - set dual_clip=None")
+    sequence_level = trait(algo.policy_loss_fn, "sequence_level")
+    if sequence_level and algo.aggregation is not seq_mean_token_mean:
+        raise ValueError(f"{where}: the policy loss {fn_name(algo.policy_loss_fn)} is per sequence (GSPO) and needs "
+                         f"aggregation 'seq-mean-token-mean', got {fn_name(algo.aggregation)}")
+    if sequence_level and algo.dual_clip is not None:
+        raise ValueError(f"{where}: {fn_name(algo.policy_loss_fn)} clips a sequence ratio (GSPO); dual_clip "
+                         f"({algo.dual_clip}) applies to token ratios only - set dual_clip=None")
     if algo.kl_coef < 0:
         raise ValueError(f"{where}: kl_coef must be >= 0, got {algo.kl_coef}")
     if algo.kl_coef > 0 and not algo.needs_reference:
@@ -279,6 +280,16 @@ def check_algorithm_functions(algo: AlgorithmConfig) -> None:
     if not (isinstance(result, tuple) and len(result) == 2 and hasattr(result[0], "backward")
             and isinstance(result[1], dict)):
         raise ValueError(f"{where}: loss_fn {fn_name(algo.loss_fn)} must return (loss tensor, metrics dict)")
+
+
+def check_algorithm_picklable(algo: AlgorithmConfig) -> None:
+    """Every function the record carries (filters included) can travel to Ray actors."""
+    from primitives.hooks import check_picklable
+
+    for field in FUNCTION_FIELDS:
+        check_picklable(getattr(algo, field), f"algorithm '{algo.name}': {field}")
+    for f in algo.filters:
+        check_picklable(f, f"algorithm '{algo.name}': filter")
 
 
 def uses_reference(algo: AlgorithmConfig) -> bool:

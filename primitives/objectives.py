@@ -53,6 +53,7 @@ def ppo_clip_policy_loss(logp, old_logp, advantages, mask, algo: "AlgorithmConfi
     return L.ppo_clip_loss(logp, old_logp, advantages, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
 
 
+@with_traits(sequence_level=True)  # one ratio per sequence: seq-mean-token-mean, no token dual clip
 def gspo_policy_loss(logp, old_logp, advantages, mask, algo: "AlgorithmConfig"):
     """GSPO's sequence-ratio surrogate on every token (aggregate with seq-mean-token-mean)."""
     return L.gspo_loss(logp, old_logp, advantages, mask, algo.clip_eps_low, algo.clip_eps_high)

@@ -254,11 +254,13 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
         logp += out.logprobs.tolist()
         finish = out.finish_reason
         calls = list(call_hook(tool_parser, "tool_parser", out.text, where=f"rollout {uid}"))
-        sampled = tokenizer.decode(out.completion_ids.tolist(), skip_special_tokens=False)
-        eos = tokenizer.eos_token or ""
-        # the turn as sampled (special tokens kept, the closing eos left to the template), so that
-        # re-rendering the conversation reproduces the sampled tokens before the tool output
-        content = sampled[: -len(eos)] if eos and sampled.endswith(eos) else sampled
+        turn_ids = out.completion_ids.tolist()
+        sampled = tokenizer.decode(turn_ids, skip_special_tokens=False)
+        # the turn as sampled (special tokens kept), less the special token that closed it, which
+        # the template writes itself: re-rendering then reproduces the sampled tokens before the
+        # tool output (checked below)
+        body = turn_ids[:-1] if turn_ids and turn_ids[-1] in set(tokenizer.all_special_ids) else turn_ids
+        content = tokenizer.decode(body, skip_special_tokens=False)
         conv = conv.add_message(Message("assistant", content, tool_calls=tuple(calls) or None))
         if not calls or call_hook(stop_condition, "stop_condition", conv, where=f"rollout {uid}") \
                 or turn == max_turns - 1 or out.finish_reason == "length":

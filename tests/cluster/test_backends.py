@@ -24,11 +24,16 @@ def spread_reward(rollout) -> float:
     return float(int(rollout.completion_ids.sum()) % 3) + arithmetic_reward(rollout)
 
 
-def _run(backend):
+def _train(backend, steps=STEPS, state=None, algo=None):
+    from primitives.types import TrainState
+
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
-    state = train(backend, make_prompt_source(items, seed=5), constant_schedule(grpo(kl_coef=0.05)), GEN, STEPS,
-                  PROMPTS, lambda step: LR, progress=False)
-    return list(state.metrics_history)
+    return train(backend, make_prompt_source(items, seed=5), constant_schedule(algo or grpo(kl_coef=0.05)), GEN,
+                 steps, PROMPTS, lambda step: LR, state=state or TrainState(), progress=False)
+
+
+def _run(backend, steps=STEPS, algo=None):
+    return list(_train(backend, steps, algo=algo).metrics_history)
 
 
 def _comparable(m: dict) -> dict:
@@ -50,6 +55,26 @@ def test_local_backend_runs_the_loop(local_metrics):
     assert local_metrics[-1]["kl/ref_k3"] > 1e-6  # and apart after two updates
 
 
+def test_local_backend_resumes_exactly(tiny_model_path, tmp_path):
+    """PPO with an EMA reference on the local backend: 3 steps straight equal 2 steps, save,
+    a fresh backend loading the checkpoint, 1 more step (policy, optimizer, critic,
+    reference and RNG all restored)."""
+    from primitives.algorithms import ppo
+    from primitives.kl import create_ema_updater
+
+    def backend():
+        return LocalBackend(tiny_model_path, spread_reward, with_reference=True, ref_update_fn=create_ema_updater(0.5),
+                            trainer=TrainerConfig(lr=LR), critic="policy", seed=0)
+
+    algo = ppo(kl_coef=0.05)
+    straight = _run(backend(), steps=3, algo=algo)
+    first = backend()
+    first.save(str(tmp_path / "ckpt"), _train(first, steps=2, algo=algo))
+    second = backend()
+    resumed = _train(second, steps=3, state=second.load(str(tmp_path / "ckpt")), algo=algo)
+    _assert_same(straight, list(resumed.metrics_history))
+
+
 def test_same_seed_same_metrics_on_local_and_ray(ray_local, tiny_model_path, local_metrics):
     cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
     cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0),
@@ -63,7 +88,7 @@ def test_same_seed_same_metrics_on_local_and_ray(ray_local, tiny_model_path, loc
 
 
 # ----------------------------------------------------------------------------- PPO with a critic
-PPO_STEPS = 2
+PPO_STEPS = 3
 
 
 def _run_ppo(backend):

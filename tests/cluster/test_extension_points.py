@@ -68,12 +68,32 @@ def counting_loss(inputs, algo):
 
 
 def failing_loss(inputs, algo):
-    raise RuntimeError("boom in the user's loss")
+    """Fails on real micro-batches (8 rows a rank) but not on the 4-row sample checked before
+    the run: the failure happens inside a trainer."""
+    if inputs.logp.shape[0] > 4:
+        raise RuntimeError("boom in the user's loss")
+    return policy_objective(inputs, algo)
 
 
-def first_two(members, rng=None):
-    """One pair per group whatever the rewards: the first two samples."""
-    return [(members[0], members[1])]
+def two_pairs(members, rng=None):
+    """Two pairs per group whatever the rewards (the default selector makes one): samples
+    0 over 1 and 2 over 3."""
+    return [(members[0], members[1]), (members[2], members[3])]
+
+
+def constant_surrogate(logp, old_logp, advantages, mask, algo):
+    """A policy loss of 0.7 on every token (nothing clipped)."""
+    return torch.full_like(logp, 0.7) * mask + 0.0 * logp, torch.zeros_like(mask, dtype=torch.bool)
+
+
+def summed(loss, mask, counts):
+    """An aggregation that sums over tokens (no normalisation)."""
+    return (loss * mask).sum()
+
+
+def even_prompts(rollouts):
+    """A filter that keeps the groups of even dataset indices only."""
+    return [r for r in rollouts if int(r.group.split("/i")[1]) % 2 == 0]
 
 
 @with_traits(pairwise=True, needs_reference=True)
@@ -150,18 +170,48 @@ def test_kl_fn_in_the_reward(backend, items):
 
 
 def test_pair_selector_picks_the_trainers_rows(backend, items):
-    algo = online_dpo(pair_selector=first_two)
+    algo = online_dpo(pair_selector=two_pairs)
     m = run(backend, items, constant_schedule(algo))[0]
-    assert m["dpo/pairs"] == PROMPTS and m["batch/rows"] == 2 * PROMPTS
+    assert m["dpo/pairs"] == 2 * PROMPTS and m["batch/rows"] == 4 * PROMPTS
+
+
+def test_policy_loss_fn_and_aggregation_reach_the_trainers(backend, items):
+    """A constant surrogate 0.7, token-mean: the loss is 0.7; summed instead: 0.7 per loss token."""
+    m = run(backend, items, constant_schedule(grpo(kl_coef=0.0, aggregation=token_mean,
+                                                   policy_loss_fn=constant_surrogate)))[0]
+    assert m["loss/policy"] == pytest.approx(0.7, abs=1e-4)
+    m = run(backend, items, constant_schedule(grpo(kl_coef=0.0, aggregation=summed,
+                                                   policy_loss_fn=constant_surrogate)))[0]
+    assert m["loss/policy"] == pytest.approx(0.7 * m["batch/loss_tokens"], rel=1e-4)
+
+
+def test_filters_drop_groups_and_the_step_is_refilled(backend, items):
+    logged = []
+    run(backend, items, constant_schedule(grpo(kl_coef=0.0, filters=(even_prompts,))), logger=logged.append,
+        max_resample_rounds=8)
+    m = logged[0]
+    assert m["batch/rows"] == PROMPTS * GEN.n  # refilled to the step's prompts, all of them even
+    assert m["data/resample_rounds"] >= 1 and m["data/prompts_drawn"] > PROMPTS
+
+
+def test_an_algorithm_a_schedule_turns_to_is_checked_before_its_step(backend, items):
+    """PPO needs a critic this cluster lacks: the switch fails before the step collects anything."""
+    from primitives.algorithms import ppo
+
+    logged = []
+    with pytest.raises(ValueError, match="'ppo'.*no critic"):
+        run(backend, items, metric_switch_schedule(grpo(kl_coef=0.0), ppo(), "reward/mean", -1.0), steps=3,
+            logger=logged.append)
+    assert [m["algorithm"] for m in logged] == ["grpo"]
 
 
 def test_schedule_switches_on_the_last_metrics(backend, items):
     """GRPO until a step's mean reward passes -1 (the first does), then online DPO with the
     user's pairwise loss: the trainers compute DPO metrics from the second step on."""
-    dpo = online_dpo(loss_fn=dpo_loss, pair_selector=first_two)
+    dpo = online_dpo(loss_fn=dpo_loss, pair_selector=two_pairs)
     history = run(backend, items, metric_switch_schedule(grpo(kl_coef=0.0), dpo, "reward/mean", -1.0), steps=3)
     assert [m["algorithm"] for m in history] == ["grpo", "online_dpo", "online_dpo"]
-    assert "dpo/pairs" not in history[0] and all(m["dpo/pairs"] == PROMPTS for m in history[1:])
+    assert "dpo/pairs" not in history[0] and all(m["dpo/pairs"] == 2 * PROMPTS for m in history[1:])
 
 
 # ----------------------------------------------------------------------------- reference update

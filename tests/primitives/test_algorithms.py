@@ -70,8 +70,36 @@ def test_records_whose_functions_do_not_fit_are_refused():
         A.grpo(kl_fn="primitives.kl:nope")
 
 
+@pytest.mark.parametrize("name", sorted(A.PRESETS))
+def test_every_preset_passes_its_sample_checks(name):
+    A.check_algorithm_functions(A.get_algorithm(name))
+
+
+def test_grpo_advantage_subtracts_the_sequence_kl_before_group_statistics():
+    """Rewards 1 and 0, KL in the reward (coef 0.5) summing to 0.4 and 0.2 over each row:
+    shaped 0.8 and -0.1, mean 0.35, unbiased std 0.45 * sqrt(2), so A = +-1/sqrt(2) on every
+    loss token."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.3, 0.0], [0.2, 0.0, 0.0]])
+    x = adv.AdvantageInputs(torch.tensor([1.0, 0.0]), ("a", "a"), mask, token_kl=kl)
+    a, returns = adv.grpo_advantage(x, A.grpo(kl_coef=0.5, kl_in_reward=True))
+    h = 0.45 / (0.45 * 2 ** 0.5 + 1e-6)
+    torch.testing.assert_close(a, torch.tensor([[h, h, 0.0], [-h, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert returns is None
+
+
+def test_gae_advantage_over_k1_token_rewards():
+    """PPO's record: token rewards -0.5 * KL on each token and R = 1 on the last, values
+    0.2 / 0.4 / 0.6, gamma 1, lambda 0.95: deltas 0.15, 0.1, 0.4; A = 0.606, 0.48, 0.4;
+    returns A + V = 0.806, 0.88, 1.0."""
+    x = adv.AdvantageInputs(torch.tensor([1.0]), ("a",), torch.ones(1, 3), token_kl=torch.tensor([[0.1, 0.2, 0.0]]),
+                            values=torch.tensor([[0.2, 0.4, 0.6]]))
+    a, returns = adv.gae_advantage(x, A.ppo(kl_coef=0.5))
+    torch.testing.assert_close(a, torch.tensor([[0.606, 0.48, 0.4]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(returns, torch.tensor([[0.806, 0.88, 1.0]]), atol=1e-6, rtol=0)
+
+
 def test_function_signatures_are_checked_on_a_sample():
-    A.check_algorithm_functions(A.online_dpo())  # every preset fits its documented signatures
     bad_kl = A.grpo()._replace(kl_fn=lambda logp, ref: logp - ref)
     with pytest.raises(ValueError, match="kl_fn.*cannot be called with 3"):
         A.check_algorithm_functions(bad_kl)
@@ -82,6 +110,12 @@ def test_function_signatures_are_checked_on_a_sample():
         A.check_algorithm_functions(A.grpo()._replace(advantage_fn=lambda rewards: rewards))
     partial = A.grpo()._replace(kl_fn=functools.partial(L.kl_penalty, estimator="k2"))
     A.check_algorithm_functions(partial)
+    scalar_loss = A.grpo()._replace(policy_loss_fn=lambda logp, old, a, mask, algo: ((logp * a).sum(), None))
+    with pytest.raises(ValueError, match=r"policy_loss_fn .* per-token \(B, T\) tensor"):
+        A.check_algorithm_functions(scalar_loss)
+    per_row = A.grpo()._replace(aggregation=lambda loss, mask, counts: loss.sum(-1))
+    with pytest.raises(ValueError, match="aggregation .* must return a scalar"):
+        A.check_algorithm_functions(per_row)
 
 
 def test_piecewise_switch_and_kl_schedule():

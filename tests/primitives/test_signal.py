@@ -412,7 +412,7 @@ def test_kl_anywhere_needs_the_reference():
 
 
 def test_gspo_refuses_token_aggregation_and_dual_clip():
-    with pytest.raises(ValueError, match="GSPO's loss is per sequence"):
+    with pytest.raises(ValueError, match=r"is per sequence \(GSPO\)"):
         algos.gspo(aggregation="token-mean")
     with pytest.raises(ValueError, match="dual_clip"):
         algos.gspo(dual_clip=3.0)

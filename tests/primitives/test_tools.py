@@ -149,6 +149,26 @@ def test_multiturn_loss_mask_excludes_tool_tokens(tokenizer):
     assert "<|im_start|>tool\n<tool_response>36</tool_response><|im_end|>\n<|im_start|>assistant\n" in full
 
 
+def test_multiturn_turn_closed_by_a_special_token_and_the_kept_conversation(tokenizer):
+    """A tool turn that ends with <|im_end|> (as a chat model closes its turn) is followed by
+    the tool output once, not by a second <|im_end|>; the rollout keeps the conversation with
+    its roles, and the prompt item's own metadata survives."""
+    turns = ['<tool_call name="calc">{"expression": "7*6"}</tool_call><|im_end|>', "42<|im_end|>"]
+    item = PromptItem(3, "7*6?", answer="42", metadata={"source_id": "q-17"})
+    r = multiturn_rollout(item, tokenizer, _scripted_turns(tokenizer, turns),
+                          tool_executor=create_tool_executor({"calc": calculator_tool}), max_turns=3)
+    full = tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=False)
+    assert full == ('<tool_call name="calc">{"expression": "7*6"}</tool_call><|im_end|>\n<|im_start|>tool\n'
+                    "<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n42<|im_end|>")
+    policy = tokenizer.decode(r.completion_ids[r.loss_mask == 1].tolist(), skip_special_tokens=False)
+    assert policy == "".join(turns)
+    assert r.metadata["source_id"] == "q-17" and r.metadata["turns"] == 4
+    assert [m["role"] for m in r.metadata["conversation"]] == ["user", "assistant", "tool", "assistant"]
+    assert r.metadata["conversation"][1]["content"] == '<tool_call name="calc">{"expression": "7*6"}</tool_call>'
+    assert r.metadata["conversation"][2] == {"role": "tool", "content": "42", "tool_call_id": r.tool_calls[0].id,
+                                             "name": "calc"}
+
+
 def test_multiturn_stops_without_tool_calls(tokenizer):
     r = multiturn_rollout(PromptItem(1, "hi"), tokenizer, _scripted_turns(tokenizer, ["hello<|im_end|>"]),
                           tool_executor=create_tool_executor({}))
