@@ -266,14 +266,19 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
                 or turn == max_turns - 1 or out.finish_reason == "length":
             break
         results = [call_hook(tool_executor, "tool_executor", c, where=f"rollout {uid}") for c in calls]
+        before = prefix_text + sampled
+        with_results = conv
+        for res in results:
+            with_results = with_results.add_message(Message("tool", res.content, tool_call_id=res.call_id,
+                                                            name=res.name))
+        after = render_prompt(tokenizer, with_results)
+        if not after.startswith(before):
+            if body != turn_ids:  # closed by a special token the template does not write (eos, not the
+                break             # turn's end): the model ended the text, so the rollout ends here
+            raise ValueError("chat template is not prefix-stable across a tool turn; cannot append tool output")
+        conv = with_results
         calls_all += calls
         results_all += results
-        before = prefix_text + sampled
-        for res in results:
-            conv = conv.add_message(Message("tool", res.content, tool_call_id=res.call_id, name=res.name))
-        after = render_prompt(tokenizer, conv)
-        if not after.startswith(before):
-            raise ValueError("chat template is not prefix-stable across a tool turn; cannot append tool output")
         tool_ids = tokenizer(after[len(before):], add_special_tokens=False).input_ids
         ids += tool_ids
         mask += [0.0] * len(tool_ids)

@@ -169,6 +169,18 @@ def test_multiturn_turn_closed_by_a_special_token_and_the_kept_conversation(toke
                                              "name": "calc"}
 
 
+def test_a_tool_turn_ended_by_eos_ends_the_rollout(tokenizer):
+    """The tiny tokenizer's eos (<|endoftext|>) is not the token its template closes a turn
+    with (<|im_end|>): a tool call followed by eos ends the text, so no tool output is appended
+    and the rollout ends there instead of failing the whole generate call."""
+    turns = ['<tool_call name="calc">{"expression": "7*6"}</tool_call>' + tokenizer.eos_token, "never reached"]
+    r = multiturn_rollout(PromptItem(0, "7*6?"), tokenizer, _scripted_turns(tokenizer, turns),
+                          tool_executor=create_tool_executor({"calc": calculator_tool}), max_turns=3)
+    assert tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=False) == turns[0]
+    assert r.loss_mask.tolist() == [1.0] * len(r.completion_ids) and r.tool_calls == () and r.tool_results == ()
+    assert [m["role"] for m in r.metadata["conversation"]] == ["user", "assistant"]
+
+
 def test_multiturn_stops_without_tool_calls(tokenizer):
     r = multiturn_rollout(PromptItem(1, "hi"), tokenizer, _scripted_turns(tokenizer, ["hello<|im_end|>"]),
                           tool_executor=create_tool_executor({}))
