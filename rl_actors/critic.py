@@ -98,14 +98,6 @@ class CriticWorker:
     def module(self):
         return self.ds.module
 
-    def reset_optimizer(self, lr: Optional[float] = None) -> bool:
-        """Forget Adam moments and optionally set a new lr."""
-        return self.ds.reset_optimizer(lr)
-
-    def full_state(self, rank0_only: bool = False) -> dict:
-        """Every parameter, gathered, as numpy fp32 (collective under ZeRO-3; see ``DeepSpeedRank.full_state``)."""
-        return self.ds.full_state(rank0_only)
-
     def pad_token_id(self) -> int:
         tok = self.tokenizer
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
@@ -170,14 +162,12 @@ class CriticWorker:
 
     def _update(self, shard: Batch, counts, clip: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts."""
-        self.ds.start_update(micro_batch_count(shard.size, self.config.micro_batch_size))
-        metrics = {}
-        if shard.size:
-            metrics = value_forward_backward(self.ds.engine, shard, counts, clip, self.config.micro_batch_size,
-                                             backward=self.ds.backward, loss_scale=float(self.world_size))
-        else:
-            self.ds.empty_backward()
-        return self.ds.finish_step(metrics, lr)
+        def run() -> dict:
+            return value_forward_backward(self.ds.engine, shard, counts, clip, self.config.micro_batch_size,
+                                          backward=self.ds.backward, loss_scale=float(self.world_size))
+
+        return self.ds.update(micro_batch_count(shard.size, self.config.micro_batch_size), run if shard.size else None,
+                              lr)
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> str:

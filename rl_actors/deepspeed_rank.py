@@ -151,6 +151,18 @@ class DeepSpeedRank:
         """A rank with no rows this step still joins the gradient reduction, with zeros."""
         self.backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
 
+    def update(self, micro_batches: int, run: Optional[Callable[[], dict]], lr: Optional[float]) -> dict:
+        """One optimizer update: ``run()`` makes this rank's ``micro_batches`` backward passes
+        through ``backward`` and returns their metrics; ``run`` None (a rank without rows) joins
+        the gradient reduction with zeros. Then the engine steps (``finish_step``)."""
+        self.start_update(micro_batches)
+        if run is None:
+            self.empty_backward()
+            metrics = {}
+        else:
+            metrics = run()
+        return self.finish_step(metrics, lr)
+
     def finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
         """Step the engine (after the last micro-batch's backward) and add the reduced
         ``grad_norm`` and the ``lr``, under ``metric_prefix``."""

@@ -118,28 +118,28 @@ class TrainerWorker:
     def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts."""
         unit = pair_unit(algo)
-        self.ds.start_update(micro_batch_count(shard.size, self.config.micro_batch_size, unit))
-        metrics = {}
-        if shard.size:
-            metrics = forward_backward(self.ds.engine, shard, algo, counts, self.config.micro_batch_size,
-                                       temperature, backward=self.ds.backward, loss_scale=float(self.world_size),
-                                       where=f"{self.role} {self.rank}")
-        else:
-            self.ds.empty_backward()
-        return self.ds.finish_step(metrics, lr)
+
+        def run() -> dict:
+            return forward_backward(self.ds.engine, shard, algo, counts, self.config.micro_batch_size, temperature,
+                                    backward=self.ds.backward, loss_scale=float(self.world_size),
+                                    where=f"{self.role} {self.rank}")
+
+        return self.ds.update(micro_batch_count(shard.size, self.config.micro_batch_size, unit),
+                              run if shard.size else None, lr)
 
     def sft_step(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
                  lr: Optional[float] = None) -> dict:
         """One SFT optimizer step: this rank's rows, loss normalised by the global target count."""
         num_tokens = int(loss_mask[:, 1:].sum())
         rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
-        self.ds.start_update(micro_batch_count(len(rows), self.config.micro_batch_size))
-        metrics = sft_forward_backward(self.ds.engine, input_ids[rows], attention_mask[rows], loss_mask[rows],
-                                       num_tokens, self.config.micro_batch_size, backward=self.ds.backward,
-                                       loss_scale=float(self.world_size)) if len(rows) else {}
-        if not len(rows):
-            self.ds.empty_backward()
-        return self.ds.finish_step(metrics, lr)
+
+        def run() -> dict:
+            return sft_forward_backward(self.ds.engine, input_ids[rows], attention_mask[rows], loss_mask[rows],
+                                        num_tokens, self.config.micro_batch_size, backward=self.ds.backward,
+                                        loss_scale=float(self.world_size))
+
+        return self.ds.update(micro_batch_count(len(rows), self.config.micro_batch_size),
+                              run if len(rows) else None, lr)
 
     def pad_token_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
