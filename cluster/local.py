@@ -17,16 +17,17 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from primitives.algorithms import AlgorithmConfig
-from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state, state_from_json, state_to_json
+from primitives.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
 from primitives.generation import generate_rollouts
 from primitives.hooks import check_arity
 from primitives.kl import apply_ref_state, create_reference_model, ref_state_from_model
 from primitives.logprobs import rollout_logprobs
 from primitives.rewards import score_rollouts
-from primitives.training import step_counts, train_on_batch, updates_of
+from primitives.tools import hf_turn_generator, multiturn_rollouts
+from primitives.training import train_on_batch
 from primitives.types import GenerationConfig, ModelConfig, TrainState
 from rl_actors.common import load_causal_lm
-from rl_actors.generator import multiturn_rollouts, rollout_sampler
+from rl_actors.generator import rollout_sampler
 from rl_actors.trainer import TrainerConfig
 
 
@@ -35,16 +36,6 @@ class LocalRollouts(NamedTuple):
 
     rollouts: list
     times: dict
-
-
-class _Engine(NamedTuple):  # what multiturn_rollouts needs of a generator engine
-    model: object
-    tokenizer: object
-
-    def turn_generator(self, gen, generator):
-        from primitives.tools import hf_turn_generator
-
-        return hf_turn_generator(self.model, self.tokenizer, gen, generator)
 
 
 class LocalBackend:
@@ -114,8 +105,8 @@ class LocalBackend:
         if tools is None:
             rollouts = generate_rollouts(self.policy, self.tokenizer, items, gen, self.policy_version, sampler)
         else:
-            rollouts = multiturn_rollouts(_Engine(self.policy, self.tokenizer), items, gen, tools,
-                                          self.policy_version, sampler)
+            turn = hf_turn_generator(self.policy, self.tokenizer, gen, sampler)
+            rollouts = multiturn_rollouts(turn, self.tokenizer, items, gen.n, tools, self.policy_version)
         return LocalRollouts(rollouts, {"time/generate": time.perf_counter() - t0})
 
     def reference_logprobs(self, done: LocalRollouts, temperature: float) -> LocalRollouts:
@@ -147,22 +138,13 @@ class LocalBackend:
         cfg = self.trainer_config
         updates = train_on_batch(self.policy, self.optimizer, batch, algo, temperature, cfg.max_grad_norm,
                                  cfg.micro_batch_size, lr)
-        critic_updates = self._value_step(batch, algo) if critic else None
+        critic_updates = None
+        if critic:  # the critic's updates (the policy's epochs and mini-batches), at the critic's lr
+            from primitives.value import train_values_on_batch
+
+            critic_updates = train_values_on_batch(self.critic, self.critic_optimizer, batch, algo,
+                                                   cfg.max_grad_norm, cfg.micro_batch_size)
         return [updates], (None if critic_updates is None else [critic_updates])
-
-    def _value_step(self, batch, algo: AlgorithmConfig) -> list:
-        """The critic's updates (the policy's PPO epochs and mini-batches), at the critic's lr."""
-        from primitives.training import optim_step
-        from primitives.value import value_forward_backward
-
-        updates = []
-        for part, _ in updates_of(batch, algo, lambda p, fix_old: p):
-            m = value_forward_backward(self.critic, part, step_counts(part), algo.value_clip,
-                                       self.trainer_config.micro_batch_size)
-            m["critic/grad_norm"] = optim_step(self.critic, self.critic_optimizer, self.trainer_config.max_grad_norm)
-            m["critic/lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
-            updates.append(m)
-        return updates
 
     def sync(self, version: int, step: int, kl: Optional[float]) -> dict:
         """The generator already holds the trained weights; a tracking reference moves."""
@@ -176,50 +158,39 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, state: TrainState) -> str:
-        """Policy (HF), optimizer, reference, critic, RNG and ``TrainState``, atomically."""
-        import json
-
+        """``policy/`` (``primitives.checkpoint.save_checkpoint``: HF weights, tokenizer,
+        optimizer, RNG, ``TrainState``), ``reference/`` and ``critic/`` (with its optimizer),
+        all in one atomic rename."""
         def write(tmp: str) -> None:
-            self.policy.save_pretrained(os.path.join(tmp, "hf"))
-            self.tokenizer.save_pretrained(os.path.join(tmp, "hf"))
-            torch.save({"optimizer": self.optimizer.state_dict(), "rng": capture_rng_state(),
-                        "critic_optimizer": self.critic_optimizer.state_dict() if self.critic else None,
-                        "ref_last_reset": self.ref_state.last_reset_step if self.ref_state else 0},
-                       os.path.join(tmp, "local_state.pt"))
+            save_checkpoint(os.path.join(tmp, "policy"), self.policy, self.tokenizer, self.optimizer, state,
+                            extra={"ref_last_reset": self.ref_state.last_reset_step if self.ref_state else 0})
             if self.reference is not None:
                 self.reference.save_pretrained(os.path.join(tmp, "reference"))
             if self.critic is not None:
                 from primitives.value import save_value_model
 
                 save_value_model(self.critic, os.path.join(tmp, "critic"))
-            with open(os.path.join(tmp, "train_state.json"), "w") as f:
-                json.dump(state_to_json(state), f)
+                torch.save(self.critic_optimizer.state_dict(), os.path.join(tmp, "critic_optimizer.pt"))
 
         return atomic_directory(path, write)
 
     def load(self, path: str) -> TrainState:
-        import json
-
+        """Restore what ``save`` wrote; the run goes on as if never stopped."""
         from transformers import AutoModelForCausalLM
 
-        if not os.path.isfile(os.path.join(path, "local_state.pt")):
-            raise FileNotFoundError(f"{path} is not a local-backend checkpoint (no local_state.pt)")
-        saved = torch.load(os.path.join(path, "local_state.pt"), weights_only=False)
-        self.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(path, "hf")).state_dict())
-        self.optimizer.load_state_dict(saved["optimizer"])
+        if not os.path.isdir(os.path.join(path, "policy")):
+            raise FileNotFoundError(f"{path} is not a local-backend checkpoint (no policy/)")
+        state, extra = load_checkpoint(os.path.join(path, "policy"), self.policy, self.optimizer)
         if self.reference is not None:
             loaded = AutoModelForCausalLM.from_pretrained(os.path.join(path, "reference"))
             self.reference.load_state_dict(loaded.state_dict())
             if self.ref_state is not None:
-                self.ref_state = ref_state_from_model(self.reference, saved["ref_last_reset"])
+                self.ref_state = ref_state_from_model(self.reference, extra["ref_last_reset"])
         if self.critic is not None:
             from primitives.value import load_value_model
 
             self.critic.load_state_dict(load_value_model(os.path.join(path, "critic")).state_dict())
-            self.critic_optimizer.load_state_dict(saved["critic_optimizer"])
-        restore_rng_state(saved["rng"])
-        with open(os.path.join(path, "train_state.json")) as f:
-            state = state_from_json(json.load(f))
+            self.critic_optimizer.load_state_dict(torch.load(os.path.join(path, "critic_optimizer.pt")))
         self.policy_version = state.policy_version
         return state
 

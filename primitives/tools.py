@@ -298,6 +298,16 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
     )
 
 
+def multiturn_rollouts(generate_turn: Callable, tokenizer, items, n: int, tools: ToolConfig,
+                       policy_version: int = 0) -> list:
+    """``n`` tool-using rollouts per item (``multiturn_rollout``), with ``tools``' parser,
+    executor and stop condition; ``generate_turn`` is the engine's (``hf_turn_generator``)."""
+    return [multiturn_rollout(it, tokenizer, generate_turn, tools.parser or parse_xml_tool_calls, tools.executor,
+                              stop_condition=tools.stop_condition or no_tool_calls_stop, max_turns=tools.max_turns,
+                              sample=k, policy_version=policy_version)
+            for it in items for k in range(n)]
+
+
 def hf_turn_generator(model, tokenizer, config, generator=None) -> Callable:
     """``generate_turn`` for ``multiturn_rollout`` backed by ``generate_tokens``."""
     from primitives.generation import generate_tokens

@@ -247,3 +247,21 @@ def value_forward_backward(value_model, batch: Batch, counts: LossCounts, clip: 
             metrics["critic/clip_frac"] += float((value_clip_taken(values, old, returns, clip) * mask).sum()) / n
             metrics["critic/returns_mean"] += float((returns * mask).sum()) / n
     return metrics
+
+
+def train_values_on_batch(value_model, optimizer, batch: Batch, algo, max_grad_norm: Optional[float] = 1.0,
+                          micro_batch_size: Optional[int] = None) -> list:
+    """The value model's updates of one rollout batch in one process: the policy's
+    ``algo.ppo_epochs`` x ``algo.mini_batches`` (``primitives.training.updates_of``), each a
+    ``value_forward_backward`` clipped by ``algo.value_clip`` and an ``optim_step``. Returns one
+    metric dict per update, with ``critic/grad_norm`` and ``critic/lr`` (as ``train_on_batch``
+    does for the policy)."""
+    from primitives.training import optim_step, step_counts, updates_of
+
+    updates = []
+    for part, _ in updates_of(batch, algo, lambda p, fix_old: p):  # the clip's anchor is batch.values
+        m = value_forward_backward(value_model, part, step_counts(part), algo.value_clip, micro_batch_size)
+        m["critic/grad_norm"] = optim_step(value_model, optimizer, max_grad_norm)
+        m["critic/lr"] = float(optimizer.param_groups[0]["lr"])
+        updates.append(m)
+    return updates

@@ -23,7 +23,7 @@ from cluster.weight_sync import (
 )
 from primitives.generation import GenerationOutput, encode_prompts, generate_rollouts, pack_rollout
 from primitives.logprobs import rollout_logprobs
-from primitives.tools import ToolConfig, hf_turn_generator, multiturn_rollout, no_tool_calls_stop, parse_xml_tool_calls
+from primitives.tools import ToolConfig, hf_turn_generator, multiturn_rollouts
 from primitives.types import GenerationConfig, ModelConfig
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
@@ -36,16 +36,6 @@ def rollout_sampler(seed: int, rank: int, version: int, items: Sequence) -> torc
 
     key = f"{seed}/{rank}/{version}/{items[0].epoch}/{items[0].index}" if items else "-"
     return torch.Generator(device="cpu").manual_seed(zlib.crc32(key.encode()))
-
-
-def multiturn_rollouts(engine, items: Sequence, gen: GenerationConfig, tools: ToolConfig, version: int,
-                       generator) -> list:
-    """``gen.n`` tool-using rollouts per item (``primitives.tools.multiturn_rollout``)."""
-    turn = engine.turn_generator(gen, generator)
-    return [multiturn_rollout(it, engine.tokenizer, turn, tools.parser or parse_xml_tool_calls, tools.executor,
-                              stop_condition=tools.stop_condition or no_tool_calls_stop, max_turns=tools.max_turns,
-                              sample=k, policy_version=version)
-            for it in items for k in range(gen.n)]
 
 
 def vllm_available() -> bool:
@@ -189,7 +179,8 @@ class GeneratorWorker:
         condition run here, in the generator's process."""
         if not items:
             return []
-        return multiturn_rollouts(self.engine, list(items), gen, tools, self.policy_version, self._sampler(items))
+        turn = self.engine.turn_generator(gen, self._sampler(items))
+        return multiturn_rollouts(turn, self.engine.tokenizer, list(items), gen.n, tools, self.policy_version)
 
     # --------------------------------------------------------------- weight sync
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
