@@ -106,13 +106,14 @@ def _seen(algo, checked: set) -> bool:
 
 
 def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
-                      eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools) -> None:
+                      eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
     """Every hook of ``train`` takes its documented arguments, and on Ray the ones that travel
-    to actors can be pickled: named errors before the first step. (An algorithm a schedule
-    turns to later is checked when it first appears.)"""
+    to actors can be pickled: named errors before the first step. Returns the schedule's
+    first algorithm, checked (one a schedule turns to later is checked when it appears)."""
     from primitives.hooks import check_picklable
 
-    check_algorithm_for(backend, check_schedule(algorithm_schedule))
+    first = check_schedule(algorithm_schedule)
+    check_algorithm_for(backend, first)
     check_arity(prompt_source, "prompt_source", None, 1)
     check_arity(logger, "logger", {})
     if eval_fn is not None:
@@ -127,6 +128,7 @@ def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Call
                 check_arity(fn, what, *args)
         if backend.name == "ray":
             check_picklable(tools, "tools (parser, executor, stop condition)")
+    return first
 
 
 def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: GenerationConfig, num_steps: int,
@@ -156,9 +158,9 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
         raise ValueError(f"RL sampling needs temperature > 0, got {gen.temperature}: logprobs are of "
                          "softmax(logits / T), and T = 0 (greedy) samples nothing to learn from")
     backend = as_backend(backend)
-    check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools)
+    checked: set = set()  # algorithms already checked against this backend (records are hashable)
+    _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
-    checked = set()  # algorithms already checked against this backend (records are hashable)
     for it in bar:
         t_step = time.perf_counter()
         last = state.metrics_history[-1] if state.metrics_history else {}
