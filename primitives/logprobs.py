@@ -6,12 +6,23 @@ generation, so a left-padded prompt scores the same as an unpadded one.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from primitives.generation import left_pad, position_ids_from_mask
+from primitives.packing import PackPlan, padding_share, plan_for, scatter_completions, supports_packing
+
+# Pack a micro-batch when packing leaves out at least this share of its padded tokens
+# (padding, each row's last token). Packing's own work (the plan, ~0.15 ms for 64 rows; the
+# packed mask; the scatter back) is small, so the break-even share is small too: on CPU,
+# 1 thread, at 1.6% (SmolLM2, all completions full) packed and padded tie within noise, at
+# 9% (tiny model, all completions full) packed is ~2-5% faster, at 27% (the default job)
+# 1.35x (train step) and 1.4x (reference) (benchmarks/bench_padding.py). Below 2% there is
+# nothing worth saving.
+PACK_MIN_SHARE = 0.02
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -56,27 +67,77 @@ def check_layout(input_ids, attention_mask, prompt_len: int) -> None:
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                         temperature: float = 1.0, micro_batch_size: Optional[int] = None,
-                        with_entropy: bool = False):
+                        with_entropy: bool = False, packing: Optional[bool] = None):
     """Logprobs of the completion tokens of a ``Batch``-layout input.
 
     ``input_ids``/``attention_mask`` are (B, P + T) with prompts left-padded to ``prompt_len``
     (P). Returns ``(logp (B, T), entropy (B, T) or None)``; gradients flow unless the
     caller disables them. ``micro_batch_size`` bounds the rows in one forward pass.
     Dropout is switched off first (``disable_dropout``).
+
+    ``packing``: score each micro-batch packed (``primitives.packing``: real tokens only) or
+    padded; None chooses per micro-batch (``use_packing``). Both give the same values on real
+    completion tokens; off them (right padding) the padded forward gives a value of the pad
+    token and the packed one 0: every caller masks those out.
     """
     check_layout(input_ids, attention_mask, prompt_len)
+    if packing and not supports_packing(model):
+        raise ValueError(f"packing=True but {type(getattr(model, 'module', model)).__name__} is not a model packing "
+                         f"was checked for (primitives.packing.supports_packing); score it padded")
     disable_dropout(model)
     step = micro_batch_size or input_ids.shape[0]
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], step):
         ids, mask = input_ids[s: s + step], attention_mask[s: s + step]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                       use_cache=False).logits
-        pred = logits[:, prompt_len - 1: -1]  # position P-1+t predicts completion token t
-        logps.append(token_logprobs(pred, ids[:, prompt_len:], temperature))
-        if with_entropy:
-            ents.append(token_entropy(pred, temperature))
+        plan = None
+        if packing or (packing is None and use_packing(model, mask, prompt_len)):
+            plan = plan_for(model, ids.cpu().numpy(), mask.cpu().numpy(), prompt_len)
+        if plan is not None and len(plan.targets):
+            logp, ent = _packed_logprobs(model, plan, ids.device, temperature, with_entropy)
+        else:  # padded, also when no row has a completion token to score
+            logp, ent = _padded_logprobs(model, ids, mask, prompt_len, temperature, with_entropy)
+        logps.append(logp)
+        ents.append(ent)
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def use_packing(model, attention_mask: torch.Tensor, prompt_len: int) -> bool:
+    """Pack this micro-batch? When the model takes packed rows (``supports_packing``) and
+    packing leaves out at least ``PACK_MIN_SHARE`` of the padded forward's tokens."""
+    return supports_packing(model) and padding_share(attention_mask.cpu().numpy(), prompt_len) >= PACK_MIN_SHARE
+
+
+def _takes_logits_to_keep(model) -> bool:
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
+
+
+def _padded_logprobs(model, ids, mask, prompt_len: int, temperature: float, with_entropy: bool):
+    """The (B, P + T) rows as they are: position ids from the mask, padding masked out."""
+    T = ids.shape[1] - prompt_len
+    # logits only where they predict a completion token (the last T + 1 positions, less the last)
+    keep = {"logits_to_keep": T + 1} if _takes_logits_to_keep(model) else {}
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                   use_cache=False, **keep).logits
+    pred = logits[:, -(T + 1): -1]  # position P-1+t predicts completion token t
+    logp = token_logprobs(pred, ids[:, prompt_len:], temperature)
+    return logp, (token_entropy(pred, temperature) if with_entropy else None)
+
+
+def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_entropy: bool):
+    """The rows of ``plan`` end to end: no attention mask (transformers reads the sequence
+    starts from the position ids), logits only at the N positions that predict a completion
+    token, then scattered back to (B, T)."""
+    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    logits = model(input_ids=as_tensor(plan.input_ids), position_ids=as_tensor(plan.position_ids),
+                   attention_mask=None, use_cache=False, logits_to_keep=as_tensor(plan.keep)).logits
+    if logits.shape[:-1] != plan.targets.shape:
+        raise ValueError(f"{type(getattr(model, 'module', model)).__name__} returned logits of shape "
+                         f"{tuple(logits.shape)} for a boolean logits_to_keep of {len(plan.targets)} positions; "
+                         f"score it padded (packing=False)")
+    logp = token_logprobs(logits, as_tensor(plan.targets), temperature)  # (N,)
+    ent = scatter_completions(token_entropy(logits, temperature), plan) if with_entropy else None
+    return scatter_completions(logp, plan), ent
 
 
 def pack_completions(prompt_ids: Sequence[np.ndarray], completion_ids: Sequence[np.ndarray], pad_id: int):

@@ -52,6 +52,8 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
     The loss is ``algo.loss_fn(LossInputs, algo) -> (loss, metrics)``; if it raises, the error
     names it and ``where`` (the trainer's role and rank).
     Returns the micro-batches' metrics merged (``primitives.metrics.merge_metrics``).
+    Each micro-batch is scored packed, without its padding, where that saves work
+    (``primitives.logprobs.use_packing``); the loss sees the same (B, T) layout either way.
     """
     if batch.size == 0:
         raise ValueError("forward_backward: empty batch")

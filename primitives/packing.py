@@ -1,0 +1,219 @@
+"""Padding-free scoring of completions: sequence packing (veRL's ``use_remove_padding``, ROLL).
+
+A ``Batch`` row is a left-padded prompt and a right-padded completion, (B, P + T). Where
+lengths vary, much of that rectangle is padding that the forward pass computes and throws
+away. Packing takes each row's real tokens and lays several rows end to end in one packed
+row, position ids restarting at 0 where each sequence starts:
+
+    padded   [pad pad p p p c c pad]      packed  [p p p c | p p p p c c | p p c]
+             [p p p p p c c c     ]       pos     [0 1 2 3 | 0 1 2 3 4 5 | 0 1 2]
+
+With ``attention_mask=None`` transformers' masking utils (``find_packed_sequence_indices``,
+5.x) read the sequence starts from the position ids and confine attention to each sequence;
+``PACKED_ATTENTION`` and ``PACKED_MODEL_TYPES`` say where that was checked (tests compare
+packed and padded logprobs to 1e-5). Each sequence's last token is left out: its logit
+predicts nothing in the completion, and causal attention means no earlier position sees it.
+
+Rows are filled first-fit decreasing up to ``capacity`` tokens, a multiple of the longest
+sequence that ``row_capacity`` picks per micro-batch: sdpa/eager compute a dense (C, C) score
+matrix per row, so longer rows waste less room but cost more attention per token (``key_cost``,
+from the model's shape). The default job's sequences (7-10 tokens) go 2-6 to a row; the
+SmolLM2 job's (46-61 tokens, mostly prompt) gain nothing from sharing rows and keep one to
+a row: there packing saves little in the layers, but the lm head and log-softmax still run on
+real completion tokens only. (Flash-attention's varlen kernels have no attention cost of this
+kind, but transformers packs for them one row only.)
+
+Only the positions that predict a completion token keep their logits (``keep``); those
+logits go back into the (B, T) completion layout (``scatter_completions``), so everything
+downstream of the logprobs is unchanged.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+# Attention implementations whose packed masks come from the position ids (transformers'
+# masking utils). flash_attention_2/3 read packed position ids only for a single row
+# (``_is_packed_sequence`` wants batch size 1), so they are left out, as is anything else.
+PACKED_ATTENTION = ("sdpa", "eager")
+# Model families whose forward builds its mask through ``create_causal_mask(position_ids=...)``,
+# checked by tests/primitives/test_packing.py against the padded forward.
+PACKED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
+
+
+class PackPlan(NamedTuple):
+    """Where each real token of a ``Batch``-layout input goes in the packed rows.
+
+    R packed rows of C tokens; N completion tokens to score (the loss-bearing and tool tokens
+    alike - every real completion token of every row).
+    """
+
+    input_ids: np.ndarray  # (R, C) int64 real tokens end to end, ``pad_id`` in each row's tail
+    position_ids: np.ndarray  # (R, C) int64 0, 1, ... from each sequence's start (and the tail's)
+    keep: np.ndarray  # (R, C) bool positions whose logit predicts a completion token
+    targets: np.ndarray  # (N,) int64 the completion token each kept logit predicts, in keep order
+    rows: np.ndarray  # (N,) int64 its row b in the (B, T) completion layout
+    cols: np.ndarray  # (N,) int64 its column t there
+    shape: tuple  # (B, T) of the completion layout
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the packed forward, tails included (R * C)."""
+        return int(self.input_ids.size)
+
+
+def row_lengths(attention_mask: np.ndarray, prompt_len: int):
+    """``(prompt lengths (B,), completion lengths (B,))`` of a ``Batch``-layout mask (B, P + T),
+    checked to be left-padded prompts and right-padded completions."""
+    P = prompt_len
+    p_len, c_len = attention_mask[:, :P].sum(1), attention_mask[:, P:].sum(1)
+    expect = np.concatenate([np.arange(P)[None] >= P - p_len[:, None],
+                             np.arange(attention_mask.shape[1] - P)[None] < c_len[:, None]], 1)
+    bad = np.flatnonzero((expect != (attention_mask != 0)).any(1))
+    if len(bad):
+        raise ValueError(f"attention_mask row {bad[0]} is not a left-padded prompt of width {P} followed by a "
+                         f"right-padded completion: {attention_mask[bad[0]].tolist()}")
+    return p_len.astype(np.int64), c_len.astype(np.int64)
+
+
+def padding_share(attention_mask: np.ndarray, prompt_len: int) -> float:
+    """Share of the padded forward's tokens that packing leaves out: padding, each row's last
+    token and rows with nothing to score. 0 when packing saves nothing."""
+    needed = int(packed_lengths(*row_lengths(attention_mask, prompt_len)).sum())
+    return 1.0 - needed / max(attention_mask.size, 1)
+
+
+def packed_lengths(p_len: np.ndarray, c_len: np.ndarray) -> np.ndarray:
+    """Tokens each row puts in a packed forward: its prompt and completion less the last
+    token (whose logit predicts nothing); 0 for a row with no completion (nothing to score)."""
+    return np.where(c_len > 0, p_len + c_len - 1, 0)
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple:
+    """``(bin (n,), offset (n,), fill (bins,))``: each length placed in the first bin with
+    room, longest first (a classic bin-packing heuristic; within 11/9 of the fewest bins).
+    Each bin's sequences lie end to end from offset 0 up to its ``fill``."""
+    order = np.argsort(-lengths, kind="stable").tolist()
+    sizes = lengths.tolist()
+    bins, offsets, fill = [0] * len(sizes), [0] * len(sizes), []
+    smallest = min(sizes, default=0)
+    open_bins = []  # bins that can still take the shortest sequence, in order
+    for i in order:
+        b = next((b for b in open_bins if fill[b] + sizes[i] <= capacity), None)
+        if b is None:
+            b = len(fill)
+            fill.append(0)
+            open_bins.append(b)
+        bins[i], offsets[i] = b, fill[b]
+        fill[b] += sizes[i]
+        if fill[b] + smallest > capacity:
+            open_bins.remove(b)
+    as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    return as_array(bins), as_array(offsets), as_array(fill)
+
+
+def key_cost(config) -> float:
+    """Attention's work per token per key position, relative to the work of a layer's weights
+    per token (multiply-adds; a Llama-style layer: q, k, v, o and a gated MLP). A packed row
+    of C tokens costs about ``C * (1 + key_cost * C)`` per layer: sdpa and eager compute the
+    whole (C, C) score matrix however many sequences share the row."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    weights = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * config.intermediate_size
+    return 2 * heads * head_dim / weights  # q.k and the weighted sum of v
+
+
+def row_capacity(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) -> int:
+    """Tokens per packed row: the multiple k * longest (k = 1 .. ``max_factor``) whose
+    first-fit-decreasing packing has the least estimated cost ``rows * C * (1 + cost_per_key * C)``.
+    Longer rows leave less room unused (sequences fit together) but cost more attention per token."""
+    lengths = lengths[lengths > 0]
+    if not len(lengths):
+        return 1
+    longest, total = int(lengths.max()), int(lengths.sum())
+    best, best_cost = longest, None
+    for C in range(longest, longest * max_factor + 1, longest):
+        at_least = max(-(-total // C), int((2 * lengths > C).sum()))  # rows no packing can go below
+        if best_cost is not None and at_least * C * (1.0 + cost_per_key * C) >= best_cost:
+            continue
+        rows = len(first_fit_decreasing(lengths, C)[2])
+        cost = rows * C * (1.0 + cost_per_key * C)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = C, cost
+        if rows == 1:  # longer rows only add tail
+            break
+    return best
+
+
+def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, pad_id: int = 0,
+                 capacity: Optional[int] = None) -> PackPlan:
+    """Pack the real tokens of a ``Batch``-layout input (B, P + T) into rows of ``capacity``
+    tokens (default and minimum: the longest sequence; ``row_capacity`` chooses one for a
+    model). Rows with no completion tokens are left out (nothing to score); with none to
+    score at all the plan has no rows (R = 0)."""
+    B, L = input_ids.shape
+    P, T = prompt_len, L - prompt_len
+    p_len, c_len = row_lengths(attention_mask, P)
+    if ((p_len == 0) & (c_len > 0)).any():
+        raise ValueError(f"row {int(np.argmax((p_len == 0) & (c_len > 0)))} has a completion but no prompt token "
+                         f"to predict its first token from")
+    lengths = packed_lengths(p_len, c_len)
+    scored = np.flatnonzero(lengths > 0)
+    C = int(max(lengths.max(initial=0), capacity or 0))
+    bins, offsets, fill = first_fit_decreasing(lengths[scored], C)
+    R = len(fill)
+    dest_row = np.full(B, -1, np.int64)
+    dest_start = np.zeros(B, np.int64)
+    dest_row[scored], dest_start[scored] = bins, offsets
+
+    # the real tokens of row b sit at padded columns [P - p_b, P + c_b - 1): contiguous
+    col = np.arange(L)[None]
+    first = P - p_len[:, None]
+    src = (col >= first) & (col < P + c_len[:, None] - 1) & (dest_row[:, None] >= 0)  # (B, L)
+    pos = np.broadcast_to(col - first, (B, L))
+    flat = dest_row[:, None] * C + dest_start[:, None] + pos  # (B, L) index into the flat (R * C)
+    ids = np.full(R * C, pad_id, np.int64)
+    ids[flat[src]] = input_ids[src]
+    # a row's tail counts from 0 too: a sequence of its own that attends only to itself
+    positions = (np.arange(C)[None] - fill[:, None]).reshape(-1)
+    positions[flat[src]] = pos[src]
+
+    # column P - 1 + t predicts completion token t (the padded layout's ``logits[:, P-1:-1]``)
+    pred = src & (col >= P - 1)
+    order = np.argsort(flat[pred], kind="stable")
+    keep = np.zeros(R * C, bool)
+    keep[flat[pred]] = True
+    rows_BL = np.broadcast_to(np.arange(B)[:, None], (B, L))
+    return PackPlan(
+        input_ids=ids.reshape(R, C), position_ids=positions.reshape(R, C), keep=keep.reshape(R, C),
+        targets=input_ids[:, 1:][pred[:, :-1]][order],
+        rows=rows_BL[pred][order], cols=(np.broadcast_to(col, (B, L)) - (P - 1))[pred][order], shape=(B, T),
+    )
+
+
+def plan_for(model, input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int) -> PackPlan:
+    """``plan_packing`` with rows as long as ``row_capacity`` finds cheapest for ``model``."""
+    lengths = packed_lengths(*row_lengths(attention_mask, prompt_len))
+    capacity = row_capacity(lengths, key_cost(getattr(model, "module", model).config))
+    return plan_packing(input_ids, attention_mask, prompt_len, capacity=capacity)
+
+
+def scatter_completions(values_N: torch.Tensor, plan: PackPlan) -> torch.Tensor:
+    """Per-token values in keep order (N,) -> the (B, T) completion layout, 0 where a row has
+    no token (differentiable in ``values_N``)."""
+    rows = torch.from_numpy(plan.rows).to(values_N.device)
+    cols = torch.from_numpy(plan.cols).to(values_N.device)
+    return values_N.new_zeros(plan.shape).index_put((rows, cols), values_N)
+
+
+def supports_packing(model) -> bool:
+    """Whether ``model`` (or the module a DeepSpeed engine wraps) takes packed rows: a
+    transformers model of a family in ``PACKED_MODEL_TYPES`` with ``PACKED_ATTENTION``."""
+    module = getattr(model, "module", model)
+    config = getattr(module, "config", None)
+    return (type(module).__module__.startswith("transformers.models.")
+            and getattr(config, "model_type", None) in PACKED_MODEL_TYPES
+            and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION)
