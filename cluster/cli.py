@@ -13,9 +13,12 @@ the resolved config as YAML and exits.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Optional, Sequence
 
-from cluster.config import JOBS, ConfigError, dump_config, load_job_config, parse_overrides
+IMPORTED_AT = time.time()  # the process start when psutil is absent (cluster.job.process_start_time)
+
+from cluster.config import JOBS, ConfigError, dump_config, load_job_config, parse_overrides  # noqa: E402
 
 USAGE = "usage: rayrl {rl,sft} [CONFIG.yaml] [--section.field VALUE ...] [--print-config] [--help]"
 

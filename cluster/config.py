@@ -29,13 +29,14 @@ class ClusterConfig(NamedTuple):
     generators: int = 2  # generator workers (scaled independently of the trainers)
     trainers: int = 2  # trainer ranks (one DeepSpeed ZeRO data-parallel group)
     reward_workers: int = 1  # reward workers
+    reference_workers: int = 1  # reference workers when a step needs reference logprobs (scaled like the generators)
     zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3)
     generator_cpus: float = 1.0  # CPUs per generator
     generator_gpus: float = 0.0  # GPUs per generator
     trainer_cpus: float = 1.0  # CPUs per trainer rank
     trainer_gpus: float = 0.0  # GPUs per trainer rank
-    reference_cpus: float = 1.0  # CPUs of the reference worker
-    reference_gpus: float = 0.0  # GPUs of the reference worker
+    reference_cpus: float = 1.0  # CPUs per reference worker
+    reference_gpus: float = 0.0  # GPUs per reference worker
     reward_cpus: float = 1.0  # CPUs per reward worker
     placement: str = "PACK"  # placement of each role's actors: PACK or SPREAD across nodes
     generator_backend: str = "auto"  # auto (vLLM if installed and a GPU is visible), hf or vllm
@@ -75,6 +76,7 @@ class RLConfig(NamedTuple):
     is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
     is_cap: float = 2.0  # cap of the truncated importance weight
     max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step
+    max_staleness: int = 0  # asynchronous RL: generate up to this many steps ahead of training (0: synchronous)
     critic_lr: Optional[float] = None  # the critic's learning rate (PPO; None: algorithm.lr)
     critic_init: str = "policy"  # the value model's start: policy (after any SFT stage) or a reward model directory
     # other AlgorithmConfig fields, e.g. {clip_eps_high: 0.28, kl_fn: k2, advantage_fn: my.module:fn}

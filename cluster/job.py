@@ -90,6 +90,8 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
         checks += [
             (cluster.generators >= 1, "cluster.generators must be at least 1"),
             (cluster.reward_workers >= 1, "cluster.reward_workers must be at least 1"),
+            (cluster.reference_workers >= 1,
+             f"cluster.reference_workers must be at least 1, got {cluster.reference_workers}"),
             (cluster.generator_backend in ("auto", "hf", "vllm"),
              f"cluster.generator_backend must be auto, hf or vllm, got {cluster.generator_backend}"),
             (cluster.sync_bucket_mb > 0, "cluster.sync_bucket_mb must be positive"),
@@ -158,6 +160,7 @@ def rl_errors(job: RLJob) -> list:
         (algo.is_level in IS_LEVELS, f"algorithm.is_level must be one of {', '.join(IS_LEVELS)}, got {algo.is_level}"),
         (algo.is_cap > 0, f"algorithm.is_cap must be positive, got {algo.is_cap}"),
         (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
+        (algo.max_staleness >= 0, f"algorithm.max_staleness must be >= 0 (0: synchronous), got {algo.max_staleness}"),
         (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
         (algo.critic_lr is None or algo.critic_lr > 0, f"algorithm.critic_lr must be positive, got {algo.critic_lr}"),
         (gen.group_size >= 2, "generation.group_size must be at least 2: group advantages compare completions "
@@ -426,14 +429,38 @@ def prepare_rl(job: RLJob) -> RLInputs:
                     dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None)
 
 
+def process_start_time() -> float:
+    """When this process started (``time.time()`` scale): psutil's record of it, else the
+    time ``cluster.cli`` was imported."""
+    try:
+        import psutil
+    except ImportError:
+        from cluster.cli import IMPORTED_AT
+
+        return IMPORTED_AT
+    return psutil.Process().create_time()
+
+
+def startup_figures(process_start: float, run_start: float, cluster_start: float, stages: dict) -> dict:
+    """``startup_s``: seconds from the process start to the cluster ready for the first RL step,
+    SFT steps and evaluations left out; ``startup``: the seconds of each stage in order
+    (``first_step``, the first RL step itself, is reported but not counted)."""
+    stages = {"driver_start": round(run_start - process_start, 3), "prepare": round(cluster_start - run_start, 3),
+              **stages}
+    return {"startup_s": round(sum(v for k, v in stages.items() if k != "first_step"), 2), "startup": stages}
+
+
 def run_rl(job: RLJob) -> dict:
     """The RL job end to end: prepare (no Ray), then actors, SFT stage, RL, evaluation, outputs."""
+    run_start = time.time()
     inputs = prepare_rl(job)
     job = inputs.job
     start = time.time()
     logger, metrics_path = start_output(job)
     result = train_rl(inputs, logger)
     history = result["history"]
+    startup = startup_figures(process_start_time(), run_start, result.pop("cluster_started_at"),
+                              result.pop("startup"))
     names = [f"reward/{n}" for n in inputs.component_names] if len(inputs.component_names) > 1 else []
     summary = {
         **{k: v for k, v in result.items() if k != "history"},
@@ -445,7 +472,7 @@ def run_rl(job: RLJob) -> dict:
         "reward_mean_first5": mean_of(history[:5], "reward/mean"),
         "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
         **phase_means(history), "median_over_rl_steps": medians(history, SIGNALS),
-        "seed": job.seed, "wall_s": round(time.time() - start, 1), "out": job.logging.out,
+        "seed": job.seed, "wall_s": round(time.time() - start, 1), **startup, "out": job.logging.out,
     }
     keys = ["loss/sft", "reward/mean", "eval/accuracy", *names, "kl/ref_k3", "policy/entropy", "time/step"]
     model_name = os.path.basename(job.model.model_name_or_path.rstrip("/"))
@@ -524,6 +551,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else algo.lr,
                                 micro_batch_size=cfg.micro_batch_size)
     names = inputs.component_names if len(inputs.component_names) > 1 else None
+    cluster_start = time.time()
     backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
                                           aggregate_fn=inputs.aggregate_fn, seed=job.seed,
                                           bucket_mb=cfg.sync_bucket_mb, reserve_critics=needs_values(inputs.algo)))
@@ -535,27 +563,34 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     def save(b, s):
         b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
 
+    built, skipped = time.time(), 0.0  # skipped: SFT and evaluation seconds, training rather than start-up
     try:
         if with_sft:
             sft_stage(backend.cluster, inputs, logger)
+            skipped = time.time() - built
         if needs_values(inputs.algo):
             with_critic(backend, inputs, with_sft)
         if job.checkpoint.resume:  # weights, optimizer, reference, critic, data position and versions
             start_state = backend.load(job.checkpoint.resume)
         else:
             start_state = TrainState(rng_seed=job.seed)
+        t_eval = time.time()
         before = run_eval(backend, start_state) if inputs.eval_items else {}
+        skipped += time.time() - t_eval
         if before:  # the curves' first point: the step before the first RL step
             logger({**before, "step": start_state.iteration - 1})
             print(f"eval accuracy {'at the checkpoint' if job.checkpoint.resume else 'before RL'}: "
                   f"{before['eval/accuracy']:.3f}", flush=True)
+        startup = {**backend.cluster.startup, "before_rl": round(time.time() - built - skipped, 3)}
         state = train(backend, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
                       constant_schedule(inputs.algo), gen, algo.steps, algo.prompts_per_step,
                       linear_warmup(algo.lr, algo.warmup), start_state, logger,
                       run_eval if inputs.eval_items else None,
                       ev.every or algo.steps, save, job.checkpoint.every,
-                      max_resample_rounds=algo.max_resample_rounds, component_names=names)
+                      max_resample_rounds=algo.max_resample_rounds, component_names=names,
+                      max_staleness=algo.max_staleness)
         history = list(state.metrics_history[len(start_state.metrics_history):])
+        startup["first_step"] = round(history[0]["time/step"], 3) if history else None
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
         if after:
             print(f"eval accuracy after {algo.name}: {after['eval/accuracy']:.3f}", flush=True)
@@ -569,7 +604,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     finally:
         shutdown_cluster(backend.cluster)
     return {"reference_worker": with_reference, "ray_address": address, **accuracy_figures(before, after), **final,
-            "history": history}
+            "cluster_started_at": cluster_start, "startup": startup, "history": history}
 
 
 # ----------------------------------------------------------------------------- SFT

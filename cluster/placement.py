@@ -69,13 +69,24 @@ def cluster_resources():
 
 def create_placement_group(role: RoleSpec, timeout_s: float = 60.0):
     """A ready placement group with one bundle per actor of ``role``."""
+    return create_placement_groups([role], timeout_s)[role.name]
+
+
+def create_placement_groups(roles: Sequence[RoleSpec], timeout_s: float = 60.0) -> dict:
+    """``{role name: ready placement group}``, one bundle per actor of each role; all are
+    requested at once, then waited for together."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pg = placement_group([role.bundle()] * role.count, strategy=role.strategy, name=f"rayrl-{role.name}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise TimeoutError(f"placement group for role '{role.name}' ({role.count} x {role.bundle()}, "
-                           f"{role.strategy}) was not ready after {timeout_s:.0f}s; the cluster lacks room for it")
-    return pg
+    pgs = {r.name: placement_group([r.bundle()] * r.count, strategy=r.strategy, name=f"rayrl-{r.name}")
+           for r in roles}
+    checks = {r.name: pgs[r.name].ready() for r in roles}
+    _, pending = ray.wait(list(checks.values()), num_returns=len(checks), timeout=timeout_s)
+    if pending:
+        late = [r for r in roles if checks[r.name] in pending]
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        raise TimeoutError("; ".join(f"placement group for role '{r.name}' ({r.count} x {r.bundle()}, {r.strategy}) "
+                                     f"was not ready after {timeout_s:.0f}s" for r in late) +
+                           "; the cluster lacks room for it")
+    return pgs

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NamedTuple, Optional
+import time
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from cluster.config import ClusterConfig
 from cluster.groups import Call, WorkerGroup, call, create_actor, create_group, fan_out, gather, kill_group
-from cluster.placement import RoleSpec, check_fits, cluster_resources, create_placement_group
+from cluster.placement import (
+    RoleSpec,
+    check_fits,
+    cluster_resources,
+    create_placement_group,
+    create_placement_groups,
+)
 from cluster.weight_sync import SyncAddress
 from primitives.types import ModelConfig
+from rl_actors.common import environ
 from rl_actors.trainer import TrainerConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +46,13 @@ class RLCluster(NamedTuple):
     factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
     reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
+    startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
+
+
+def stage_seconds(marks: Sequence[tuple]) -> dict:
+    """``{stage: seconds}`` from ``[(first mark, t0), (stage, t1), ...]`` (``time.time()``
+    values in order): each stage lasts from the mark before it to its own."""
+    return {name: round(t - before, 3) for (_, before), (name, t) in zip(marks, marks[1:])}
 
 
 def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None,
@@ -51,7 +66,8 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
              RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
              RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
     if with_reference:
-        roles.append(RoleSpec("reference", 1, cfg.reference_cpus, cfg.reference_gpus, extra.get("reference"), strategy))
+        roles.append(RoleSpec("reference", cfg.reference_workers, cfg.reference_cpus, cfg.reference_gpus,
+                              extra.get("reference"), strategy))
     if with_critic:
         roles.append(critic_spec(cfg, extra))
     return roles
@@ -87,9 +103,12 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
         env_vars["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
         # "local": always a new Ray of our own. With no address, Ray would otherwise join the cluster
         # named in /tmp/ray/ray_current_cluster, which a killed `ray start` leaves behind, and then
-        # refuse num_cpus ("When connecting to an existing cluster, num_cpus ... must not be provided")
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": env_vars})
+        # refuse num_cpus ("When connecting to an existing cluster, num_cpus ... must not be provided").
+        # The actors' variables reach them as the environment of the Ray processes started here, not
+        # as a runtime_env: actors then take the worker processes Ray starts ahead (one per CPU)
+        # instead of starting their own through the runtime-env agent (seconds on a small machine)
+        with environ(env_vars):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return ray.get_runtime_context().gcs_address
 
 
@@ -124,6 +143,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     from rl_actors.reward import RewardWorker
     from rl_actors.trainer import TrainerWorker
 
+    marks = [("start", time.time())]
     check_cluster_hooks(reward_fn, aggregate_fn, shaping_fn, ref_update_fn)
     if node_resources is None and cfg.pin_roles:
         node_resources = NODE_GROUP_PINS
@@ -132,34 +152,35 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
+    marks.append(("ray_init", time.time()))
     spec = {r.name: r for r in roles}
     model = model if isinstance(model, ModelConfig) else ModelConfig(model)
     threads = cfg.threads_per_actor
     wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
 
+    # every placement group and actor first; then each role starts up at once: the trainers build
+    # their DeepSpeed engines while the generators, reward workers and reference load
+    pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
     gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads), {})  # noqa: E731
     reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
-    trainers = create_group(TrainerWorker, spec["trainer"], create_placement_group(spec["trainer"]),
+    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
                             lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads), {}))
-    generators = create_group(GeneratorWorker, spec["generator"], create_placement_group(spec["generator"]),
-                              gen_args)
-    rewards = create_group(RewardWorker, spec["reward"], create_placement_group(spec["reward"]), reward_args)
+    generators = create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
+    rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
+    reference = create_group(RefLogprobWorker, spec["reference"], pgs["reference"],
+                             lambda r: ((model, r, ref_update_fn, None, threads), {})) if with_reference else None
     factories = {"generator": lambda r: create_actor(GeneratorWorker, spec["generator"], generators.placement_group,
                                                      r, gen_args),
                  "reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
                                                   r, reward_args)}
-    reference = None
-    if with_reference:
-        reference = create_group(RefLogprobWorker, spec["reference"], create_placement_group(spec["reference"]),
-                                 lambda r: ((model, r, ref_update_fn, None, threads), {}))
-
-    groups = [generators, rewards] + ([reference] if reference else [])
-    wait([c for g in groups for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
+    marks.append(("actors_created", time.time()))
     master = wait([call(trainers, 0, "endpoint")])[0]
-    wait(fan_out(trainers, "setup", *master))
-    meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
+    setups = fan_out(trainers, "setup", *master)  # waited for below, after the other roles
+    others = [generators, rewards] + ([reference] if reference else [])
+    infos = wait([c for g in others for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
+    marks.append(("actors_loaded", time.time()))
     tracks = with_reference and ref_update_fn is not None
-    backends = {info["backend"] for info in wait(fan_out(generators, "info"))}
+    backends = {info["backend"] for info in infos[: generators.size]}
     if backends == {"vllm"} and tracks:
         raise ValueError("a policy-tracking reference cannot join vLLM's weight-transfer group; "
                          "use a fixed reference (no ref_update_fn) or cluster.generator_backend: hf")
@@ -167,10 +188,15 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
     backend = "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo"
     pad_id = wait([call(generators, 0, "pad_token_id")])[0]
+    wait(setups)
+    meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
+    marks.append(("trainer_setup", time.time()))
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories, reward_needs_reference)
-    return join_weight_sync(cluster)
+    cluster = join_weight_sync(cluster)
+    marks.append(("weight_sync", time.time()))
+    return cluster._replace(startup=stage_seconds(marks))
 
 
 def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerConfig, seed: int = 0) -> RLCluster:
@@ -191,15 +217,16 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
 
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
-    """(Re)build the weight-sync group on a fresh port: trainer rank 0, every generator, and a
-    policy-tracking reference. Called at start-up and after a generator is replaced."""
+    """(Re)build the weight-sync group on a fresh port: trainer rank 0 (sync rank 0), every
+    generator (1 .. G), and every rank of a policy-tracking reference (G + 1 ...). Called at
+    start-up and after a generator is replaced."""
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
-    world = 1 + cluster.generators.size + (1 if cluster.reference_tracks_policy else 0)
-    sync = cluster.sync_address._replace(host=host, port=port, world_size=world)
+    gens = cluster.generators.size
+    refs = cluster.reference.size if cluster.reference_tracks_policy else 0
+    sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
-    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i) for i in range(cluster.generators.size)]
-    if cluster.reference_tracks_policy:
-        joins.append(call(cluster.reference, 0, "init_weight_sync", sync, world - 1))
+    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i) for i in range(gens)]
+    joins += [call(cluster.reference, r, "init_weight_sync", sync, 1 + gens + r) for r in range(refs)]
     gather(joins, cluster.timeout_s)
     return cluster._replace(sync_address=sync)
 

@@ -1,6 +1,7 @@
 """What every actor does on start-up: pin threads, load a model by path, report where it runs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Optional
@@ -60,3 +61,19 @@ def actor_info(role: str, rank: int) -> dict:
 
 def gpu_visible() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+@contextlib.contextmanager
+def environ(values: dict):
+    """``os.environ`` with ``values`` set inside the block and restored after it (processes
+    started inside it inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -32,7 +32,7 @@ import torch
 
 from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.types import ModelConfig
-from rl_actors.common import actor_info, describe_model, gpu_visible, setup_process
+from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
 
 
 def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
@@ -70,6 +70,28 @@ def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed's CPU accelerator from JIT-building and loading its shared-memory
+    all-reduce op (``deepspeed_shm_comm``) at ``init_distributed``. DeepSpeed calls it only in
+    ``inference_all_reduce`` (tensor-parallel inference); ZeRO's collectives go through
+    torch.distributed (gloo). Built, it is a C++ compile of about 20 s on two cores, repeated
+    whenever another install last used ~/.cache/torch_extensions/py311_cpu (the build
+    directory is shared by every install of one Python version)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the one dict it probed
+
+
+def import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer module with torch.compile off. DeepSpeed imports it in
+    ``initialize`` and in ZeRO's gradient reduction whatever the optimizer, and the module
+    decorates three functions with ``torch.compile``, which imports TorchInductor: about 1.2 s
+    of CPU per rank. The optimizer here is torch's AdamW, so those functions never run;
+    torch.compile is left on for everything else in the process."""
+    with environ({"TORCHDYNAMO_DISABLE": "1"}):  # read when torch.compile decorates
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
 
 def rendezvous_endpoint() -> tuple:
@@ -112,6 +134,9 @@ class DeepSpeedRank:
                            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
         import deepspeed
 
+        if not self.on_gpu:
+            skip_shm_comm_op()
+        import_muon_uncompiled()
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
                                    init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                    world_size=self.world_size)

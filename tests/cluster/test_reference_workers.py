@@ -1,0 +1,87 @@
+"""N reference workers (issue 9, item 2): ``cluster.reference_workers`` ranks of the reference.
+A policy-tracking reference has every rank in the weight-sync group; every rank holds the same
+weights after each sync, after a copy of the policy and after a checkpoint is loaded."""
+import pytest
+
+from cluster.config import ClusterConfig, DataConfig, RLJob
+from cluster.driver import copy_policy_to_reference, gather, load_cluster_checkpoint, save_cluster_checkpoint, train
+from cluster.groups import fan_out
+from cluster.job import rl_errors
+from cluster.setup import build_rl_cluster, role_specs, shutdown_cluster
+from primitives.algorithms import constant_schedule, grpo
+from primitives.data import make_prompt_source
+from primitives.kl import create_ema_updater
+from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.types import GenerationConfig
+from rl_actors.trainer import TrainerConfig
+
+
+def test_one_reference_worker_by_default_and_n_when_asked():
+    def count(cfg):
+        return {r.name: r.count for r in role_specs(cfg, with_reference=True)}["reference"]
+
+    assert count(ClusterConfig()) == 1
+    assert count(ClusterConfig(reference_workers=3)) == 3
+
+
+def test_zero_reference_workers_is_a_config_error_naming_the_field(tmp_path):
+    job = RLJob(data=DataConfig(task="arithmetic"), cluster=ClusterConfig(reference_workers=0))
+    assert "cluster.reference_workers must be at least 1, got 0" in rl_errors(job)
+
+    from cluster.cli import run
+
+    with pytest.raises(SystemExit, match="cluster.reference_workers must be at least 1, got 0"):
+        run(["rl", "--data.task", "arithmetic", "--cluster.reference-workers", "0", "--logging.out", str(tmp_path)])
+
+
+def spread_reward(rollout) -> float:
+    """A reward that varies with the sampled tokens, so that groups have spread and the policy
+    moves (a random model never gets a sum right)."""
+    return float(int(rollout.completion_ids.sum()) % 3)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, tiny_model_path):
+    cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, reference_workers=2, zero_stage=2,
+                        call_timeout_s=300)
+    built = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), spread_reward,
+                             with_reference=True, ref_update_fn=create_ema_updater(0.5), bucket_mb=0.5)
+    yield built
+    shutdown_cluster(built)
+
+
+def _checksums(group) -> list:
+    return gather(fan_out(group, "weight_checksums"), 300)
+
+
+def _train(cluster, steps: int, start=None):
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
+    kwargs = {} if start is None else {"state": start}
+    return train(cluster, make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.05)),
+                 GenerationConfig(max_new_tokens=4, n=4), num_steps=steps, prompts_per_step=4,
+                 lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
+
+
+def test_every_reference_rank_joins_the_weight_sync_group(cluster):
+    assert cluster.reference.size == 2 and cluster.reference_tracks_policy
+    assert cluster.sync_address.world_size == 1 + 1 + 2  # trainer rank 0, the generator, both reference ranks
+
+
+def test_reference_ranks_hold_identical_weights_after_syncs_copies_and_loads(cluster, tmp_path):
+    start = _checksums(cluster.reference)
+    assert start[0] == start[1]
+    state = _train(cluster, steps=2)  # two syncs: each reference rank applies the same EMA update
+    refs, trainer = _checksums(cluster.reference), _checksums(cluster.trainers)[0]
+    assert refs[0] == refs[1]
+    assert refs[0] != start[0] and refs[0] != trainer  # moved towards the policy, halfway (EMA 0.5)
+
+    copy_policy_to_reference(cluster)  # one object to every rank
+    assert _checksums(cluster.reference) == [trainer, trainer]
+
+    path = str(tmp_path / "ckpt")
+    save_cluster_checkpoint(cluster, path, state)  # reference rank 0 writes reference/
+    _train(cluster, steps=3, start=state)  # the trainer and both references move on
+    assert _checksums(cluster.reference)[0] != trainer
+    load_cluster_checkpoint(cluster, path)  # every rank loads it (the sync after it: EMA of equal weights)
+    assert _checksums(cluster.reference) == [trainer, trainer]
+    assert _checksums(cluster.trainers)[0] == trainer
