@@ -11,7 +11,8 @@ one process (``cluster.local.LocalBackend``: plain torch, no Ray). Each phase is
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from collections import deque
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -34,7 +35,7 @@ from primitives.hooks import call_hook, check_arity
 from primitives.loggers import noop_logger
 from primitives.metrics import merge_metrics, merge_rank_updates
 from primitives.tools import tool_metrics
-from primitives.types import GenerationConfig, TrainState
+from primitives.types import GenerationConfig, TrainState, group_id
 
 
 def as_backend(backend):
@@ -42,29 +43,131 @@ def as_backend(backend):
     return RayBackend(backend) if isinstance(backend, RLCluster) else backend
 
 
-def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
-    """``(rollouts, times)``: generate -> reference logprobs -> rewards, chained on the backend
-    (by reference on Ray). Reference logprobs come before rewards so that a shaping function
-    may use them (KL in the reward); they are scored at the sampling temperature."""
+class Collection(NamedTuple):
+    """Prompts drawn for a step whose rollouts are in flight on the backend (not trained yet)."""
+
+    items: list  # the prompt items
+    position: object  # the prompt source's position after them
+    handle: object  # the backend's handle of the rollouts (generate -> reference, reward)
+    version: int  # the policy version when dispatched (what the generators hold)
+    restarts: int  # backend.restarts when dispatched (an actor replaced later failed it)
+    with_ref: bool  # reference logprobs were asked for
+
+
+def needs_reference(backend, algo) -> bool:
+    return backend.has_reference and (uses_reference(algo) or backend.reward_needs_reference)
+
+
+def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool, version: int,
+             tools=None) -> Collection:
+    """Start generating ``items`` (then rewards and, with ``with_ref``, reference logprobs) on
+    the backend without waiting. Reference logprobs and rewards run side by side unless the
+    shaping function reads reference logprobs (KL in the reward); then the reference comes
+    first. Logprobs are scored at the sampling temperature."""
     handle = backend.generate(items, gen, tools)
-    if with_ref:
-        handle = backend.reference_logprobs(handle, gen.temperature)
-    return backend.fetch(backend.score(handle))
+    if with_ref and backend.reward_needs_reference:
+        handle = backend.score(backend.reference_logprobs(handle, gen.temperature))
+    elif with_ref:
+        handle = backend.score_and_reference(handle, gen.temperature)
+    else:
+        handle = backend.score(handle)
+    return Collection(list(items), position, handle, version, backend.restarts, with_ref)
+
+
+def fetch_collection(backend, coll: Collection, gen: GenerationConfig, version: int, tools=None) -> tuple:
+    """``(rollouts, times)`` of a dispatched collection. If an actor it ran on died, the actor
+    is replaced (unless that happened since the dispatch) and the same prompts are generated
+    again at ``version``, so nothing is lost and nothing is used twice."""
+    from cluster.groups import ActorFailure
+
+    while True:
+        try:
+            return backend.fetch(coll.handle)
+        except ActorFailure as failure:
+            backend.recover(failure, version, since=coll.restarts)
+            coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, version, tools)
+
+
+def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None,
+            version: int = 0) -> tuple:
+    """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for."""
+    coll = dispatch(backend, items, None, gen, with_ref, version, tools)
+    return fetch_collection(backend, coll, gen, version, tools)
+
+
+def stale_groups(rollouts: Sequence, version: int, max_staleness: int) -> set:
+    """Groups with a rollout more than ``max_staleness`` policy versions behind ``version``."""
+    return {r.group for r in rollouts if version - r.policy_version > max_staleness}
+
+
+def staleness_metrics(rollouts: Sequence, version: int) -> dict:
+    """``staleness/mean`` and ``staleness/max`` (policy versions between each rollout's
+    generator and the policy it trains), and the share of rollouts at each lag
+    (``staleness/lag_<k>``)."""
+    lags = np.array([version - r.policy_version for r in rollouts], dtype=np.int64)
+    if not len(lags):
+        return {}
+    out = {"staleness/mean": float(lags.mean()), "staleness/max": float(lags.max())}
+    out.update({f"staleness/lag_{k}": float(np.mean(lags == k)) for k in range(int(lags.max()) + 1)})
+    return out
+
+
+def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,
+                   with_ref: bool, tools=None, max_attempts: int = 3) -> tuple:
+    """``(rollouts, times, regenerated)`` of a collection, each within ``max_staleness`` of
+    ``version`` and with reference logprobs when ``with_ref``: the prompts of groups older
+    than the bound (or lacking reference logprobs the algorithm now needs) are generated
+    again, in their places, never trained on stale; ``regenerated`` counts the rollouts
+    replaced."""
+    rollouts, times = fetch_collection(backend, coll, gen, version, tools)
+    regenerated = 0
+    for _ in range(max_attempts):
+        redo = stale_groups(rollouts, version, max_staleness)
+        if with_ref and any(r.ref_logprobs is None for r in rollouts):
+            redo |= {r.group for r in rollouts if r.ref_logprobs is None}
+        if not redo:
+            return rollouts, times, regenerated
+        items = [it for it in coll.items if group_id(it.epoch, it.index) in redo]
+        again, t = fetch_collection(backend, dispatch(backend, items, coll.position, gen, with_ref, version, tools),
+                                    gen, version, tools)
+        times, regenerated = merge_metrics([times, t]), regenerated + sum(r.group in redo for r in rollouts)
+        by_group: dict = {}
+        for r in again:
+            by_group.setdefault(r.group, []).append(r)
+        out, placed = [], set()
+        for r in rollouts:
+            if r.group not in redo:
+                out.append(r)
+            elif r.group not in placed:
+                out += by_group.get(r.group, [])
+                placed.add(r.group)
+        rollouts = out
+    raise RuntimeError(f"rollouts of {sorted(redo)[:3]}... are still more than {max_staleness} policy versions "
+                       f"behind {version} after {max_attempts} regenerations: a generator is not receiving weights")
 
 
 def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, gen: GenerationConfig,
-                     prompts_per_step: int, max_rounds: int, tools=None):
-    """One step's rollouts. When the algorithm's filters drop groups (DAPO's dynamic sampling
-    drops groups whose rewards are all equal), more prompts are drawn, up to ``max_rounds``
-    extra rounds, until the step has ``prompts_per_step`` groups."""
-    with_ref = backend.has_reference and (uses_reference(algo) or backend.reward_needs_reference)
-    position, kept, times, rounds, drawn = state.data_position, [], {}, 0, 0
+                     prompts_per_step: int, max_rounds: int, tools=None, queue: Optional[deque] = None,
+                     max_staleness: int = 0):
+    """One step's rollouts, from the collections in flight (``queue``, oldest first; drawn and
+    dispatched now when it is empty). When the algorithm's filters drop groups (DAPO's
+    dynamic sampling drops groups whose rewards are all equal), the next collection in flight
+    is taken, or more prompts are drawn, up to ``max_rounds`` extra rounds, until the step has
+    ``prompts_per_step`` groups. Prompts are consumed in the order drawn, so the data position
+    after the step says exactly what was trained."""
+    queue = deque() if queue is None else queue
+    with_ref, version = needs_reference(backend, algo), state.policy_version
+    position, kept, times, rounds, drawn, regenerated, seen = state.data_position, [], {}, 0, 0, 0, []
     while True:
-        want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
-        items, position = call_hook(prompt_source, "prompt_source", position, want)
-        drawn += len(items)
-        rollouts, t = collect(backend, items, gen, with_ref, tools)
+        if not queue:
+            want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
+            items, after = call_hook(prompt_source, "prompt_source", position, want)
+            queue.append(dispatch(backend, items, after, gen, with_ref, version, tools))
+        coll = queue.popleft()
+        rollouts, t, redone = fresh_rollouts(backend, coll, gen, version, max_staleness, with_ref, tools)
+        position, drawn, regenerated = coll.position, drawn + len(coll.items), regenerated + redone
         times = merge_metrics([times, t])
+        seen += rollouts
         kept += apply_filters(rollouts, algo.filters)
         if not algo.filters or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
             break
@@ -72,7 +175,8 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
     if not kept:
         raise RuntimeError(f"step {state.iteration}: the filters of '{algo.name}' kept no group after {rounds + 1} "
                            "rounds (with dynamic sampling: every group had equal rewards)")
-    extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds)}
+    extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds),
+             "staleness/regenerated": float(regenerated), **staleness_metrics(seen, version)}
     return kept, position, {**times, **extra}
 
 
@@ -135,7 +239,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
           prompts_per_step: int, lr_schedule: Callable[[int], float], state: TrainState = TrainState(),
           logger: Callable = noop_logger, eval_fn: Optional[Callable] = None, eval_every: int = 0,
           checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0, max_resample_rounds: int = 4,
-          progress: bool = True, component_names: Optional[Sequence[str]] = None, tools=None) -> TrainState:
+          progress: bool = True, component_names: Optional[Sequence[str]] = None, tools=None,
+          max_staleness: int = 0) -> TrainState:
     """The RL loop: prompts -> rollouts (generate, reference, reward) -> (values) -> batch ->
     train -> sync, on ``backend`` (a ``RayBackend`` - or an ``RLCluster`` - or a ``LocalBackend``).
 
@@ -150,6 +255,13 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
     * On Ray, a generator or reward worker that dies is replaced and the step's prompts are
       collected again, so no prompt is lost or trained twice.
     * ``component_names`` (``build_reward``'s labels) name the logged ``reward/<name>``.
+    * ``max_staleness`` > 0 is asynchronous RL: the prompts of the next ``max_staleness``
+      steps are generated (and scored) while this step trains, so a rollout is trained by a
+      policy up to that many versions newer than its generator's. Rollouts are consumed oldest
+      first; one older than the bound is generated again, never trained on. The generator's
+      logprobs enter the loss through the capped importance weight (``algo.is_cap``). 0 is
+      the synchronous loop. Logged: ``staleness/*``, ``mismatch/*``, ``idle/generators``
+      and ``idle/trainers`` (the share of the step each role sat idle).
 
     Returns the final ``TrainState`` (its ``metrics_history`` holds every step's metrics).
     On Ray, ``backend.cluster`` is the cluster afterwards (it changes when an actor is replaced).
@@ -157,9 +269,14 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
     if gen.temperature <= 0:
         raise ValueError(f"RL sampling needs temperature > 0, got {gen.temperature}: logprobs are of "
                          "softmax(logits / T), and T = 0 (greedy) samples nothing to learn from")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 (0: synchronous), got {max_staleness}")
     backend = as_backend(backend)
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
     _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
+    queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
+    backend.busy()  # start the idle clocks
+    t_clock = time.perf_counter()
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
     for it in bar:
         t_step = time.perf_counter()
@@ -167,9 +284,14 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
         algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
         if not _seen(algo, checked):
             check_algorithm_for(backend, algo)
-        work = lambda algo=algo, state=state: collect_rollouts(  # noqa: E731
-            backend, prompt_source, state, algo, gen, prompts_per_step, max_resample_rounds, tools)
-        rollouts, position, metrics = backend.retry(work, state.policy_version)
+        rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
+                                                       max_resample_rounds, tools, queue, max_staleness)
+        ahead = min(max_staleness, num_steps - it - 1)
+        while len(queue) < ahead:  # the next steps' prompts, generated while this step trains
+            items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
+                                     prompts_per_step)
+            queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo),
+                                  state.policy_version, tools))
         metrics["recovery/actor_restarts"] = float(backend.restarts)
         with_critic = needs_values(algo)
         values = backend.values(rollouts) if with_critic else None
@@ -183,20 +305,30 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
             critic, _ = merge_rank_updates(critic_per_rank)
             trained.update({k: v for k, v in critic.items() if k.startswith("critic/")})
         version = state.policy_version + 1
+        if queue:  # a generator that died under the collections in flight is replaced before the sync
+            backend.settle(list(queue))
         metrics.update(backend.sync(version, it + 1, trained.get("kl/ref_k3")))
+        busy, now = backend.busy(), time.perf_counter()
+        metrics.update({f"idle/{role}": max(0.0, 1.0 - seconds / (now - t_clock)) for role, seconds in busy.items()})
+        t_clock = now
         metrics.update({**trained, **rollout_metrics(batch, component_names), "step": it, "algorithm": algo.name,
                         "time/step": time.perf_counter() - t_step})
         if tools is not None:
             metrics.update(tool_metrics(rollouts))
         state = state._replace(iteration=it + 1, global_step=state.global_step + 1, policy_version=version,
                                data_position=position)
-        if eval_fn is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == num_steps):
+        evaluated = eval_fn is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == num_steps)
+        if evaluated:
             metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
         state = state._replace(metrics_history=state.metrics_history + (metrics,))
         call_hook(logger, "logger", metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-        if checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0:
+        saved = checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0
+        if saved:
             call_hook(checkpoint_fn, "checkpoint_fn", backend, state)
+        if evaluated or saved:  # neither counts in the next step's idle shares
+            backend.busy()
+            t_clock = time.perf_counter()
     return state
 
 

@@ -84,6 +84,7 @@ class LocalBackend:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic_lr or trainer.lr,
                                                       betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
         self.policy_version, self.restarts = 0, 0
+        self._busy = {"generators": 0.0, "trainers": 0.0}
 
     @property
     def pad_token_id(self) -> int:
@@ -107,6 +108,7 @@ class LocalBackend:
         else:
             turn = hf_turn_generator(self.policy, self.tokenizer, gen, sampler)
             rollouts = multiturn_rollouts(turn, self.tokenizer, items, gen.n, tools, self.policy_version)
+        self._busy["generators"] += time.perf_counter() - t0
         return LocalRollouts(rollouts, {"time/generate": time.perf_counter() - t0})
 
     def reference_logprobs(self, done: LocalRollouts, temperature: float) -> LocalRollouts:
@@ -119,6 +121,10 @@ class LocalBackend:
         t0 = time.perf_counter()
         rollouts = score_rollouts(done.rollouts, self.reward_fn, self.aggregate_fn, self.shaping_fn)
         return LocalRollouts(rollouts, {**done.times, "time/reward": time.perf_counter() - t0})
+
+    def score_and_reference(self, done: LocalRollouts, temperature: float) -> LocalRollouts:
+        """Rewards and reference logprobs (one after the other here; neither reads the other)."""
+        return self.reference_logprobs(self.score(done), temperature)
 
     def fetch(self, done: LocalRollouts) -> tuple:
         return list(done.rollouts), dict(done.times)
@@ -135,7 +141,7 @@ class LocalBackend:
     def train_step(self, batch, algo: AlgorithmConfig, temperature: float, lr: Optional[float],
                    critic: bool = False) -> tuple:
         """One rollout batch: the policy's updates (and the critic's), as one rank reports them."""
-        cfg = self.trainer_config
+        cfg, t0 = self.trainer_config, time.perf_counter()
         updates = train_on_batch(self.policy, self.optimizer, batch, algo, temperature, cfg.max_grad_norm,
                                  cfg.micro_batch_size, lr)
         critic_updates = None
@@ -144,6 +150,7 @@ class LocalBackend:
 
             critic_updates = train_values_on_batch(self.critic, self.critic_optimizer, batch, algo,
                                                    cfg.max_grad_norm, cfg.micro_batch_size)
+        self._busy["trainers"] += time.perf_counter() - t0
         return [updates], (None if critic_updates is None else [critic_updates])
 
     def sync(self, version: int, step: int, kl: Optional[float]) -> dict:
@@ -193,6 +200,17 @@ class LocalBackend:
             self.critic_optimizer.load_state_dict(torch.load(os.path.join(path, "critic_optimizer.pt")))
         self.policy_version = state.policy_version
         return state
+
+    def busy(self) -> dict:
+        """Seconds generating and training since the last call (one process: one clock each)."""
+        out, self._busy = self._busy, {"generators": 0.0, "trainers": 0.0}
+        return out
+
+    def recover(self, failure, version: int, since: int = -1, send_weights: bool = True) -> None:
+        raise failure  # one process: nothing to replace
+
+    def settle(self, collections) -> None:
+        """Nothing is in flight here: generation ran when it was dispatched."""
 
     def retry(self, work: Callable[[], tuple], version: int):
         return work()  # one process: nothing to replace

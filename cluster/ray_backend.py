@@ -26,7 +26,7 @@ def _flat(lists) -> list:
 
 
 def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[float] = None) -> dict:
-    """Broadcast the trainers' weights to every generator (and a tracking reference)."""
+    """Broadcast the trainers' weights to every generator (and every rank of a tracking reference)."""
     t0 = time.perf_counter()
     meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
     calls = fan_out(cluster.trainers, "send_weights", meta, bucket)
@@ -39,12 +39,14 @@ def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[f
 
 
 def copy_policy_to_reference(cluster: RLCluster) -> None:
-    """Make the reference equal to the current policy (after SFT, say). Rank 0's weights go
-    to the reference by ref, never through the driver; the other ranks join ZeRO-3 gathers."""
+    """Make every reference rank equal to the current policy (after SFT, say). Trainer rank 0's
+    weights go to the reference ranks by ref (one object, never through the driver); the other
+    trainer ranks join ZeRO-3 gathers."""
     if cluster.reference is None:
         return
     states = fan_out(cluster.trainers, "full_state", True)
-    gather([call(cluster.reference, 0, "load_weights", states[0].ref)] + states[1:], cluster.timeout_s)
+    loads = [call(cluster.reference, r, "load_weights", states[0].ref) for r in range(cluster.reference.size)]
+    gather(loads + states[1:], cluster.timeout_s)
 
 
 def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) -> str:
@@ -56,7 +58,7 @@ def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) ->
         shutil.rmtree(critic_tmp, ignore_errors=True)
         gather(fan_out(cluster.critics, "save_checkpoint", critic_tmp), cluster.timeout_s)
         extra["critic"] = critic_tmp
-    if cluster.reference is not None:
+    if cluster.reference is not None:  # every reference rank holds the same weights: rank 0 saves them
         ref_tmp = path.rstrip("/") + ".reference.tmp"
         shutil.rmtree(ref_tmp, ignore_errors=True)
         gather([call(cluster.reference, 0, "save_weights", ref_tmp)], cluster.timeout_s)
@@ -71,7 +73,7 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
     saved = gather(fan_out(cluster.trainers, "load_checkpoint", path), cluster.timeout_s)[0]
     state = state_from_json(saved)
     if cluster.reference is not None and os.path.isdir(os.path.join(path, "reference")):
-        gather([call(cluster.reference, 0, "load_weights_from", os.path.join(path, "reference"))], cluster.timeout_s)
+        gather(fan_out(cluster.reference, "load_weights_from", os.path.join(path, "reference")), cluster.timeout_s)
     if cluster.critics is not None:
         if not os.path.isdir(os.path.join(path, "critic")):
             raise FileNotFoundError(f"{path} holds no critic/ to resume the critic from")
@@ -82,12 +84,34 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
 
 
 class RolloutRefs(NamedTuple):
-    """Rollouts in flight: the calls of each phase so far, in order (the last holds them)."""
+    """Rollouts in flight: the calls of each phase so far, in order (the last holds them), and
+    optionally two branches that both read the last phase's rollouts and run side by side:
+    ``("ref", calls)`` giving reference-logprob arrays and ``("reward", calls)`` giving the
+    scored rollouts, merged when fetched."""
 
     phases: tuple  # ((phase name, [Call, ...]), ...)
+    branches: tuple = ()  # ((("ref", [Call, ...]), ("reward", [Call, ...])) or ()
 
     def then(self, name: str, calls: list) -> "RolloutRefs":
         return RolloutRefs(self.phases + ((name, calls),))
+
+
+def wait_each(phases: Sequence[tuple], timeout_s: float) -> dict:
+    """Seconds until each ``(name, calls)`` phase has all its results, phases waited for
+    together (no error checks: ``gather`` names failures afterwards)."""
+    import ray
+
+    t0, left, done = time.perf_counter(), {name: {c.ref for c in calls} for name, calls in phases}, {}
+    pending = [c.ref for _, calls in phases for c in calls]
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not ready:
+            break
+        for name, refs in left.items():
+            refs.difference_update(ready)
+            if not refs and name not in done:
+                done[name] = time.perf_counter() - t0
+    return {name: done.get(name, time.perf_counter() - t0) for name, _ in phases}
 
 
 class RayBackend:
@@ -99,6 +123,7 @@ class RayBackend:
 
     def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3):
         self.cluster, self.max_actor_restarts, self.restarts = cluster, max_actor_restarts, 0
+        self.replaced_at: dict = {}  # (role, rank) -> the restarts count its last replacement made
 
     @property
     def pad_token_id(self) -> int:
@@ -129,7 +154,8 @@ class RayBackend:
     def reference_logprobs(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:
         """Reference logprobs of the rollouts, at the sampling temperature."""
         c = self.cluster
-        return refs.then("ref", [call(c.reference, 0, "logprobs", x.ref, temperature) for x in refs.phases[-1][1]])
+        return refs.then("ref", [call(c.reference, i % c.reference.size, "logprobs", x.ref, temperature)
+                                 for i, x in enumerate(refs.phases[-1][1])])
 
     def score(self, refs: RolloutRefs) -> RolloutRefs:
         """Rewards of the rollouts, the chunks spread over the reward workers."""
@@ -137,8 +163,19 @@ class RayBackend:
         return refs.then("reward", [call(c.rewards, i % c.rewards.size, "score", x.ref)
                                     for i, x in enumerate(refs.phases[-1][1])])
 
+    def score_and_reference(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:
+        """Rewards and reference logprobs of the rollouts side by side (neither reads the
+        other): the chunks go to the reward workers and the reference workers at once, the
+        reference returning only its logprob arrays."""
+        c = self.cluster
+        chunks = [x.ref for x in refs.phases[-1][1]]
+        ref = [call(c.reference, i % c.reference.size, "logprob_arrays", x, temperature) for i, x in enumerate(chunks)]
+        reward = [call(c.rewards, i % c.rewards.size, "score", x) for i, x in enumerate(chunks)]
+        return RolloutRefs(refs.phases, (("ref", ref), ("reward", reward)))
+
     def fetch(self, refs: RolloutRefs) -> tuple:
-        """``(rollouts, {"time/<phase>": seconds})``: waits phase by phase."""
+        """``(rollouts, {"time/<phase>": seconds})``: waits phase by phase; side-by-side
+        branches are each timed from the end of the phase before them."""
         times, out = {}, []
         t = time.perf_counter()
         for name, calls in refs.phases:
@@ -146,7 +183,13 @@ class RayBackend:
             now = time.perf_counter()
             times[f"time/{name}"] = now - t
             t = now
-        return _flat(out), times
+        if not refs.branches:
+            return _flat(out), times
+        times.update({f"time/{name}": s for name, s in wait_each(refs.branches, self.cluster.timeout_s).items()})
+        (_, ref_calls), (_, reward_calls) = refs.branches
+        arrays, scored = _flat(gather(ref_calls, self.cluster.timeout_s)), _flat(gather(reward_calls,
+                                                                                       self.cluster.timeout_s))
+        return [r._replace(ref_logprobs=lp) for r, lp in zip(scored, arrays)], times
 
     def values(self, rollouts: Sequence) -> list:
         """The critic's values of each rollout's completion tokens, (T_i,) each."""
@@ -181,18 +224,60 @@ class RayBackend:
     def load(self, path: str) -> TrainState:
         return load_cluster_checkpoint(self.cluster, path)
 
+    # ------------------------------------------------------------------ idle clocks
+    def busy(self) -> dict:
+        """Seconds each role worked since the last call (generators: the mean over workers)."""
+        c, out = self.cluster, {}
+        for role, group, combine in (("generators", c.generators, lambda xs: sum(xs) / len(xs)),
+                                     ("trainers", c.trainers, max)):
+            seconds = []
+            for one in fan_out(group, "busy"):
+                try:
+                    seconds.append(gather([one], c.timeout_s)[0])
+                except ActorFailure:
+                    pass  # a dead actor: replaced when its next work fails
+            if seconds:
+                out[role] = combine(seconds)
+        return out
+
     # ------------------------------------------------------------------ recovery
+    def recover(self, failure: ActorFailure, version: int, since: int = -1, send_weights: bool = True) -> None:
+        """Replace the dead generator or reward worker of ``failure`` (a new generator receives
+        the weights of ``version`` unless ``send_weights`` is false: the next sync brings them),
+        unless it was replaced after ``since`` (a ``restarts`` count) already; re-raise a
+        failure that is not a dead, replaceable actor or exceeds ``max_actor_restarts``."""
+        if not failure.replaceable:
+            raise failure
+        if self.replaced_at.get((failure.role, failure.rank), -1) > since:
+            return  # already replaced since the work was dispatched: only the work is redone
+        if self.restarts >= self.max_actor_restarts:
+            raise failure
+        self.restarts += 1
+        self.replaced_at[(failure.role, failure.rank)] = self.restarts
+        tqdm.write(f"{failure}; replacing it and generating its prompts again")
+        self.cluster = replace_actor(self.cluster, failure.role, failure.rank)
+        if failure.role == "generator" and send_weights:
+            sync_weights(self.cluster, version)
+
+    def settle(self, collections: Sequence) -> None:
+        """Wait for the generation of the collections in flight (``cluster.driver.Collection``;
+        a weight sync waits for it anyway) and replace a generator that died under one, so that
+        the sync reaches a live group; the lost rollouts are generated again when their step
+        fetches them."""
+        for coll in collections:
+            for c in coll.handle.phases[0][1]:
+                try:
+                    gather([c], self.cluster.timeout_s)
+                except ActorFailure as failure:
+                    if failure.died:  # a raising generator is reported by its step's fetch
+                        self.recover(failure, 0, since=coll.restarts, send_weights=False)
+
     def retry(self, work: Callable[[], tuple], version: int):
         """``work()``; if a generator or reward worker died, replace it (a new generator first
         receives the weights of ``version``) and run ``work`` again with the same inputs."""
         while True:
+            since = self.restarts
             try:
                 return work()
             except ActorFailure as failure:
-                if not failure.replaceable or self.restarts >= self.max_actor_restarts:
-                    raise
-                self.restarts += 1
-                tqdm.write(f"{failure}; replacing it and running the step's collection again")
-                self.cluster = replace_actor(self.cluster, failure.role, failure.rank)
-                if failure.role == "generator":
-                    sync_weights(self.cluster, version)
+                self.recover(failure, version, since=since)

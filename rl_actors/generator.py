@@ -25,6 +25,7 @@ from primitives.generation import GenerationOutput, encode_prompts, generate_rol
 from primitives.logprobs import rollout_logprobs
 from primitives.tools import ToolConfig, hf_turn_generator, multiturn_rollouts
 from primitives.types import GenerationConfig, ModelConfig
+from rl_actors.clock import BusyClock
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
 
@@ -157,6 +158,7 @@ class GeneratorWorker:
             else HFEngine(model, f"generator {rank}")
         self.policy_version = 0
         self.sync_group, self.sync_rank = None, None
+        self.clock = BusyClock()
 
     def info(self) -> dict:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
@@ -169,18 +171,25 @@ class GeneratorWorker:
         return int(self.engine.tokenizer.pad_token_id)
 
     def generate(self, items: Sequence, gen: GenerationConfig) -> list:
-        """``gen.n`` rollouts per item, stamped with the current policy version."""
+        """``gen.n`` rollouts per item, stamped with the current policy version (weights change
+        only between calls, so every token of a rollout comes from that version)."""
         if not items:
             return []
-        return self.engine.generate(list(items), gen, self.policy_version, self._sampler(items))
+        with self.clock.working():
+            return self.engine.generate(list(items), gen, self.policy_version, self._sampler(items))
 
     def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tools: ToolConfig) -> list:
         """``gen.n`` tool-using rollouts per item: the user's parser, executor and stop
         condition run here, in the generator's process."""
         if not items:
             return []
-        turn = self.engine.turn_generator(gen, self._sampler(items))
-        return multiturn_rollouts(turn, self.engine.tokenizer, list(items), gen.n, tools, self.policy_version)
+        with self.clock.working():
+            turn = self.engine.turn_generator(gen, self._sampler(items))
+            return multiturn_rollouts(turn, self.engine.tokenizer, list(items), gen.n, tools, self.policy_version)
+
+    def busy(self) -> float:
+        """Seconds spent generating since the last call (the driver's ``idle/generators``)."""
+        return self.clock.read()
 
     # --------------------------------------------------------------- weight sync
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:

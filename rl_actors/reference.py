@@ -49,6 +49,14 @@ class RefLogprobWorker:
                                 self.micro_batch_size)
         return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
 
+    def logprob_arrays(self, rollouts: Sequence, temperature: float) -> list:
+        """Only the reference logprobs, ``(T_i,)`` float32 each (the driver merges them with
+        the reward worker's records, scored side by side)."""
+        if not rollouts:
+            return []
+        return list(rollout_logprobs(self.model, rollouts, self.tokenizer.pad_token_id, temperature,
+                                     self.micro_batch_size))
+
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
         self.sync_group, self.sync_rank = init_sync_group(address, rank), rank
         return True

@@ -42,6 +42,7 @@ from primitives.training import (
     with_old_logprobs,
 )
 from primitives.types import Batch, ModelConfig
+from rl_actors.clock import BusyClock
 from rl_actors.common import load_causal_lm
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
@@ -66,6 +67,7 @@ class TrainerWorker:
         self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role)
         self.rank, self.world_size, self.config = rank, world_size, config
         self.sync_group = None
+        self.clock = BusyClock()
 
     def endpoint(self) -> tuple:
         """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
@@ -112,8 +114,13 @@ class TrainerWorker:
             return with_old_logprobs(self.module, shard, temperature, self.config.micro_batch_size) if fix_old \
                 else shard
 
-        return [self._update(shard, counts, algo, temperature, lr)
-                for shard, counts in updates_of(batch, algo, prepare)]
+        with self.clock.working():
+            return [self._update(shard, counts, algo, temperature, lr)
+                    for shard, counts in updates_of(batch, algo, prepare)]
+
+    def busy(self) -> float:
+        """Seconds spent in RL updates since the last call (the driver's ``idle/trainers``)."""
+        return self.clock.read()
 
     def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts."""

@@ -214,7 +214,7 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
                   lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
     cluster = backend.cluster
     assert state.iteration == 6 and logged[-1]["recovery/actor_restarts"] == 2
-    assert len(calls) == 8 and len(served) == 6  # two steps were collected twice, from the same position
+    assert len(calls) == len(served) == 6  # each position drawn once; a lost collection is generated again
     trained = [key for pos in sorted(served) for key in served[pos]]
     for epoch in (0, 1):
         assert sorted(i for e, i in trained if e == epoch) == list(range(12))  # each prompt once per epoch
