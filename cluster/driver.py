@@ -84,7 +84,7 @@ def fetch_collection(backend, coll: Collection, gen: GenerationConfig, version: 
         try:
             return backend.fetch(coll.handle)
         except ActorFailure as failure:
-            backend.recover(failure, version, since=coll.restarts)
+            backend.recover(failure, since=coll.restarts)
             coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, version, tools)
 
 
@@ -121,12 +121,14 @@ def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: in
     replaced."""
     rollouts, times = fetch_collection(backend, coll, gen, version, tools)
     regenerated = 0
-    for _ in range(max_attempts):
+    for attempt in range(max_attempts + 1):
         redo = stale_groups(rollouts, version, max_staleness)
         if with_ref and any(r.ref_logprobs is None for r in rollouts):
             redo |= {r.group for r in rollouts if r.ref_logprobs is None}
         if not redo:
             return rollouts, times, regenerated
+        if attempt == max_attempts:
+            break
         items = [it for it in coll.items if group_id(it.epoch, it.index) in redo]
         again, t = fetch_collection(backend, dispatch(backend, items, coll.position, gen, with_ref, version, tools),
                                     gen, version, tools)
@@ -157,7 +159,7 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
     after the step says exactly what was trained."""
     queue = deque() if queue is None else queue
     with_ref, version = needs_reference(backend, algo), state.policy_version
-    position, kept, times, rounds, drawn, regenerated, seen = state.data_position, [], {}, 0, 0, 0, []
+    position, kept, times, rounds, drawn, regenerated = state.data_position, [], {}, 0, 0, 0
     while True:
         if not queue:
             want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
@@ -167,7 +169,6 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
         rollouts, t, redone = fresh_rollouts(backend, coll, gen, version, max_staleness, with_ref, tools)
         position, drawn, regenerated = coll.position, drawn + len(coll.items), regenerated + redone
         times = merge_metrics([times, t])
-        seen += rollouts
         kept += apply_filters(rollouts, algo.filters)
         if not algo.filters or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
             break
@@ -176,7 +177,7 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
         raise RuntimeError(f"step {state.iteration}: the filters of '{algo.name}' kept no group after {rounds + 1} "
                            "rounds (with dynamic sampling: every group had equal rewards)")
     extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds),
-             "staleness/regenerated": float(regenerated), **staleness_metrics(seen, version)}
+             "staleness/regenerated": float(regenerated), **staleness_metrics(kept, version)}
     return kept, position, {**times, **extra}
 
 
@@ -286,7 +287,9 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
             check_algorithm_for(backend, algo)
         rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
                                                        max_resample_rounds, tools, queue, max_staleness)
-        ahead = min(max_staleness, num_steps - it - 1)
+        # with filters (dynamic sampling) a step may need more prompts than one collection: those
+        # steps draw what they need when they need it, so a step never takes a second collection
+        ahead = 0 if algo.filters else min(max_staleness, num_steps - it - 1)
         while len(queue) < ahead:  # the next steps' prompts, generated while this step trains
             items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
                                      prompts_per_step)
@@ -408,7 +411,8 @@ def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: f
     if k < 1 or (k > 1 and gen.temperature <= 0):
         raise ValueError(f"evaluate: k={k} samples per item at temperature {gen.temperature}; k must be >= 1, "
                          "and pass@k with k > 1 needs temperature > 0 (greedy samples are all the same)")
-    rollouts, _ = collect(as_backend(backend), items, gen._replace(n=k), with_ref=False)
+    backend = as_backend(backend)
+    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False, version=backend.version)
     metrics = eval_metrics(rollouts, k, correct, component_names)
     if samples_path is not None:
         write_jsonl_atomic(samples_path, sample_records(rollouts, step, component_names))

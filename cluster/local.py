@@ -206,11 +206,15 @@ class LocalBackend:
         out, self._busy = self._busy, {"generators": 0.0, "trainers": 0.0}
         return out
 
-    def recover(self, failure, version: int, since: int = -1, send_weights: bool = True) -> None:
+    @property
+    def version(self) -> int:
+        return self.policy_version
+
+    def recover(self, failure, since: int = -1, send_weights: bool = True) -> None:
         raise failure  # one process: nothing to replace
 
     def settle(self, collections) -> None:
         """Nothing is in flight here: generation ran when it was dispatched."""
 
-    def retry(self, work: Callable[[], tuple], version: int):
+    def retry(self, work: Callable[[], tuple]):
         return work()  # one process: nothing to replace

@@ -124,6 +124,7 @@ class RayBackend:
     def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3):
         self.cluster, self.max_actor_restarts, self.restarts = cluster, max_actor_restarts, 0
         self.replaced_at: dict = {}  # (role, rank) -> the restarts count its last replacement made
+        self.version = 0  # the policy version the generators hold (the last sync's)
 
     @property
     def pad_token_id(self) -> int:
@@ -216,13 +217,17 @@ class RayBackend:
         return results[: len(calls)], (results[len(calls):] if critic else None)
 
     def sync(self, version: int, step: int, kl: Optional[float]) -> dict:
-        return sync_weights(self.cluster, version, step, kl)
+        out = sync_weights(self.cluster, version, step, kl)
+        self.version = version
+        return out
 
     def save(self, path: str, state: TrainState) -> str:
         return save_cluster_checkpoint(self.cluster, path, state)
 
     def load(self, path: str) -> TrainState:
-        return load_cluster_checkpoint(self.cluster, path)
+        state = load_cluster_checkpoint(self.cluster, path)
+        self.version = state.policy_version
+        return state
 
     # ------------------------------------------------------------------ idle clocks
     def busy(self) -> dict:
@@ -241,9 +246,10 @@ class RayBackend:
         return out
 
     # ------------------------------------------------------------------ recovery
-    def recover(self, failure: ActorFailure, version: int, since: int = -1, send_weights: bool = True) -> None:
+    def recover(self, failure: ActorFailure, since: int = -1, send_weights: bool = True) -> None:
         """Replace the dead generator or reward worker of ``failure`` (a new generator receives
-        the weights of ``version`` unless ``send_weights`` is false: the next sync brings them),
+        the current weights, labelled with the last sync's version, unless ``send_weights`` is
+        false: the next sync brings them),
         unless it was replaced after ``since`` (a ``restarts`` count) already; re-raise a
         failure that is not a dead, replaceable actor or exceeds ``max_actor_restarts``."""
         if not failure.replaceable:
@@ -257,27 +263,34 @@ class RayBackend:
         tqdm.write(f"{failure}; replacing it and generating its prompts again")
         self.cluster = replace_actor(self.cluster, failure.role, failure.rank)
         if failure.role == "generator" and send_weights:
-            sync_weights(self.cluster, version)
+            sync_weights(self.cluster, self.version)
 
     def settle(self, collections: Sequence) -> None:
         """Wait for the generation of the collections in flight (``cluster.driver.Collection``;
         a weight sync waits for it anyway) and replace a generator that died under one, so that
         the sync reaches a live group; the lost rollouts are generated again when their step
-        fetches them."""
+        fetches them. A generator that died after finishing its share (its results are safe) is
+        found by a ping and replaced too."""
         for coll in collections:
             for c in coll.handle.phases[0][1]:
                 try:
                     gather([c], self.cluster.timeout_s)
                 except ActorFailure as failure:
                     if failure.died:  # a raising generator is reported by its step's fetch
-                        self.recover(failure, 0, since=coll.restarts, send_weights=False)
+                        self.recover(failure, since=coll.restarts, send_weights=False)
+        for ping in fan_out(self.cluster.generators, "pad_token_id"):
+            try:
+                gather([ping], self.cluster.timeout_s)
+            except ActorFailure as failure:
+                if failure.died:
+                    self.recover(failure, since=self.restarts, send_weights=False)
 
-    def retry(self, work: Callable[[], tuple], version: int):
+    def retry(self, work: Callable[[], tuple]):
         """``work()``; if a generator or reward worker died, replace it (a new generator first
-        receives the weights of ``version``) and run ``work`` again with the same inputs."""
+        receives the current weights) and run ``work`` again with the same inputs."""
         while True:
             since = self.restarts
             try:
                 return work()
             except ActorFailure as failure:
-                self.recover(failure, version, since=since)
+                self.recover(failure, since=since)

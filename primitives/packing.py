@@ -209,11 +209,24 @@ def scatter_completions(values_N: torch.Tensor, plan: PackPlan) -> torch.Tensor:
     return values_N.new_zeros(plan.shape).index_put((rows, cols), values_N)
 
 
+def transformers_packs() -> bool:
+    """The installed transformers reads sequence starts from position ids (its masking utils'
+    ``find_packed_sequence_indices``) and keeps logits at a boolean ``logits_to_keep``; older
+    releases do neither, and then every forward is scored padded."""
+    try:
+        from transformers import masking_utils
+        from transformers.utils import generic  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
 def supports_packing(model) -> bool:
     """Whether ``model`` (or the module a DeepSpeed engine wraps) takes packed rows: a
     transformers model of a family in ``PACKED_MODEL_TYPES`` with ``PACKED_ATTENTION``."""
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)
-    return (type(module).__module__.startswith("transformers.models.")
+    return (transformers_packs()
+            and type(module).__module__.startswith("transformers.models.")
             and getattr(config, "model_type", None) in PACKED_MODEL_TYPES
             and getattr(config, "_attn_implementation", None) in PACKED_ATTENTION)

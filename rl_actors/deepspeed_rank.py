@@ -90,8 +90,11 @@ def import_muon_uncompiled() -> None:
     decorates three functions with ``torch.compile``, which imports TorchInductor: about 1.2 s
     of CPU per rank. The optimizer here is torch's AdamW, so those functions never run;
     torch.compile is left on for everything else in the process."""
-    with environ({"TORCHDYNAMO_DISABLE": "1"}):  # read when torch.compile decorates
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    try:
+        with environ({"TORCHDYNAMO_DISABLE": "1"}):  # read when torch.compile decorates
+            import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass  # a DeepSpeed without Muon imports no TorchInductor for it either
 
 
 def rendezvous_endpoint() -> tuple:
