@@ -2,7 +2,7 @@
 
 Orchestration only: no maths, no model code. ``train`` is one loop over a backend that
 offers the step's operations - ``generate``, ``reference_logprobs``, ``score``, ``fetch``,
-``values`` (critic), ``train_step``, ``sync``, ``save`` / ``load`` and ``retry`` - so the
+``values`` (critic), ``train_step``, ``sync``, ``save`` / ``load``, ``busy`` and ``recover`` - so the
 same loop runs on a Ray cluster (``cluster.ray_backend.RayBackend``: rollouts move between
 actors as ObjectRefs, every wait is bounded, a dead actor is named and replaced) and in
 one process (``cluster.local.LocalBackend``: plain torch, no Ray). Each phase is timed

@@ -215,6 +215,3 @@ class LocalBackend:
 
     def settle(self, collections) -> None:
         """Nothing is in flight here: generation ran when it was dispatched."""
-
-    def retry(self, work: Callable[[], tuple]):
-        return work()  # one process: nothing to replace

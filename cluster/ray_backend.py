@@ -3,15 +3,15 @@
 Rollouts move between actors as ObjectRefs: ``generate``, ``reference_logprobs`` and
 ``score`` chain calls without waiting, and ``fetch`` is the one place that waits for them,
 phase by phase, timing each. A dead or failing actor surfaces as an ``ActorFailure`` that
-names its role and rank; ``retry`` replaces a dead generator or reward worker and runs the
-work again with the same inputs.
+names its role and rank; ``recover`` replaces a dead generator or reward worker, and the
+driver generates the lost prompts again.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -117,7 +117,7 @@ def wait_each(phases: Sequence[tuple], timeout_s: float) -> dict:
 class RayBackend:
     """The RL loop's operations on a Ray cluster (see ``cluster.driver.train``).
 
-    ``cluster`` is replaced when an actor is (``retry``); read it from here afterwards."""
+    ``cluster`` is replaced when an actor is (``recover``); read it from here afterwards."""
 
     name = "ray"
 
@@ -284,13 +284,3 @@ class RayBackend:
             except ActorFailure as failure:
                 if failure.died:
                     self.recover(failure, since=self.restarts, send_weights=False)
-
-    def retry(self, work: Callable[[], tuple]):
-        """``work()``; if a generator or reward worker died, replace it (a new generator first
-        receives the current weights) and run ``work`` again with the same inputs."""
-        while True:
-            since = self.restarts
-            try:
-                return work()
-            except ActorFailure as failure:
-                self.recover(failure, since=since)
