@@ -49,7 +49,6 @@ class Collection(NamedTuple):
     items: list  # the prompt items
     position: object  # the prompt source's position after them
     handle: object  # the backend's handle of the rollouts (generate -> reference, reward)
-    version: int  # the policy version when dispatched (what the generators hold)
     restarts: int  # backend.restarts when dispatched (an actor replaced later failed it)
     with_ref: bool  # reference logprobs were asked for
 
@@ -58,7 +57,7 @@ def needs_reference(backend, algo) -> bool:
     return backend.has_reference and (uses_reference(algo) or backend.reward_needs_reference)
 
 
-def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool, version: int,
+def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,
              tools=None) -> Collection:
     """Start generating ``items`` (then rewards and, with ``with_ref``, reference logprobs) on
     the backend without waiting. Reference logprobs and rewards run side by side unless the
@@ -71,13 +70,13 @@ def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref
         handle = backend.score_and_reference(handle, gen.temperature)
     else:
         handle = backend.score(handle)
-    return Collection(list(items), position, handle, version, backend.restarts, with_ref)
+    return Collection(list(items), position, handle, backend.restarts, with_ref)
 
 
-def fetch_collection(backend, coll: Collection, gen: GenerationConfig, version: int, tools=None) -> tuple:
+def fetch_collection(backend, coll: Collection, gen: GenerationConfig, tools=None) -> tuple:
     """``(rollouts, times)`` of a dispatched collection. If an actor it ran on died, the actor
     is replaced (unless that happened since the dispatch) and the same prompts are generated
-    again at ``version``, so nothing is lost and nothing is used twice."""
+    again by the current policy, so nothing is lost and nothing is used twice."""
     from cluster.groups import ActorFailure
 
     while True:
@@ -85,14 +84,13 @@ def fetch_collection(backend, coll: Collection, gen: GenerationConfig, version: 
             return backend.fetch(coll.handle)
         except ActorFailure as failure:
             backend.recover(failure, since=coll.restarts)
-            coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, version, tools)
+            coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, tools)
 
 
-def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None,
-            version: int = 0) -> tuple:
+def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
     """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for."""
-    coll = dispatch(backend, items, None, gen, with_ref, version, tools)
-    return fetch_collection(backend, coll, gen, version, tools)
+    coll = dispatch(backend, items, None, gen, with_ref, tools)
+    return fetch_collection(backend, coll, gen, tools)
 
 
 def stale_groups(rollouts: Sequence, version: int, max_staleness: int) -> set:
@@ -119,7 +117,7 @@ def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: in
     than the bound (or lacking reference logprobs the algorithm now needs) are generated
     again, in their places, never trained on stale; ``regenerated`` counts the rollouts
     replaced."""
-    rollouts, times = fetch_collection(backend, coll, gen, version, tools)
+    rollouts, times = fetch_collection(backend, coll, gen, tools)
     regenerated = 0
     for attempt in range(max_attempts + 1):
         redo = stale_groups(rollouts, version, max_staleness)
@@ -130,8 +128,7 @@ def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: in
         if attempt == max_attempts:
             break
         items = [it for it in coll.items if group_id(it.epoch, it.index) in redo]
-        again, t = fetch_collection(backend, dispatch(backend, items, coll.position, gen, with_ref, version, tools),
-                                    gen, version, tools)
+        again, t = fetch_collection(backend, dispatch(backend, items, coll.position, gen, with_ref, tools), gen, tools)
         times, regenerated = merge_metrics([times, t]), regenerated + sum(r.group in redo for r in rollouts)
         by_group: dict = {}
         for r in again:
@@ -164,7 +161,7 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
         if not queue:
             want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
             items, after = call_hook(prompt_source, "prompt_source", position, want)
-            queue.append(dispatch(backend, items, after, gen, with_ref, version, tools))
+            queue.append(dispatch(backend, items, after, gen, with_ref, tools))
         coll = queue.popleft()
         rollouts, t, redone = fresh_rollouts(backend, coll, gen, version, max_staleness, with_ref, tools)
         position, drawn, regenerated = coll.position, drawn + len(coll.items), regenerated + redone
@@ -293,8 +290,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
         while len(queue) < ahead:  # the next steps' prompts, generated while this step trains
             items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
                                      prompts_per_step)
-            queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo),
-                                  state.policy_version, tools))
+            queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo), tools))
         metrics["recovery/actor_restarts"] = float(backend.restarts)
         with_critic = needs_values(algo)
         values = backend.values(rollouts) if with_critic else None
@@ -412,7 +408,7 @@ def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: f
         raise ValueError(f"evaluate: k={k} samples per item at temperature {gen.temperature}; k must be >= 1, "
                          "and pass@k with k > 1 needs temperature > 0 (greedy samples are all the same)")
     backend = as_backend(backend)
-    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False, version=backend.version)
+    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False)
     metrics = eval_metrics(rollouts, k, correct, component_names)
     if samples_path is not None:
         write_jsonl_atomic(samples_path, sample_records(rollouts, step, component_names))

@@ -206,10 +206,6 @@ class LocalBackend:
         out, self._busy = self._busy, {"generators": 0.0, "trainers": 0.0}
         return out
 
-    @property
-    def version(self) -> int:
-        return self.policy_version
-
     def recover(self, failure, since: int = -1, send_weights: bool = True) -> None:
         raise failure  # one process: nothing to replace
 
