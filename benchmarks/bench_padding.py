@@ -16,9 +16,10 @@ Two regimes, each with the lengths of its job:
   start of the run (it mostly restates the sum: long); "uniform": 1-16 tokens, as later when
   some answers shrink to the number alone.
 
-For each, three ways to score the same batch: "padded, full logits" (as before packing: the
-lm head on every position), "padded" (logits only where they predict a completion token) and
-"packed". It prints the tokens each forward runs (real = every prompt and completion token),
+For each, four ways to score the same batch: "padded, full logits" (as before packing: the
+lm head on every position), "padded" (logits only where they predict a completion token),
+"packed, prompts apart" (every row's prompt in the forward) and "packed" (a group's prompt
+once, under a tree mask). It prints the tokens each forward runs (real = every prompt and completion token),
 forward_backward (the trainer's step, GRPO loss with entropy) and rollout_logprobs (the
 reference's scoring) in ms, the median of --repeats runs after one warm-up, and the ratio to
 "padded". torch uses --threads threads (default 1).
@@ -88,25 +89,29 @@ def _rollouts(prompts, completions, rng):
             for i, (p, c) in enumerate(zip(prompts, completions))]
 
 
-VARIANTS = ("padded, full logits", "padded", "packed")
+VARIANTS = ("padded, full logits", "padded", "packed, prompts apart", "packed")
 
 
 def _set_variant(name: str):
     """Route ``completion_logprobs`` to one way of scoring (the library chooses by itself)."""
     import primitives.logprobs as lp
 
-    lp.PACK_MIN_SHARE = 0.0 if name == "packed" else float("inf")
+    lp.PACK_MIN_SHARE = 0.0 if name.startswith("packed") else float("inf")
     lp._takes_logits_to_keep = (lambda model: False) if name == "padded, full logits" else _TAKES
+    share = name != "packed, prompts apart"
+    lp.plan_for = lambda model, ids, mask, prompt_len, *_: _PLAN_FOR(model, ids, mask, prompt_len, share)
 
 
-def forward_tokens(model, batch, micro: int, packed: bool) -> int:
+def forward_tokens(model, batch, micro: int, variant: str) -> int:
     """Tokens the forward passes over ``batch`` run, in micro-batches of ``micro`` rows."""
     from primitives.packing import plan_for
 
     total = 0
     for s in range(0, batch.size, micro):
         ids, mask = batch.input_ids[s: s + micro], batch.attention_mask[s: s + micro]
-        total += plan_for(model, ids, mask, batch.prompt_len).num_tokens if packed else ids.size
+        share = variant == "packed"
+        total += plan_for(model, ids, mask, batch.prompt_len, share).num_tokens if variant.startswith("packed") \
+            else ids.size
     return total
 
 
@@ -155,15 +160,18 @@ def run_regime(name, model, tok, rollouts, micro, repeats, device, dtype):
         fb = _ms(train, repeats, sync)
         model.eval()
         ref = _ms(reference, repeats, sync)
-        results[variant] = (forward_tokens(model, batch, micro, variant == "packed"), fb, ref)
+        results[variant] = (forward_tokens(model, batch, micro, variant), fb, ref)
     base = results["padded"]
     print(table([[v, f"{real} / {t}", f"{fb:.1f}", f"{base[1] / fb:.2f}x", f"{ref:.1f}", f"{base[2] / ref:.2f}x"]
                  for v, (t, fb, ref) in results.items()],
                 ["variant", "tokens real / in forward", "fwd+bwd ms", "speed-up", "ref fwd ms", "speed-up"]))
     from primitives.packing import padding_share
 
-    shares = [padding_share(batch.attention_mask[s: s + micro], batch.prompt_len) for s in range(0, batch.size, micro)]
-    print(f"padding share packing leaves out, per micro-batch: {', '.join(f'{x:.2f}' for x in shares)}")
+    for share in (False, True):
+        shares = [padding_share(batch.input_ids[s: s + micro], batch.attention_mask[s: s + micro], batch.prompt_len,
+                                share) for s in range(0, batch.size, micro)]
+        print(f"share of padded tokens packing leaves out ({'shared prompts' if share else 'prompts apart'}), per "
+              f"micro-batch: {', '.join(f'{x:.2f}' for x in shares)}")
 
 
 def main():
@@ -200,4 +208,5 @@ if __name__ == "__main__":
     import primitives.logprobs as _lp
 
     _TAKES = _lp._takes_logits_to_keep
+    _PLAN_FOR = _lp.plan_for
     main()

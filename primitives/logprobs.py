@@ -13,7 +13,14 @@ import numpy as np
 import torch
 
 from primitives.generation import left_pad, position_ids_from_mask
-from primitives.packing import PackPlan, padding_share, plan_for, scatter_completions, supports_packing
+from primitives.packing import (
+    PackPlan,
+    padding_share,
+    plan_for,
+    scatter_completions,
+    supports_packing,
+    tree_attention_mask,
+)
 
 # Pack a micro-batch when packing leaves out at least this share of its padded tokens
 # (padding, each row's last token). Packing's own work (the plan, ~0.15 ms for 64 rows; the
@@ -25,17 +32,20 @@ from primitives.packing import PackPlan, padding_share, plan_for, scatter_comple
 PACK_MIN_SHARE = 0.02
 
 
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` in fp32 over the vocabulary (temperature 0: 1)."""
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / t, dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``targets``. (B, T, V), (B, T) -> (B, T)"""
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return log_softmax(logits, temperature).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the next-token distribution at each position. (B, T, V) -> (B, T)"""
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    logp = log_softmax(logits, temperature)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -67,7 +77,7 @@ def check_layout(input_ids, attention_mask, prompt_len: int) -> None:
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                         temperature: float = 1.0, micro_batch_size: Optional[int] = None,
-                        with_entropy: bool = False, packing: Optional[bool] = None):
+                        with_entropy: bool = False, packing: Optional[bool] = None, share_prompts: bool = True):
     """Logprobs of the completion tokens of a ``Batch``-layout input.
 
     ``input_ids``/``attention_mask`` are (B, P + T) with prompts left-padded to ``prompt_len``
@@ -78,7 +88,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     ``packing``: score each micro-batch packed (``primitives.packing``: real tokens only) or
     padded; None chooses per micro-batch (``use_packing``). Both give the same values on real
     completion tokens; off them (right padding) the padded forward gives a value of the pad
-    token and the packed one 0: every caller masks those out.
+    token and the packed one 0: every caller masks those out. ``share_prompts``: when packed,
+    rows of a micro-batch with the same prompt (a group) run that prompt once, their
+    completions attending to it through a tree mask.
     """
     check_layout(input_ids, attention_mask, prompt_len)
     if packing and not supports_packing(model):
@@ -90,8 +102,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     for s in range(0, input_ids.shape[0], step):
         ids, mask = input_ids[s: s + step], attention_mask[s: s + step]
         plan = None
-        if packing or (packing is None and use_packing(model, mask, prompt_len)):
-            plan = plan_for(model, ids.cpu().numpy(), mask.cpu().numpy(), prompt_len)
+        if packing or (packing is None and use_packing(model, ids, mask, prompt_len, share_prompts)):
+            plan = plan_for(model, ids.cpu().numpy(), mask.cpu().numpy(), prompt_len, share_prompts)
         if plan is not None and len(plan.targets):
             logp, ent = _packed_logprobs(model, plan, ids.device, temperature, with_entropy)
         else:  # padded, also when no row has a completion token to score
@@ -101,10 +113,12 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
-def use_packing(model, attention_mask: torch.Tensor, prompt_len: int) -> bool:
+def use_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                share_prompts: bool = True) -> bool:
     """Pack this micro-batch? When the model takes packed rows (``supports_packing``) and
     packing leaves out at least ``PACK_MIN_SHARE`` of the padded forward's tokens."""
-    return supports_packing(model) and padding_share(attention_mask.cpu().numpy(), prompt_len) >= PACK_MIN_SHARE
+    return supports_packing(model) and padding_share(input_ids.cpu().numpy(), attention_mask.cpu().numpy(),
+                                                     prompt_len, share_prompts) >= PACK_MIN_SHARE
 
 
 def _takes_logits_to_keep(model) -> bool:
@@ -125,18 +139,25 @@ def _padded_logprobs(model, ids, mask, prompt_len: int, temperature: float, with
 
 
 def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_entropy: bool):
-    """The rows of ``plan`` end to end: no attention mask (transformers reads the sequence
-    starts from the position ids), logits only at the N positions that predict a completion
-    token, then scattered back to (B, T)."""
+    """The rows of ``plan`` end to end, logits only at the K positions that predict a
+    completion token, then each of the N scored tokens taken from its logit (``plan.source``)
+    and scattered back to (B, T). Without shared prompts there is no attention mask:
+    transformers reads the sequence starts from the position ids; with them, the tree mask."""
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    module = getattr(model, "module", model)
+    mask = None
+    if plan.shared:
+        mask = tree_attention_mask(plan, module.config._attn_implementation, module.dtype, device)
     logits = model(input_ids=as_tensor(plan.input_ids), position_ids=as_tensor(plan.position_ids),
-                   attention_mask=None, use_cache=False, logits_to_keep=as_tensor(plan.keep)).logits
-    if logits.shape[:-1] != plan.targets.shape:
-        raise ValueError(f"{type(getattr(model, 'module', model)).__name__} returned logits of shape "
-                         f"{tuple(logits.shape)} for a boolean logits_to_keep of {len(plan.targets)} positions; "
-                         f"score it padded (packing=False)")
-    logp = token_logprobs(logits, as_tensor(plan.targets), temperature)  # (N,)
-    ent = scatter_completions(token_entropy(logits, temperature), plan) if with_entropy else None
+                   attention_mask=mask, use_cache=False, logits_to_keep=as_tensor(plan.keep)).logits
+    kept = int(plan.keep.sum())
+    if logits.shape[:-1] != (kept,):
+        raise ValueError(f"{type(module).__name__} returned logits of shape {tuple(logits.shape)} for a boolean "
+                         f"logits_to_keep of {kept} positions; score it padded (packing=False)")
+    logp_K = log_softmax(logits, temperature)  # (K, V); a prompt's last row serves each completion
+    source = as_tensor(plan.source)
+    logp = logp_K[source, as_tensor(plan.targets)]  # (N,)
+    ent = scatter_completions(-(logp_K.exp() * logp_K).sum(-1)[source], plan) if with_entropy else None
     return scatter_completions(logp, plan), ent
 
 

@@ -1,6 +1,7 @@
 """Sequence packing (primitives/packing.py): the plan worked out by hand, and packed scoring equal
 to padded scoring - logprobs, entropies, gradients, micro-batches, temperature, forward_backward -
-on the embedded tiny Qwen2 and on small random Llama, Qwen3 and Mistral models (fp32, 1e-5)."""
+on the embedded tiny Qwen2 and on small random Llama, Qwen3 and Mistral models (fp32, 1e-5), with
+distinct prompts and with prompts shared by several rows (run once, under a tree mask)."""
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ from primitives.packing import (
     row_capacity,
     scatter_completions,
     supports_packing,
+    tree_attention_mask,
 )
 from primitives.training import forward_backward, step_counts, with_old_logprobs
 from primitives.types import Rollout
@@ -28,15 +30,22 @@ ATOL = 1e-5
 # completion is empty (all padding, loss mask 0)
 PROMPT_LENS = (5, 2, 7, 1, 4, 6, 3, 5)
 COMPLETION_LENS = (4, 1, 6, 3, 0, 2, 5, 1)
+# "shared": rows with the same prompt (by index into PROMPT_LENS): rows 0, 6, 7 share row 0's
+# (one of them a single token, predicted by the prompt's last logit alone), rows 1 and 5 row 1's,
+# rows 3 and 4 row 3's (row 4 has nothing to score)
+SHARED_PROMPT_OF = (0, 1, 2, 3, 3, 1, 0, 0)
 
 
-def _rollouts(vocab: int, seed: int = 0):
+def _rollouts(vocab: int, seed: int = 0, prompts: str = "distinct"):
     rng = np.random.default_rng(seed)
+    own = [rng.integers(4, vocab, p).astype(np.int64) for p in PROMPT_LENS]
+    if prompts == "shared":
+        own = [own[j] for j in SHARED_PROMPT_OF]
     out = []
-    for i, (p, c) in enumerate(zip(PROMPT_LENS, COMPLETION_LENS)):
+    for i, (p, c) in enumerate(zip(own, COMPLETION_LENS)):
         out.append(Rollout(
             uid=f"e0/i{i // 2}/s{i % 2}", group=f"e0/i{i // 2}", prompt="x",
-            prompt_ids=rng.integers(4, vocab, p).astype(np.int64),
+            prompt_ids=p,
             completion_ids=rng.integers(4, vocab, c).astype(np.int64),
             loss_mask=np.ones(c, np.float32), logprobs=rng.uniform(-3, -0.1, c).astype(np.float32),
             reward=float(rng.uniform()), ref_logprobs=rng.uniform(-3, -0.1, c).astype(np.float32)))
@@ -97,8 +106,10 @@ def test_plan_by_hand():
     assert plan.targets.tolist() == [21, 22, 23, 24]
     assert plan.rows.tolist() == [0, 0, 0, 1] and plan.cols.tolist() == [0, 1, 2, 0]
     assert plan.shape == (3, 3) and plan.num_tokens == 8
-    # 7 of the 18 padded tokens are needed
-    assert padding_share(mask, 3) == pytest.approx(1 - 7 / 18)
+    # 7 of the 18 padded tokens are needed (no prompt repeats: sharing changes nothing)
+    assert padding_share(ids, mask, 3) == pytest.approx(1 - 7 / 18)
+    assert padding_share(ids, mask, 3, share_prompts=False) == pytest.approx(1 - 7 / 18)
+    assert not plan.shared
     # a capacity of 8 takes both sequences in one row
     one = plan_packing(ids, mask, prompt_len=3, pad_id=9, capacity=8)
     assert one.input_ids.tolist() == [[11, 12, 21, 22, 13, 14, 15, 9]]
@@ -106,6 +117,45 @@ def test_plan_by_hand():
     assert one.targets.tolist() == [21, 22, 23, 24]
     got = scatter_completions(torch.tensor([1.0, 2.0, 3.0, 4.0]), plan)
     assert got.tolist() == [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_shared_prompt_plan_and_mask_by_hand():
+    # P = 3, T = 3; rows 0, 1 and 3 share the prompt [11 12]: row 0 completes [21 22 23], row 1
+    # [24 27], row 3 nothing; row 2: prompt [16], completion [25 26]
+    ids = np.array([[0, 11, 12, 21, 22, 23], [0, 11, 12, 24, 27, 0], [0, 0, 16, 25, 26, 0], [0, 11, 12, 0, 0, 0]])
+    mask = np.array([[0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]])
+    plan = plan_packing(ids, mask, prompt_len=3, pad_id=9)
+    # trees: [11 12 | 21 22 | 24] (5 tokens) and [16 | 25] (2); capacity 5 -> two rows
+    assert plan.input_ids.tolist() == [[11, 12, 21, 22, 24], [16, 25, 9, 9, 9]]
+    assert plan.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 1, 2]]
+    assert plan.segment.tolist() == [[0, 0, 0, 0, 0], [1, 1, -1, -1, -1]]
+    assert plan.branch.tolist() == [[0, 0, 1, 1, 2], [0, 1, 0, 0, 0]]
+    assert plan.keep.tolist() == [[False, True, True, True, True], [True, True, False, False, False]]
+    # 12 (the prompt's last token) predicts 21 and 24: one kept logit, index 0, for both
+    assert plan.targets.tolist() == [21, 22, 23, 24, 27, 25, 26]
+    assert plan.source.tolist() == [0, 1, 2, 0, 3, 4, 5]
+    assert plan.rows.tolist() == [0, 0, 0, 1, 1, 2, 2] and plan.cols.tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert plan.shared
+    # 7 of 24 padded tokens shared, 9 unshared (4 + 3 + 2)
+    assert padding_share(ids, mask, 3) == pytest.approx(1 - 7 / 24)
+    assert padding_share(ids, mask, 3, share_prompts=False) == pytest.approx(1 - 9 / 24)
+    sdpa = tree_attention_mask(plan, "sdpa", torch.float32, "cpu")
+    assert sdpa.shape == (2, 1, 5, 5) and sdpa.dtype == torch.bool
+    assert sdpa[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                         [1, 1, 0, 0, 1]]  # 24 sees its prompt and itself, not 21 22
+    assert sdpa[1, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
+                                         [0, 0, 1, 1, 1]]  # the tail only sees the tail
+    eager = tree_attention_mask(plan, "eager", torch.float32, "cpu")
+    assert eager.dtype == torch.float32
+    assert (eager == 0).equal(sdpa) and (eager[~sdpa] == torch.finfo(torch.float32).min).all()
+    with pytest.raises(ValueError, match="no tree mask for attention implementation 'flex_attention'"):
+        tree_attention_mask(plan, "flex_attention", torch.float32, "cpu")
+    # without sharing each row is its own sequence, as before
+    apart = plan_packing(ids, mask, prompt_len=3, pad_id=9, share_prompts=False)
+    assert not apart.shared and apart.source.tolist() == list(range(7))
+    assert sorted(apart.targets.tolist()) == sorted(plan.targets.tolist())
+    got = scatter_completions(torch.arange(1.0, 8.0), plan)
+    assert got.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [6.0, 7.0, 0.0], [0.0, 0.0, 0.0]]
 
 
 def test_row_capacity_by_hand(tokenizer):
@@ -152,10 +202,13 @@ def _max_diff(a, b, real):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("rows", ["chosen", "one"])
-def test_packed_logprobs_and_entropy_equal_padded(model, temperature, rows, monkeypatch):
+@pytest.mark.parametrize("prompts", ["distinct", "shared"])
+def test_packed_logprobs_and_entropy_equal_padded(model, temperature, rows, prompts, monkeypatch):
     if rows == "one":  # every sequence in one long row
         monkeypatch.setattr(packing, "row_capacity", lambda lengths, cost: int(lengths.sum()))
-    ids, mask, P, T = _inputs(_rollouts(_vocab(model)))
+    ids, mask, P, T = _inputs(_rollouts(_vocab(model), prompts=prompts))
+    if prompts == "shared":
+        assert plan_packing(ids.numpy(), mask.numpy(), P).shared
     real = mask[:, P:] > 0
     with torch.no_grad():
         (logp, ent), (logp_ref, ent_ref) = _both(model, ids, mask, P, temperature=temperature)
@@ -168,8 +221,9 @@ def test_packed_logprobs_and_entropy_equal_padded(model, temperature, rows, monk
     assert _max_diff(micro, logp_ref, real) <= ATOL
 
 
-def test_packed_gradients_equal_padded(model):
-    ids, mask, P, T = _inputs(_rollouts(_vocab(model), seed=1))
+@pytest.mark.parametrize("prompts", ["distinct", "shared"])
+def test_packed_gradients_equal_padded(model, prompts):
+    ids, mask, P, T = _inputs(_rollouts(_vocab(model), seed=1, prompts=prompts))
     real = (mask[:, P:] > 0).float()
     weights = torch.linspace(-1.0, 1.0, real.numel()).reshape(real.shape)
 
@@ -186,8 +240,9 @@ def test_packed_gradients_equal_padded(model):
         torch.testing.assert_close(packed[name], padded[name], atol=ATOL, rtol=0, msg=name)
 
 
-def test_rollout_logprobs_packed_equal_padded(model, monkeypatch):
-    rollouts = [r for r in _rollouts(_vocab(model), seed=2)]
+@pytest.mark.parametrize("prompts", ["distinct", "shared"])
+def test_rollout_logprobs_packed_equal_padded(model, prompts, monkeypatch):
+    rollouts = _rollouts(_vocab(model), seed=2, prompts=prompts)
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", 0.0)
     packed = rollout_logprobs(model, rollouts, pad_id=0, temperature=0.7, micro_batch_size=3)
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", float("inf"))
@@ -196,8 +251,9 @@ def test_rollout_logprobs_packed_equal_padded(model, monkeypatch):
         assert a.shape == b.shape and (len(a) == 0 or np.abs(a - b).max() <= ATOL)
 
 
-def test_forward_backward_packed_equals_padded(model, monkeypatch):
-    batch = make_batch(_rollouts(_vocab(model), seed=3), algos.grpo(kl_coef=0.05), pad_id=0)
+@pytest.mark.parametrize("prompts", ["distinct", "shared"])
+def test_forward_backward_packed_equals_padded(model, prompts, monkeypatch):
+    batch = make_batch(_rollouts(_vocab(model), seed=3, prompts=prompts), algos.grpo(kl_coef=0.05), pad_id=0)
     algo = algos.grpo(kl_coef=0.05)._replace(entropy_coef=0.01)
 
     def run(min_share):
@@ -226,9 +282,11 @@ def test_nothing_to_score_falls_back_to_padded(tiny_model):
 
 
 def test_auto_choice_follows_the_padding_share(tiny_model, monkeypatch):
-    ids, mask, P, _ = _inputs(_rollouts(50))
-    share = padding_share(mask.numpy(), P)
+    ids, mask, P, _ = _inputs(_rollouts(50, prompts="shared"))
+    share, apart = padding_share(ids.numpy(), mask.numpy(), P), padding_share(ids.numpy(), mask.numpy(), P, False)
+    assert share > apart  # the shared prompts run once
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", share)
-    assert lp.use_packing(tiny_model, mask, P)
+    assert lp.use_packing(tiny_model, ids, mask, P)
+    assert not lp.use_packing(tiny_model, ids, mask, P, share_prompts=False)
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", share + 1e-3)
-    assert not lp.use_packing(tiny_model, mask, P)
+    assert not lp.use_packing(tiny_model, ids, mask, P)
