@@ -88,6 +88,10 @@ def left_pad(seqs: Sequence[np.ndarray], pad_id: int):
     return ids, mask
 
 
+# Rows with the same prompt prefill it once (``_prefill``); False prefills every row.
+SHARE_PREFILL = True
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only: ``cumsum(mask) - 1``, 0 on left padding. (B, L)"""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -158,21 +162,27 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
     lengths = torch.zeros(B, dtype=torch.long)
     reasons = ["length"] * B
     active = torch.ones(B, dtype=torch.bool)
+    stop_ids = torch.tensor(([] if eos is None else [eos]) + list(config.stop_token_ids), dtype=torch.long)
 
     was_training = model.training
     model.eval()
-    past, step_ids, positions = None, ids, position_ids_from_mask(mask)
+    past, positions = None, position_ids_from_mask(mask)
     for t in range(config.max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tokens, logp = sample_next(out.logits[:, -1, :], config, generator)
+        if t == 0:
+            past, logits = _prefill(model, np.concatenate([ids_np, mask_np], 1), ids, mask, positions)
+        else:
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :]
+        tokens, logp = sample_next(logits, config, generator)
         tokens, logp = tokens.cpu(), logp.cpu()
-        for i in torch.nonzero(active).flatten().tolist():
-            out_tokens[i, t], out_logp[i, t], lengths[i] = tokens[i], logp[i], t + 1
-            if tokens[i].item() == eos or tokens[i].item() in config.stop_token_ids:
-                active[i], reasons[i] = False, "stop"
-            elif config.stop:
+        out_tokens[active, t], out_logp[active, t], lengths[active] = tokens[active], logp[active], t + 1
+        stopped = active & torch.isin(tokens, stop_ids)
+        for i in torch.nonzero(stopped).flatten().tolist():
+            reasons[i] = "stop"
+        active &= ~stopped
+        if config.stop:
+            for i in torch.nonzero(active).flatten().tolist():
                 keep = _stop_cut(tokenizer, out_tokens[i, : t + 1].tolist(), config.stop)
                 if keep is not None:
                     active[i], reasons[i], lengths[i] = False, "stop", keep
@@ -191,6 +201,24 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
         results.append(GenerationOutput(comp, out_logp[i, :n].numpy().astype(np.float32), reasons[i],
                                         tokenizer.decode(comp.tolist(), skip_special_tokens=True)))
     return results
+
+
+def _prefill(model, rows_np: np.ndarray, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    """The prompts' forward: ``(kv cache, last logits (B, V))``. Rows with the same prompt
+    (``rows_np``: ids and mask side by side, equal for equal prompts; a
+    group's n samples) run it once and share the cache, copied to each row (``reorder_cache``
+    with repeated indices, as beam search reorders it), so a group of 8 prefills 1/8 of the
+    tokens; the rows' logits are the same numbers either way."""
+    unique, first, inverse = np.unique(rows_np, axis=0, return_index=True, return_inverse=True)
+    if SHARE_PREFILL and len(unique) < len(rows_np):
+        keep = torch.from_numpy(first).to(ids.device)
+        out = model(input_ids=ids[keep], attention_mask=mask[keep], position_ids=positions[keep], use_cache=True)
+        if hasattr(out.past_key_values, "reorder_cache"):  # a transformers Cache
+            rows = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
+            out.past_key_values.reorder_cache(rows)
+            return out.past_key_values, out.logits[:, -1, :][rows]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return out.past_key_values, out.logits[:, -1, :]
 
 
 def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfig,

@@ -81,6 +81,35 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_top_k_1(tiny_model, token
     assert [o.completion_ids.tolist() for o in greedy] == [o.completion_ids.tolist() for o in top1]
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_a_shared_prompt_prefills_once_with_the_same_samples(tiny_model, tokenizer, monkeypatch, temperature):
+    from primitives import generation
+
+    # groups of 4 and 3 samples, a lone prompt, and a prompt that differs from another only by a
+    # leading pad-id token (equal ids once left-padded, different masks: not the same prompt)
+    base = encode_prompts(tokenizer, ["12+34=", "7+40=", "9"])
+    padded_twin = np.concatenate([[tokenizer.pad_token_id], base[2]])
+    ids = [base[0]] * 4 + [base[1]] * 3 + [base[2], padded_twin]
+    calls = []
+    real_forward = type(tiny_model).forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(kwargs["input_ids"].shape)
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_model), "forward", counting)
+    cfg = GenerationConfig(max_new_tokens=6, temperature=temperature)
+    shared = generate_tokens(tiny_model, tokenizer, ids, cfg, torch.Generator().manual_seed(5))
+    assert calls[0][0] == 4  # the prefill: one row per distinct prompt (the twin counts as its own)
+    monkeypatch.setattr(generation, "SHARE_PREFILL", False)
+    calls.clear()
+    apart = generate_tokens(tiny_model, tokenizer, ids, cfg, torch.Generator().manual_seed(5))
+    assert calls[0][0] == len(ids)
+    assert [o.completion_ids.tolist() for o in shared] == [o.completion_ids.tolist() for o in apart]
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(shared, apart)) < 1e-5
+    assert len({tuple(o.completion_ids.tolist()) for o in shared[:4]}) > 1  # the group's samples differ
+
+
 class _Scripted(torch.nn.Module):
     """A 'model' that always predicts the next token of a fixed script (to test stopping)."""
 
