@@ -166,7 +166,7 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
 
     was_training = model.training
     model.eval()
-    past, positions = None, position_ids_from_mask(mask)
+    past, step_ids, positions = None, None, position_ids_from_mask(mask)
     for t in range(config.max_new_tokens):
         if t == 0:
             past, logits = _prefill(model, np.concatenate([ids_np, mask_np], 1), ids, mask, positions)
