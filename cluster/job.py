@@ -498,7 +498,7 @@ def sft_stage(cluster, inputs: RLInputs, logger) -> None:
     train_sft(cluster, inputs.sft_samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup),
               seed=inputs.job.seed, logger=logger, eval_samples=inputs.sft_eval_samples,
               eval_every=sft.eval_every or sft.steps)
-    sync_weights(cluster, version=0)
+    sync_weights(cluster, version=0, move_reference=False)
     copy_policy_to_reference(cluster)
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
 

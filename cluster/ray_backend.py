@@ -25,14 +25,18 @@ def _flat(lists) -> list:
     return [x for chunk in lists for x in chunk]
 
 
-def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[float] = None) -> dict:
-    """Broadcast the trainers' weights to every generator (and every rank of a tracking reference)."""
+def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[float] = None,
+                 move_reference: bool = True) -> dict:
+    """Broadcast the trainers' weights to every generator (and every rank of a tracking reference).
+    A tracking reference applies its ``ref_update_fn`` once per RL step: a sync that only
+    refreshes the generators (a checkpoint load, a replaced generator, the SFT stage's end)
+    passes ``move_reference=False``, and the reference takes part in the broadcast unmoved."""
     t0 = time.perf_counter()
     meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
     calls = fan_out(cluster.trainers, "send_weights", meta, bucket)
     calls += fan_out(cluster.generators, "receive_weights", meta, bucket, version)
     if cluster.reference_tracks_policy:
-        calls += fan_out(cluster.reference, "receive_weights", meta, bucket, step, kl)
+        calls += fan_out(cluster.reference, "receive_weights", meta, bucket, step, kl, move_reference)
     moved = gather(calls, cluster.timeout_s)[0]
     dt = time.perf_counter() - t0
     return {"time/sync": dt, "sync/bytes": float(moved), "sync/version": float(version)}
@@ -79,7 +83,7 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
             raise FileNotFoundError(f"{path} holds no critic/ to resume the critic from")
         gather(fan_out(cluster.critics, "load_checkpoint", os.path.join(path, "critic")), cluster.timeout_s)
     if cluster.generators is not None:  # an SFT job has no generators
-        sync_weights(cluster, state.policy_version)
+        sync_weights(cluster, state.policy_version, move_reference=False)
     return state
 
 
@@ -263,7 +267,7 @@ class RayBackend:
         tqdm.write(f"{failure}; replacing it and generating its prompts again")
         self.cluster = replace_actor(self.cluster, failure.role, failure.rank)
         if failure.role == "generator" and send_weights:
-            sync_weights(self.cluster, self.version)
+            sync_weights(self.cluster, self.version, move_reference=False)
 
     def settle(self, collections: Sequence) -> None:
         """Wait for the generation of the collections in flight (``cluster.driver.Collection``;

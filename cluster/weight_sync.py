@@ -94,7 +94,8 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
                       get_tensors: Optional[Callable[[list], list]] = None,
                       on_received: Optional[Callable[[list, list], None]] = None) -> int:
     """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
-    receivers pass ``on_received(metas, tensors)``. Returns bytes moved per receiver."""
+    receivers pass ``on_received(metas, tensors)`` (None: take part and keep nothing). Returns
+    bytes moved per receiver."""
     total = 0
     for idx in bucket_plan(meta, bucket_bytes):
         metas = [meta[i] for i in idx]
@@ -109,7 +110,7 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
         opts.rootRank = 0
         group.broadcast([flat], opts).wait()
         total += flat.numel() * flat.element_size()
-        if rank != 0:
+        if rank != 0 and on_received is not None:
             parts, offset = [], 0
             for m in metas:
                 parts.append(flat[offset: offset + m.numel].view(m.shape))

@@ -62,15 +62,20 @@ class RefLogprobWorker:
         return True
 
     def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, step: int,
-                        kl: Optional[float] = None) -> int:
-        """Receive the policy and let ``ref_update_fn`` decide the new reference."""
+                        kl: Optional[float] = None, move: bool = True) -> int:
+        """Receive the policy and let ``ref_update_fn`` decide the new reference. With ``move``
+        false (a sync that only refreshes generators: after a checkpoint load or a replaced
+        generator) the reference joins the broadcast, a collective of the whole group, and
+        stays where it is."""
         policy = {}
 
         def keep(metas, tensors):
             policy.update({m.name: t.clone() for m, t in zip(metas, tensors)})
 
         moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, torch.device("cpu"),
-                                  on_received=keep)
+                                  on_received=keep if move else None)
+        if not move:
+            return moved
         self.ref_state = self.ref_update_fn(self.ref_state, policy, step, kl)
         apply_ref_state(self.model, self.ref_state)
         return moved

@@ -75,13 +75,16 @@ def test_reference_ranks_hold_identical_weights_after_syncs_copies_and_loads(clu
     assert refs[0] == refs[1]
     assert refs[0] != start[0] and refs[0] != trainer  # moved towards the policy, halfway (EMA 0.5)
 
-    copy_policy_to_reference(cluster)  # one object to every rank
-    assert _checksums(cluster.reference) == [trainer, trainer]
-
     path = str(tmp_path / "ckpt")
     save_cluster_checkpoint(cluster, path, state)  # reference rank 0 writes reference/
-    _train(cluster, steps=3, start=state)  # the trainer and both references move on
-    assert _checksums(cluster.reference)[0] != trainer
-    load_cluster_checkpoint(cluster, path)  # every rank loads it (the sync after it: EMA of equal weights)
+
+    copy_policy_to_reference(cluster)  # one object to every rank
     assert _checksums(cluster.reference) == [trainer, trainer]
+    _train(cluster, steps=3, start=state)  # the trainer and both references move on
+    assert _checksums(cluster.reference)[0] not in (trainer, refs[0])
+    # every rank loads it; the sync after the load refreshes the generator and leaves the
+    # reference where it was saved (an EMA step there would move it towards the policy)
+    load_cluster_checkpoint(cluster, path)
+    assert _checksums(cluster.reference) == refs
     assert _checksums(cluster.trainers)[0] == trainer
+    assert _checksums(cluster.generators)[0] == trainer
