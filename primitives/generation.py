@@ -208,17 +208,26 @@ def _prefill(model, rows_np: np.ndarray, ids: torch.Tensor, mask: torch.Tensor, 
     (``rows_np``: ids and mask side by side, equal for equal prompts; a
     group's n samples) run it once and share the cache, copied to each row (``reorder_cache``
     with repeated indices, as beam search reorders it), so a group of 8 prefills 1/8 of the
-    tokens; the rows' logits are the same numbers either way."""
+    tokens. The rows' logits are the same numbers either way, up to the last bits a kernel
+    chosen for another batch size may change (on CPU the samples are the same: tested)."""
     unique, first, inverse = np.unique(rows_np, axis=0, return_index=True, return_inverse=True)
-    if SHARE_PREFILL and len(unique) < len(rows_np):
+    if SHARE_PREFILL and len(unique) < len(rows_np) and _has_cache_class(model):
         keep = torch.from_numpy(first).to(ids.device)
         out = model(input_ids=ids[keep], attention_mask=mask[keep], position_ids=positions[keep], use_cache=True)
-        if hasattr(out.past_key_values, "reorder_cache"):  # a transformers Cache
-            rows = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
-            out.past_key_values.reorder_cache(rows)
-            return out.past_key_values, out.logits[:, -1, :][rows]
+        rows = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
+        out.past_key_values.reorder_cache(rows)
+        return out.past_key_values, out.logits[:, -1, :][rows]
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     return out.past_key_values, out.logits[:, -1, :]
+
+
+def _has_cache_class(model) -> bool:
+    """A transformers model: its forward returns a ``Cache``, which ``reorder_cache`` copies rows of."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
 
 
 def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfig,

@@ -19,11 +19,11 @@ from primitives.packing import (
     plan_for,
     scatter_completions,
     supports_packing,
-    tree_attention_mask,
+    tree_masks,
 )
 
 # Pack a micro-batch when packing leaves out at least this share of its padded tokens
-# (padding, each row's last token). Packing's own work (the plan, ~0.15 ms for 64 rows; the
+# (padding, each row's last token, a shared prompt's repeats). Packing's own work (the plan, ~0.15 ms for 64 rows; the
 # packed mask; the scatter back) is small, so the break-even share is small too: on CPU,
 # 1 thread, at 1.6% (SmolLM2, all completions full) packed and padded tie within noise, at
 # 9% (tiny model, all completions full) packed is ~2-5% faster, at 27% (the default job)
@@ -145,9 +145,7 @@ def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_ent
     transformers reads the sequence starts from the position ids; with them, the tree mask."""
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     module = getattr(model, "module", model)
-    mask = None
-    if plan.shared:
-        mask = tree_attention_mask(plan, module.config._attn_implementation, module.dtype, device)
+    mask = tree_masks(plan, model, device) if plan.shared else None
     logits = model(input_ids=as_tensor(plan.input_ids), position_ids=as_tensor(plan.position_ids),
                    attention_mask=mask, use_cache=False, logits_to_keep=as_tensor(plan.keep)).logits
     kept = int(plan.keep.sum())

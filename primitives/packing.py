@@ -25,7 +25,10 @@ Gradients through the shared prompt are the sum of what each row's copy would ge
 values and gradients equal the padded forward's (tests, 1e-5); a group of 8 runs about a
 third of the tokens (2.3-2.8x faster on the default job, 2.5-3.8x on SmolLM2's 45-token chat
 prompts, ``benchmarks/bench_padding.py``). The mask is passed as a 4D tensor, which
-transformers uses as it is; without a shared prompt the plan needs none.
+transformers uses as it is, in every layer: a sliding window goes into it (``tree_masks``).
+Without a shared prompt the plan needs none. A tree is one sequence, and sdpa/eager attend
+over a whole row, so with long completions sharing can cost more than the repeated prompt:
+``plan_for`` shares only where the cost model below says it is cheaper.
 
 Trees are filled first-fit decreasing up to ``capacity`` tokens, a multiple of the longest
 tree that ``row_capacity`` picks per micro-batch: sdpa/eager compute a dense (C, C) score
@@ -167,9 +170,15 @@ def row_capacity(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) 
     """Tokens per packed row: the multiple k * longest (k = 1 .. ``max_factor``) whose
     first-fit-decreasing packing has the least estimated cost ``rows * C * (1 + cost_per_key * C)``.
     Longer rows leave less room unused (sequences fit together) but cost more attention per token."""
+    return packing_cost(lengths, cost_per_key, max_factor)[0]
+
+
+def packing_cost(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) -> tuple:
+    """``(capacity, estimated cost)`` of the cheapest rows for these sequence (or tree) lengths
+    (``row_capacity``); the cost is in token-layer units, ``rows * C * (1 + cost_per_key * C)``."""
     lengths = lengths[lengths > 0]
     if not len(lengths):
-        return 1
+        return 1, 0.0
     longest, total = int(lengths.max()), int(lengths.sum())
     best, best_cost = longest, None
     for C in range(longest, longest * max_factor + 1, longest):
@@ -182,7 +191,7 @@ def row_capacity(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) 
             best, best_cost = C, cost
         if rows == 1:  # longer rows only add tail
             break
-    return best
+    return best, best_cost
 
 
 def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, pad_id: int = 0,
@@ -244,22 +253,36 @@ def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
 
 def plan_for(model, input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int,
              share_prompts: bool = True) -> PackPlan:
-    """``plan_packing`` with rows as long as ``row_capacity`` finds cheapest for ``model``."""
+    """``plan_packing`` with rows as long as ``row_capacity`` finds cheapest for ``model``, and
+    prompts shared only where that is cheaper too: a tree is one sequence, and attention over
+    a long tree (long completions) can cost more than its prompt repeats would."""
     p_len, c_len = row_lengths(attention_mask, prompt_len)
-    lengths = tree_lengths(prompt_trees(input_ids, p_len, c_len, prompt_len, share_prompts), p_len, c_len)
-    capacity = row_capacity(lengths, key_cost(getattr(model, "module", model).config))
-    return plan_packing(input_ids, attention_mask, prompt_len, capacity=capacity, share_prompts=share_prompts)
+    per_key = key_cost(getattr(model, "module", model).config)
+    capacity, cost = packing_cost(tree_lengths(prompt_trees(input_ids, p_len, c_len, prompt_len, False),
+                                               p_len, c_len), per_key)
+    if share_prompts:
+        shared = packing_cost(tree_lengths(prompt_trees(input_ids, p_len, c_len, prompt_len, True),
+                                           p_len, c_len), per_key)
+        if shared[1] < cost:
+            return plan_packing(input_ids, attention_mask, prompt_len, capacity=shared[0], share_prompts=True)
+    return plan_packing(input_ids, attention_mask, prompt_len, capacity=capacity, share_prompts=False)
 
 
-def tree_attention_mask(plan: PackPlan, implementation: str, dtype, device) -> torch.Tensor:
+def tree_attention_mask(plan: PackPlan, implementation: str, dtype, device,
+                        sliding_window: Optional[int] = None) -> torch.Tensor:
     """The (R, 1, C, C) mask of a plan with shared prompts: a position sees the earlier
     positions of its own tree that are its prompt or its own completion (and a tail only
-    itself and the tail before it). Boolean (True: attend) for sdpa, additive (0 or the
-    dtype's lowest value) for eager, as transformers' own mask functions build them."""
+    itself and the tail before it); with ``sliding_window`` W only those less than W
+    positions back (position ids count as in the row's own unshared sequence). Boolean
+    (True: attend) for sdpa, additive (0 or the dtype's lowest value) for eager, as
+    transformers' own mask functions build them."""
     seg, br = torch.from_numpy(plan.segment).to(device), torch.from_numpy(plan.branch).to(device)
     C = seg.shape[1]
     causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
     mask = (seg[:, :, None] == seg[:, None, :]) & causal & ((br[:, None, :] == 0) | (br[:, :, None] == br[:, None, :]))
+    if sliding_window is not None:
+        pos = torch.from_numpy(plan.position_ids).to(device)
+        mask &= (pos[:, :, None] - pos[:, None, :]) < sliding_window
     mask = mask[:, None]
     if implementation == "sdpa":
         return mask
@@ -267,6 +290,26 @@ def tree_attention_mask(plan: PackPlan, implementation: str, dtype, device) -> t
         return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
     raise ValueError(f"no tree mask for attention implementation {implementation!r} (packing supports "
                      f"{', '.join(PACKED_ATTENTION)})")
+
+
+def tree_masks(plan: PackPlan, model, device):
+    """What a model of ``PACKED_MODEL_TYPES`` takes as ``attention_mask`` for a shared plan.
+    A 4D mask goes to the attention layers as it is, sliding-window layers included, so the
+    window goes into the mask: with per-layer types (Qwen2, Qwen3: ``config.layer_types``) a
+    dict of one mask per type, which their forward takes in place of building its own;
+    without (Mistral) the model's one ``sliding_window``, if any; Llama has none."""
+    module = getattr(model, "module", model)
+    config = module.config
+    window = getattr(config, "sliding_window", None)
+    build = lambda w=None: tree_attention_mask(plan, config._attn_implementation, module.dtype, device, w)  # noqa: E731
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types:
+        return build(window)
+    unknown = layer_types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"no tree mask for layer types {sorted(unknown)}; score {type(module).__name__} with "
+                         f"share_prompts=False")
+    return {t: build(window if t == "sliding_attention" else None) for t in layer_types}
 
 
 def scatter_completions(values_N: torch.Tensor, plan: PackPlan) -> torch.Tensor:

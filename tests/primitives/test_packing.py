@@ -30,10 +30,10 @@ ATOL = 1e-5
 # completion is empty (all padding, loss mask 0)
 PROMPT_LENS = (5, 2, 7, 1, 4, 6, 3, 5)
 COMPLETION_LENS = (4, 1, 6, 3, 0, 2, 5, 1)
-# "shared": rows with the same prompt (by index into PROMPT_LENS): rows 0, 6, 7 share row 0's
-# (one of them a single token, predicted by the prompt's last logit alone), rows 1 and 5 row 1's,
-# rows 3 and 4 row 3's (row 4 has nothing to score)
-SHARED_PROMPT_OF = (0, 1, 2, 3, 3, 1, 0, 0)
+# "shared": rows with the same prompt (by index into PROMPT_LENS): rows 0, 2, 6 share row 0's
+# (rows 0 and 2 also in the first micro-batch of 3), rows 1 and 5 row 1's (row 1 a single token,
+# predicted by the prompt's last logit alone), rows 3 and 4 row 3's (row 4 has nothing to score)
+SHARED_PROMPT_OF = (0, 1, 0, 3, 3, 1, 0, 7)
 
 
 def _rollouts(vocab: int, seed: int = 0, prompts: str = "distinct"):
@@ -57,13 +57,13 @@ def _inputs(rollouts, pad_id=0):
     return torch.from_numpy(ids), torch.from_numpy(mask), P, T
 
 
-def _small(kind: str, attn: str = "sdpa"):
+def _small(kind: str, attn: str = "sdpa", **extra):
     """A randomly initialised model of family ``kind``, built from a config (no download)."""
     import transformers
 
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-    config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, **extra)
+    config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
               "mistral": transformers.MistralConfig}[kind](**common)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
@@ -71,12 +71,19 @@ def _small(kind: str, attn: str = "sdpa"):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["tiny", "llama", "llama-eager", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["tiny", "llama", "llama-eager", "qwen3", "mistral", "mistral-window-3",
+                                        "qwen2-window-3"])
 def model(request, tiny_model):
     if request.param == "tiny":
         return tiny_model
     if request.param == "llama-eager":
         return _small("llama", "eager")
+    if request.param == "mistral-window-3":  # every layer sees 3 positions back: the tree mask must too
+        return _small("mistral", sliding_window=3)
+    if request.param == "qwen2-window-3":  # layer 0 full attention, layer 1 a window of 3
+        model = _small("qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1)
+        assert model.config.layer_types == ["full_attention", "sliding_attention"]
+        return model
     return _small(request.param)
 
 
@@ -145,6 +152,10 @@ def test_shared_prompt_plan_and_mask_by_hand():
                                          [1, 1, 0, 0, 1]]  # 24 sees its prompt and itself, not 21 22
     assert sdpa[1, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
                                          [0, 0, 1, 1, 1]]  # the tail only sees the tail
+    # a window of 2: 2 positions back at most, counted in each row's own sequence (24 is at 2)
+    window = tree_attention_mask(plan, "sdpa", torch.float32, "cpu", sliding_window=2)
+    assert window[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0],
+                                           [0, 1, 0, 0, 1]]
     eager = tree_attention_mask(plan, "eager", torch.float32, "cpu")
     assert eager.dtype == torch.float32
     assert (eager == 0).equal(sdpa) and (eager[~sdpa] == torch.finfo(torch.float32).min).all()
@@ -156,6 +167,23 @@ def test_shared_prompt_plan_and_mask_by_hand():
     assert sorted(apart.targets.tolist()) == sorted(plan.targets.tolist())
     got = scatter_completions(torch.arange(1.0, 8.0), plan)
     assert got.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [6.0, 7.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_prompts_are_shared_only_where_that_is_cheaper(tiny_model):
+    # the tiny Qwen2: attention costs 1/768 of a layer's weights per token per key
+    def batch(c: int):
+        rows = [(np.array([5, 6]), np.arange(10, 10 + c) % 90 + 4) for _ in range(8)]
+        ids, mask, P, _ = pack_completions([p for p, _ in rows], [c for _, c in rows], 0)
+        return ids, mask, P
+
+    # 8 completions of 4 tokens: one tree of 2 + 8 * 3 = 26 tokens costs 26 * (1 + 26/768) = 26.9,
+    # 8 sequences of 5 at least 40: shared
+    assert packing.plan_for(tiny_model, *batch(4)).shared
+    # 8 completions of 200: a tree of 1594 costs 1594 * (1 + 1594/768) = 4902, 8 rows of 201 about
+    # 8 * 201 * 1.26 = 2028: apart
+    long_plan = packing.plan_for(tiny_model, *batch(200))
+    assert not long_plan.shared and long_plan.input_ids.shape[1] < 1594
+    assert packing.packing_cost(np.array([1594]), 1 / 768)[1] == pytest.approx(1594 * (1 + 1594 / 768))
 
 
 def test_row_capacity_by_hand(tokenizer):
@@ -216,6 +244,8 @@ def test_packed_logprobs_and_entropy_equal_padded(model, temperature, rows, prom
     assert _max_diff(logp, logp_ref, real) <= ATOL and _max_diff(ent, ent_ref, real) <= ATOL
     assert (logp[~real] == 0).all() and (ent[~real] == 0).all()  # padding scores 0 when packed
     # micro-batched (each micro-batch packed on its own) gives the same values
+    if prompts == "shared":  # rows 0 and 2 share a prompt in the first micro-batch of 3
+        assert plan_packing(ids[:3].numpy(), mask[:3].numpy(), P).shared
     with torch.no_grad():
         micro, _ = completion_logprobs(model, ids, mask, P, temperature=temperature, micro_batch_size=3, packing=True)
     assert _max_diff(micro, logp_ref, real) <= ATOL
@@ -263,6 +293,8 @@ def test_forward_backward_packed_equals_padded(model, prompts, monkeypatch):
         m = forward_backward(model, old, algo, step_counts(batch), micro_batch_size=3, temperature=0.7)
         return old.old_logprobs, m, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    if prompts == "shared":  # the first micro-batch of 3 shares a prompt under the tree mask
+        assert plan_packing(batch.input_ids[:3], batch.attention_mask[:3], batch.prompt_len).shared
     old_packed, m_packed, g_packed = run(0.0)
     old_padded, m_padded, g_padded = run(float("inf"))
     model.zero_grad(set_to_none=True)
