@@ -1,9 +1,9 @@
 """Where one RL step of the default job goes: each actor's work timed in one process, no Ray.
 
-Run:  python benchmarks/profile_step.py [--repeats 20] [--world 1]
+Run:  python benchmarks/profile_step.py [--repeats 20] [--micro 128]
 
 The default job's shapes (the tiny model, 32 prompts x 8 samples, 5 new tokens, ZeRO-2,
-micro-batches of 64 rows) with its actor classes driven directly: a generator's half of the
+micro-batches of --micro rows, the job's 128) with its actor classes driven directly: a generator's half of the
 prompts, the reference scoring all 256 rollouts, the reward worker, ``make_batch``, and one
 trainer rank's ``train_step`` on its half of the batch, split into forward (with the loss),
 backward, and the engine step (optimizer; with world > 1 also ZeRO's gradient reduction
@@ -37,6 +37,7 @@ def main():
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
+    p.add_argument("--micro", type=int, default=128, help="rows per forward/backward on a trainer rank")
     args = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
@@ -60,7 +61,7 @@ def main():
     generator = GeneratorWorker(model, 0, "hf", 0, 1)
     reference = RefLogprobWorker(model, 0, None, None, 1)
     reward = RewardWorker(arithmetic_reward, None, None, None, 0, 1)
-    trainer = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=2, lr=3e-4, micro_batch_size=64), 0, 1)
+    trainer = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=2, lr=3e-4, micro_batch_size=args.micro), 0, 1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
