@@ -34,7 +34,8 @@ run: venv
 	$(PY) -m cluster rl examples/configs/default.yaml $(ARGS)
 
 test: venv
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	@$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
 lint: venv
 	$(VENV)/bin/ruff check .
