@@ -30,10 +30,10 @@ from primitives.algorithms import check_schedule, needs_values, uses_reference
 from primitives.batching import make_batch, rollout_metrics
 from primitives.data import SFTSample, collate_sft
 from primitives.evaluation import eval_metrics, sample_records, write_jsonl_atomic
-from primitives.filters import apply_filters
+from primitives.filters import apply_filters, by_group
 from primitives.hooks import call_hook, check_arity
 from primitives.loggers import noop_logger
-from primitives.metrics import merge_metrics, merge_rank_updates
+from primitives.metrics import merge_metrics, merge_rank_updates, stale_groups, staleness_metrics
 from primitives.tools import tool_metrics
 from primitives.types import GenerationConfig, TrainState, group_id
 
@@ -93,23 +93,6 @@ def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, too
     return fetch_collection(backend, coll, gen, tools)
 
 
-def stale_groups(rollouts: Sequence, version: int, max_staleness: int) -> set:
-    """Groups with a rollout more than ``max_staleness`` policy versions behind ``version``."""
-    return {r.group for r in rollouts if version - r.policy_version > max_staleness}
-
-
-def staleness_metrics(rollouts: Sequence, version: int) -> dict:
-    """``staleness/mean`` and ``staleness/max`` (policy versions between each rollout's
-    generator and the policy it trains), and the share of rollouts at each lag
-    (``staleness/lag_<k>``)."""
-    lags = np.array([version - r.policy_version for r in rollouts], dtype=np.int64)
-    if not len(lags):
-        return {}
-    out = {"staleness/mean": float(lags.mean()), "staleness/max": float(lags.max())}
-    out.update({f"staleness/lag_{k}": float(np.mean(lags == k)) for k in range(int(lags.max()) + 1)})
-    return out
-
-
 def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,
                    with_ref: bool, tools=None, max_attempts: int = 3) -> tuple:
     """``(rollouts, times, regenerated)`` of a collection, each within ``max_staleness`` of
@@ -130,17 +113,10 @@ def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: in
         items = [it for it in coll.items if group_id(it.epoch, it.index) in redo]
         again, t = fetch_collection(backend, dispatch(backend, items, coll.position, gen, with_ref, tools), gen, tools)
         times, regenerated = merge_metrics([times, t]), regenerated + sum(r.group in redo for r in rollouts)
-        by_group: dict = {}
-        for r in again:
-            by_group.setdefault(r.group, []).append(r)
-        out, placed = [], set()
-        for r in rollouts:
-            if r.group not in redo:
-                out.append(r)
-            elif r.group not in placed:
-                out += by_group.get(r.group, [])
-                placed.add(r.group)
-        rollouts = out
+        # each regenerated group in the place of the stale one (groups stay contiguous)
+        fresh = by_group(again)
+        rollouts = [r for group, old in by_group(rollouts).items() for r in (fresh.get(group, []) if group in redo
+                                                                             else old)]
     raise RuntimeError(f"rollouts of {sorted(redo)[:3]}... are still more than {max_staleness} policy versions "
                        f"behind {version} after {max_attempts} regenerations: a generator is not receiving weights")
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 GLOBAL_KEYS = ("grad_norm", "lr", "critic/grad_norm", "critic/lr")
 
 
@@ -79,3 +81,20 @@ def merge_rank_updates(per_rank: Sequence[Sequence[dict]]) -> tuple:
         raise ValueError(f"trainer ranks reported different numbers of optimizer updates: {sorted(lengths)}")
     updates = [merge_metrics(parts) for parts in zip(*per_rank)]
     return mean_over_updates(updates), updates
+
+
+def stale_groups(rollouts: Sequence, version: int, max_staleness: int) -> set:
+    """Groups with a rollout more than ``max_staleness`` policy versions behind ``version``."""
+    return {r.group for r in rollouts if version - r.policy_version > max_staleness}
+
+
+def staleness_metrics(rollouts: Sequence, version: int) -> dict:
+    """``staleness/mean`` and ``staleness/max`` (policy versions between each rollout's
+    generator and the policy it trains), and the share of rollouts at each lag
+    (``staleness/lag_<k>``)."""
+    lags = np.array([version - r.policy_version for r in rollouts], dtype=np.int64)
+    if not len(lags):
+        return {}
+    out = {"staleness/mean": float(lags.mean()), "staleness/max": float(lags.max())}
+    out.update({f"staleness/lag_{k}": float(np.mean(lags == k)) for k in range(int(lags.max()) + 1)})
+    return out

@@ -425,3 +425,18 @@ def test_len_of_a_batch_is_its_rows():
     batch = make_batch(rs, algos.grpo(kl_coef=0.0), pad_id=0)
     assert len(batch) == batch.size == 2
     assert len(batch._replace(prompt_len=1).select([1])) == 1
+
+
+def test_staleness_metrics_and_stale_groups_by_hand():
+    from primitives.metrics import stale_groups, staleness_metrics
+
+    # policy version 5; lags 0, 0, 1, 3, 3 (groups a, a, b, c, c)
+    rollouts = [SimpleNamespace(group=g, policy_version=v) for g, v in
+                [("a", 5), ("a", 5), ("b", 4), ("c", 2), ("c", 2)]]
+    m = staleness_metrics(rollouts, version=5)
+    assert m == {"staleness/mean": pytest.approx(7 / 5), "staleness/max": 3.0, "staleness/lag_0": pytest.approx(0.4),
+                 "staleness/lag_1": pytest.approx(0.2), "staleness/lag_2": 0.0, "staleness/lag_3": pytest.approx(0.4)}
+    assert staleness_metrics([], 5) == {}
+    assert stale_groups(rollouts, 5, max_staleness=1) == {"c"}
+    assert stale_groups(rollouts, 5, max_staleness=0) == {"b", "c"}
+    assert stale_groups(rollouts, 5, max_staleness=3) == set()
