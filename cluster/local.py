@@ -206,7 +206,7 @@ class LocalBackend:
         out, self._busy = self._busy, {"generators": 0.0, "trainers": 0.0}
         return out
 
-    def recover(self, failure, since: int = -1, send_weights: bool = True) -> None:
+    def recover(self, failure, since: int, send_weights: bool = True) -> None:
         raise failure  # one process: nothing to replace
 
     def settle(self, collections) -> None:

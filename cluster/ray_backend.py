@@ -194,7 +194,7 @@ class RayBackend:
         (_, ref_calls), (_, reward_calls) = refs.branches
         arrays, scored = _flat(gather(ref_calls, self.cluster.timeout_s)), _flat(gather(reward_calls,
                                                                                        self.cluster.timeout_s))
-        return [r._replace(ref_logprobs=lp) for r, lp in zip(scored, arrays)], times
+        return [r._replace(ref_logprobs=lp) for r, lp in zip(scored, arrays, strict=True)], times
 
     def values(self, rollouts: Sequence) -> list:
         """The critic's values of each rollout's completion tokens, (T_i,) each."""
@@ -250,7 +250,7 @@ class RayBackend:
         return out
 
     # ------------------------------------------------------------------ recovery
-    def recover(self, failure: ActorFailure, since: int = -1, send_weights: bool = True) -> None:
+    def recover(self, failure: ActorFailure, since: int, send_weights: bool = True) -> None:
         """Replace the dead generator or reward worker of ``failure`` (a new generator receives
         the current weights, labelled with the last sync's version, unless ``send_weights`` is
         false: the next sync brings them),

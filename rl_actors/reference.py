@@ -43,11 +43,8 @@ class RefLogprobWorker:
     def logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """The rollouts with ``ref_logprobs`` set (new records), scored at the sampling
         ``temperature`` the policy's logprobs use (a KL between two temperatures is not 0)."""
-        if not rollouts:
-            return []
-        refs = rollout_logprobs(self.model, rollouts, self.tokenizer.pad_token_id, temperature,
-                                self.micro_batch_size)
-        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
+        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, self.logprob_arrays(rollouts, temperature),
+                                                              strict=True)]
 
     def logprob_arrays(self, rollouts: Sequence, temperature: float) -> list:
         """Only the reference logprobs, ``(T_i,)`` float32 each (the driver merges them with
