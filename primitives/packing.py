@@ -322,11 +322,11 @@ def scatter_completions(values_N: torch.Tensor, plan: PackPlan) -> torch.Tensor:
 
 def transformers_packs() -> bool:
     """The installed transformers reads sequence starts from position ids (its masking utils'
-    ``find_packed_sequence_indices``) and keeps logits at a boolean ``logits_to_keep``; older
-    releases do neither, and then every forward is scored padded."""
+    ``find_packed_sequence_indices``, 5.x); older releases do not, and then every forward is
+    scored padded. (A boolean ``logits_to_keep`` is checked at each packed forward, by the
+    shape of the logits it returns.)"""
     try:
         from transformers import masking_utils
-        from transformers.utils import generic  # noqa: F401
     except ImportError:
         return False
     return hasattr(masking_utils, "find_packed_sequence_indices")

@@ -224,6 +224,14 @@ def _both(model, ids, mask, P, **kw):
     return packed, padded
 
 
+def _prefer_sharing(monkeypatch):
+    """Share prompts wherever one repeats: the cost model may find a small micro-batch cheaper
+    apart, and the micro-batched tests are there to run the tree mask."""
+    real = packing.packing_cost
+    monkeypatch.setattr(packing, "packing_cost",
+                        lambda lengths, per_key, *a: (real(lengths, per_key, *a)[0], float(lengths.sum())))
+
+
 def _max_diff(a, b, real):
     return float((a - b)[real].abs().max())
 
@@ -233,10 +241,12 @@ def _max_diff(a, b, real):
 @pytest.mark.parametrize("prompts", ["distinct", "shared"])
 def test_packed_logprobs_and_entropy_equal_padded(model, temperature, rows, prompts, monkeypatch):
     if rows == "one":  # every sequence in one long row
-        monkeypatch.setattr(packing, "row_capacity", lambda lengths, cost: int(lengths.sum()))
+        monkeypatch.setattr(packing, "packing_cost", lambda lengths, cost: (int(lengths.sum()), float(len(lengths))))
     ids, mask, P, T = _inputs(_rollouts(_vocab(model), prompts=prompts))
-    if prompts == "shared":
-        assert plan_packing(ids.numpy(), mask.numpy(), P).shared
+    plan = packing.plan_for(model, ids.numpy(), mask.numpy(), P)
+    assert plan.shared == (prompts == "shared")  # the plan scoring runs: shared under the tree mask
+    if rows == "one":
+        assert plan.input_ids.shape[0] == 1
     real = mask[:, P:] > 0
     with torch.no_grad():
         (logp, ent), (logp_ref, ent_ref) = _both(model, ids, mask, P, temperature=temperature)
@@ -245,7 +255,8 @@ def test_packed_logprobs_and_entropy_equal_padded(model, temperature, rows, prom
     assert (logp[~real] == 0).all() and (ent[~real] == 0).all()  # padding scores 0 when packed
     # micro-batched (each micro-batch packed on its own) gives the same values
     if prompts == "shared":  # rows 0 and 2 share a prompt in the first micro-batch of 3
-        assert plan_packing(ids[:3].numpy(), mask[:3].numpy(), P).shared
+        _prefer_sharing(monkeypatch)
+        assert packing.plan_for(model, ids[:3].numpy(), mask[:3].numpy(), P).shared
     with torch.no_grad():
         micro, _ = completion_logprobs(model, ids, mask, P, temperature=temperature, micro_batch_size=3, packing=True)
     assert _max_diff(micro, logp_ref, real) <= ATOL
@@ -273,6 +284,8 @@ def test_packed_gradients_equal_padded(model, prompts):
 @pytest.mark.parametrize("prompts", ["distinct", "shared"])
 def test_rollout_logprobs_packed_equal_padded(model, prompts, monkeypatch):
     rollouts = _rollouts(_vocab(model), seed=2, prompts=prompts)
+    if prompts == "shared":
+        _prefer_sharing(monkeypatch)
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", 0.0)
     packed = rollout_logprobs(model, rollouts, pad_id=0, temperature=0.7, micro_batch_size=3)
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", float("inf"))
@@ -294,7 +307,8 @@ def test_forward_backward_packed_equals_padded(model, prompts, monkeypatch):
         return old.old_logprobs, m, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     if prompts == "shared":  # the first micro-batch of 3 shares a prompt under the tree mask
-        assert plan_packing(batch.input_ids[:3], batch.attention_mask[:3], batch.prompt_len).shared
+        _prefer_sharing(monkeypatch)
+        assert packing.plan_for(model, batch.input_ids[:3], batch.attention_mask[:3], batch.prompt_len).shared
     old_packed, m_packed, g_packed = run(0.0)
     old_padded, m_padded, g_padded = run(float("inf"))
     model.zero_grad(set_to_none=True)
@@ -311,6 +325,7 @@ def test_nothing_to_score_falls_back_to_padded(tiny_model):
     ids, mask, P, T = _inputs([r._replace(completion_ids=np.zeros(0, np.int64)) for r in _rollouts(50)[:3]])
     logp, _ = completion_logprobs(tiny_model, ids, mask, P, packing=True)
     assert logp.shape == (3, 1) and logp.requires_grad
+    assert torch.equal(logp, completion_logprobs(tiny_model, ids, mask, P, packing=False)[0])
 
 
 def test_auto_choice_follows_the_padding_share(tiny_model, monkeypatch):
