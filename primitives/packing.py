@@ -31,7 +31,7 @@ over a whole row, so with long completions sharing can cost more than the repeat
 ``plan_for`` shares only where the cost model below says it is cheaper.
 
 Trees are filled first-fit decreasing up to ``capacity`` tokens, a multiple of the longest
-tree that ``row_capacity`` picks per micro-batch: sdpa/eager compute a dense (C, C) score
+tree that ``packing_cost`` picks per micro-batch: sdpa/eager compute a dense (C, C) score
 matrix per row, so longer rows waste less room but cost more attention per token (``key_cost``,
 from the model's shape). (Flash-attention's varlen kernels have no attention cost of this
 kind, but transformers packs for them one row only.)
@@ -174,8 +174,9 @@ def row_capacity(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) 
 
 
 def packing_cost(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) -> tuple:
-    """``(capacity, estimated cost)`` of the cheapest rows for these sequence (or tree) lengths
-    (``row_capacity``); the cost is in token-layer units, ``rows * C * (1 + cost_per_key * C)``."""
+    """``(capacity, estimated cost)`` of the cheapest rows for these sequence (or tree) lengths:
+    capacity a multiple k * longest (k = 1 .. ``max_factor``); the cost in token-layer units,
+    ``rows * C * (1 + cost_per_key * C)``."""
     lengths = lengths[lengths > 0]
     if not len(lengths):
         return 1, 0.0
@@ -197,7 +198,7 @@ def packing_cost(lengths: np.ndarray, cost_per_key: float, max_factor: int = 8) 
 def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, pad_id: int = 0,
                  capacity: Optional[int] = None, share_prompts: bool = True) -> PackPlan:
     """Pack the real tokens of a ``Batch``-layout input (B, P + T) into rows of ``capacity``
-    tokens (default and minimum: the longest tree; ``row_capacity`` chooses one for a model).
+    tokens (default and minimum: the longest tree; ``packing_cost`` chooses one for a model).
 
     Each tree (``prompt_trees``) lies contiguous in one row: its prompt, then each completion
     less its last token, position ids going on from the prompt's end in every completion::
@@ -253,7 +254,7 @@ def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
 
 def plan_for(model, input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int,
              share_prompts: bool = True) -> PackPlan:
-    """``plan_packing`` with rows as long as ``row_capacity`` finds cheapest for ``model``, and
+    """``plan_packing`` with rows as long as ``packing_cost`` finds cheapest for ``model``, and
     prompts shared only where that is cheaper too: a tree is one sequence, and attention over
     a long tree (long completions) can cost more than its prompt repeats would."""
     p_len, c_len = row_lengths(attention_mask, prompt_len)
