@@ -30,6 +30,7 @@ class ClusterConfig(NamedTuple):
     trainers: int = 2  # trainer ranks (one DeepSpeed ZeRO data-parallel group)
     reward_workers: int = 1  # reward workers
     reference_workers: int = 1  # reference workers when a step needs reference logprobs (scaled like the generators)
+    reference_on_trainers: bool = False  # no reference workers: each trainer rank scores its own shard with its copy
     zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3)
     generator_cpus: float = 1.0  # CPUs per generator
     generator_gpus: float = 0.0  # GPUs per generator

@@ -137,6 +137,9 @@ def algorithm_errors(job: RLJob) -> list:
          f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
         (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
                                                                f"'{record.name}', whose advantage reads critic values"),
+        (not (record.kl_in_reward and record.kl_coef and job.cluster.reference_on_trainers),
+         f"cluster.reference_on_trainers: '{record.name}' puts KL in the reward, which needs reference logprobs "
+         "before the train step, where the trainer ranks score them; use reference workers"),
         (rows // algo.mini_batches >= job.cluster.trainers,
          f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
@@ -600,10 +603,12 @@ def train_rl(inputs: RLInputs, logger) -> dict:
             final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
                      "eval/pass_temperature": gen.temperature}
         backend.save(os.path.join(out, "final_model"), state)
-        with_reference, address = backend.cluster.reference is not None, backend.cluster.ray_address
+        c = backend.cluster
+        reference = "trainers" if c.reference_on_trainers else ("workers" if c.reference is not None else None)
+        address = c.ray_address
     finally:
         shutdown_cluster(backend.cluster)
-    return {"reference_worker": with_reference, "ray_address": address, **accuracy_figures(before, after), **final,
+    return {"reference": reference, "ray_address": address, **accuracy_figures(before, after), **final,
             "cluster_started_at": cluster_start, "startup": startup, "history": history}
 
 

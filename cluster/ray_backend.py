@@ -27,16 +27,19 @@ def _flat(lists) -> list:
 
 def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[float] = None,
                  move_reference: bool = True) -> dict:
-    """Broadcast the trainers' weights to every generator (and every rank of a tracking reference).
+    """Broadcast the trainers' weights to every generator (and every tracking reference worker).
     A tracking reference applies its ``ref_update_fn`` once per RL step: a sync that only
     refreshes the generators (a checkpoint load, a replaced generator, the SFT stage's end)
-    passes ``move_reference=False``, and the reference takes part in the broadcast unmoved."""
+    passes ``move_reference=False``, and a reference worker takes part in the broadcast
+    unmoved. A reference on the trainer ranks moves there, after the broadcast."""
     t0 = time.perf_counter()
     meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
     calls = fan_out(cluster.trainers, "send_weights", meta, bucket)
     calls += fan_out(cluster.generators, "receive_weights", meta, bucket, version)
-    if cluster.reference_tracks_policy:
+    if cluster.reference_tracks_policy and cluster.reference is not None:
         calls += fan_out(cluster.reference, "receive_weights", meta, bucket, step, kl, move_reference)
+    elif cluster.reference_tracks_policy and move_reference:  # on the trainers (calls to one actor run in order)
+        calls += fan_out(cluster.trainers, "move_reference", step, kl)
     moved = gather(calls, cluster.timeout_s)[0]
     dt = time.perf_counter() - t0
     return {"time/sync": dt, "sync/bytes": float(moved), "sync/version": float(version)}
@@ -45,7 +48,10 @@ def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[f
 def copy_policy_to_reference(cluster: RLCluster) -> None:
     """Make every reference rank equal to the current policy (after SFT, say). Trainer rank 0's
     weights go to the reference ranks by ref (one object, never through the driver); the other
-    trainer ranks join ZeRO-3 gathers."""
+    trainer ranks join ZeRO-3 gathers. A reference on the trainers copies each rank's policy."""
+    if cluster.reference_on_trainers:
+        gather(fan_out(cluster.trainers, "copy_policy_to_reference"), cluster.timeout_s)
+        return
     if cluster.reference is None:
         return
     states = fan_out(cluster.trainers, "full_state", True)
@@ -62,10 +68,12 @@ def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) ->
         shutil.rmtree(critic_tmp, ignore_errors=True)
         gather(fan_out(cluster.critics, "save_checkpoint", critic_tmp), cluster.timeout_s)
         extra["critic"] = critic_tmp
-    if cluster.reference is not None:  # every reference rank holds the same weights: rank 0 saves them
+    if cluster.reference is not None or cluster.reference_on_trainers:  # every copy is the same: rank 0 saves it
         ref_tmp = path.rstrip("/") + ".reference.tmp"
         shutil.rmtree(ref_tmp, ignore_errors=True)
-        gather([call(cluster.reference, 0, "save_weights", ref_tmp)], cluster.timeout_s)
+        group, method = (cluster.trainers, "save_reference") if cluster.reference_on_trainers \
+            else (cluster.reference, "save_weights")
+        gather([call(group, 0, method, ref_tmp)], cluster.timeout_s)
         extra["reference"] = ref_tmp
     gather(fan_out(cluster.trainers, "save_checkpoint", path, state_to_json(state), extra), cluster.timeout_s)
     return path
@@ -76,8 +84,11 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
     training continues exactly where it stopped."""
     saved = gather(fan_out(cluster.trainers, "load_checkpoint", path), cluster.timeout_s)[0]
     state = state_from_json(saved)
-    if cluster.reference is not None and os.path.isdir(os.path.join(path, "reference")):
-        gather(fan_out(cluster.reference, "load_weights_from", os.path.join(path, "reference")), cluster.timeout_s)
+    saved_reference = os.path.join(path, "reference")
+    if cluster.reference is not None and os.path.isdir(saved_reference):
+        gather(fan_out(cluster.reference, "load_weights_from", saved_reference), cluster.timeout_s)
+    elif cluster.reference_on_trainers and os.path.isdir(saved_reference):
+        gather(fan_out(cluster.trainers, "load_reference_from", saved_reference), cluster.timeout_s)
     if cluster.critics is not None:
         if not os.path.isdir(os.path.join(path, "critic")):
             raise FileNotFoundError(f"{path} holds no critic/ to resume the critic from")
@@ -136,7 +147,12 @@ class RayBackend:
 
     @property
     def has_reference(self) -> bool:
-        return self.cluster.reference is not None
+        return self.cluster.reference is not None or self.cluster.reference_on_trainers
+
+    @property
+    def reference_in_train_step(self) -> bool:
+        """The trainer ranks score reference logprobs of their own shards (rollouts carry none)."""
+        return self.cluster.reference_on_trainers
 
     @property
     def reward_needs_reference(self) -> bool:

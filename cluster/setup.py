@@ -47,6 +47,7 @@ class RLCluster(NamedTuple):
     reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
+    reference_on_trainers: bool = False  # every trainer rank holds the reference and scores its own shard
 
 
 def stage_seconds(marks: Sequence[tuple]) -> dict:
@@ -65,7 +66,7 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
                       strategy),
              RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
              RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
-    if with_reference:
+    if with_reference and not cfg.reference_on_trainers:
         roles.append(RoleSpec("reference", cfg.reference_workers, cfg.reference_cpus, cfg.reference_gpus,
                               extra.get("reference"), strategy))
     if with_critic:
@@ -149,6 +150,10 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
         node_resources = NODE_GROUP_PINS
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
     with_reference = with_reference or reward_needs_reference
+    on_trainers = with_reference and cfg.reference_on_trainers
+    if on_trainers and reward_needs_reference:
+        raise ValueError("cluster.reference_on_trainers: the shaping function reads reference logprobs (KL in the "
+                         "reward), which the reward workers need before the train step; use reference workers")
     roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
@@ -164,11 +169,12 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads), {})  # noqa: E731
     reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
     trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
-                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads), {}))
+                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads, on_trainers,
+                                        ref_update_fn if on_trainers else None), {}))
     generators = create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
     rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
     reference = create_group(RefLogprobWorker, spec["reference"], pgs["reference"],
-                             lambda r: ((model, r, ref_update_fn, None, threads), {})) if with_reference else None
+                             lambda r: ((model, r, ref_update_fn, None, threads), {})) if "reference" in spec else None
     factories = {"generator": lambda r: create_actor(GeneratorWorker, spec["generator"], generators.placement_group,
                                                      r, gen_args),
                  "reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
@@ -181,9 +187,9 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     marks.append(("actors_loaded", time.time()))
     tracks = with_reference and ref_update_fn is not None
     backends = {info["backend"] for info in infos[: generators.size]}
-    if backends == {"vllm"} and tracks:
-        raise ValueError("a policy-tracking reference cannot join vLLM's weight-transfer group; "
-                         "use a fixed reference (no ref_update_fn) or cluster.generator_backend: hf")
+    if backends == {"vllm"} and tracks and reference is not None:
+        raise ValueError("a policy-tracking reference worker cannot join vLLM's weight-transfer group; use a fixed "
+                         "reference (no ref_update_fn), cluster.reference_on_trainers or cluster.generator_backend: hf")
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
     backend = "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo"
@@ -193,7 +199,8 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     marks.append(("trainer_setup", time.time()))
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
-                        cfg.call_timeout_s, tracks, address, factories, reward_needs_reference)
+                        cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
+                        reference_on_trainers=on_trainers)
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))
@@ -218,11 +225,12 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
     """(Re)build the weight-sync group on a fresh port: trainer rank 0 (sync rank 0), every
-    generator (1 .. G), and every rank of a policy-tracking reference (G + 1 ...). Called at
-    start-up and after a generator is replaced."""
+    generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference on
+    the trainers reads the policy where it is). Called at start-up and after a generator is
+    replaced."""
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     gens = cluster.generators.size
-    refs = cluster.reference.size if cluster.reference_tracks_policy else 0
+    refs = cluster.reference.size if cluster.reference_tracks_policy and cluster.reference is not None else 0
     sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
     joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i) for i in range(gens)]

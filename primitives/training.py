@@ -79,15 +79,23 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
 
 
 @torch.no_grad()
-def with_old_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: Optional[int] = None) -> Batch:
-    """``batch`` with ``old_logprobs`` set to the model's current logprobs (0 off the loss
-    mask): the clip ratio's denominator when the batch gets several optimizer updates."""
+def with_logprobs(model, batch: Batch, field: str = "old_logprobs", temperature: float = 1.0,
+                  micro_batch_size: Optional[int] = None) -> Batch:
+    """``batch`` with ``field`` set to the model's logprobs of its completion tokens (0 off the
+    loss mask), no gradients: ``old_logprobs`` (the clip ratio's denominator when the batch
+    gets several optimizer updates) or ``ref_logprobs`` (a reference held by a trainer rank)."""
     if batch.size == 0:
         return batch
     device = next(model.parameters()).device
-    logp, _ = completion_logprobs(model, _tensor(batch.input_ids, device), _tensor(batch.attention_mask, device),
-                                  batch.prompt_len, temperature, micro_batch_size)
-    return batch._replace(old_logprobs=(logp.float().cpu().numpy() * batch.loss_mask).astype(np.float32))
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, _tensor(batch.input_ids, device), _tensor(batch.attention_mask, device),
+                                      batch.prompt_len, temperature, micro_batch_size)
+    return batch._replace(**{field: (logp.float().cpu().numpy() * batch.loss_mask).astype(np.float32)})
+
+
+def with_old_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: Optional[int] = None) -> Batch:
+    """``batch`` with ``old_logprobs`` set to the model's current logprobs (0 off the loss mask)."""
+    return with_logprobs(model, batch, "old_logprobs", temperature, micro_batch_size)
 
 
 def minibatches(batch: Batch, algo: AlgorithmConfig) -> list:

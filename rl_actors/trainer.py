@@ -10,12 +10,18 @@ gradient of the global loss. Forward passes go through the engine (not ``engine.
 ZeRO-3 counts micro-steps in ``engine.forward``, and without that count each micro-batch's
 gradient overwrote the previous one (caught by the ZeRO equivalence test). Rank 0 is the
 source of the weight broadcast.
+
+With ``reference=True`` (``cluster.reference_on_trainers``) every rank also holds the
+reference (``rl_actors.reference.Reference``, a frozen copy of the initial policy in the
+model's dtype, not partitioned by ZeRO) and scores its own shard of each batch that arrives
+without reference logprobs, once per mini-batch, before the first update.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +57,7 @@ from rl_actors.deepspeed_rank import (
     micro_batch_count,
     rendezvous_endpoint,
 )
+from rl_actors.reference import Reference
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
@@ -63,9 +70,12 @@ class TrainerWorker:
     role = "trainer"
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
-                 seed: int = 0, num_threads: int = 1):
+                 seed: int = 0, num_threads: int = 1, reference: bool = False,
+                 ref_update_fn: Optional[Callable] = None):
         self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role)
         self.rank, self.world_size, self.config = rank, world_size, config
+        self.with_reference, self.ref_update_fn = reference, ref_update_fn
+        self.reference: Optional[Reference] = None  # built in setup
         self.sync_group = None
         self.clock = BusyClock()
 
@@ -78,6 +88,9 @@ class TrainerWorker:
         and build the DeepSpeed engine (all ranks together)."""
         module, self.tokenizer = load_causal_lm(
             self.ds.model_config._replace(device=self.ds.module_device, dtype="float32"), f"{self.role} {self.rank}")
+        if self.with_reference:  # a copy before DeepSpeed wraps (and under ZeRO-3 partitions) the policy
+            self.reference = Reference(copy.deepcopy(module).to(getattr(torch, self.ds.model_config.dtype)),
+                                       self.ref_update_fn)
         self.ds.setup(master_addr, master_port, module)
         return self.info()
 
@@ -111,6 +124,8 @@ class TrainerWorker:
 
         def prepare(part: Batch, fix_old: bool) -> Batch:
             shard = part.shard(self.rank, self.world_size, unit)
+            if shard.ref_logprobs is None and self.reference is not None:
+                shard = self.reference.score_batch(shard, temperature, self.config.micro_batch_size)
             return with_old_logprobs(self.module, shard, temperature, self.config.micro_batch_size) if fix_old \
                 else shard
 
@@ -230,6 +245,34 @@ class TrainerWorker:
         """Trainer-side logprobs of rollouts at the sampling temperature (the parity check
         against generators). Under ZeRO-3 the forward is collective: call it on every rank."""
         return rollout_logprobs(self.module, rollouts, self.tokenizer.pad_token_id, temperature)
+
+    # --------------------------------------------------------------- the reference it holds
+    def _held_reference(self) -> Reference:
+        if self.reference is None:
+            raise RuntimeError(f"{self.role} {self.rank} holds no reference (cluster.reference_on_trainers is off)")
+        return self.reference
+
+    def move_reference(self, step: int, kl: Optional[float] = None) -> bool:
+        """``ref_update_fn`` on this rank's copy of the reference, from the policy as it stands
+        (every rank does the same, so the copies stay equal; a collective under ZeRO-3)."""
+        reference = self._held_reference()
+        reference.move({k: torch.from_numpy(v) for k, v in self.full_state().items()}, step, kl)
+        return True
+
+    def copy_policy_to_reference(self) -> bool:
+        """The reference becomes the policy as it stands (after SFT, say; collective under ZeRO-3)."""
+        self._held_reference().load(self.full_state())
+        return True
+
+    def save_reference(self, path: str) -> str:
+        return self._held_reference().save(path)
+
+    def load_reference_from(self, path: str) -> bool:
+        self._held_reference().load_from(path)
+        return True
+
+    def reference_checksums(self) -> dict:
+        return self._held_reference().checksums()
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, train_state: Optional[dict] = None, extra_dirs: Optional[dict] = None) -> str:
