@@ -412,8 +412,11 @@ def algorithm_of(rl):
 
 
 @checked
-def prepare_rl(job: RLJob) -> RLInputs:
-    """Every check and every load that needs no Ray, in order of cost."""
+def prepare_rl(job: RLJob, beside=None) -> RLInputs:
+    """Every check and every load that needs no Ray, in order of cost. ``beside(job, algo)``
+    runs in this thread once every value is checked and the prompts are read, while the
+    model and tokenizer load in another (``run_rl`` starts Ray there: each side keeps about
+    one core busy, and Ray's start is mostly waiting for its processes)."""
     from primitives.rewards import build_reward
 
     job = with_resolved_paths(job)
@@ -424,12 +427,34 @@ def prepare_rl(job: RLJob) -> RLInputs:
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
     algo = algorithm_of(job.algorithm)
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
-    job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
-    tokenizer = load_tokenizer(job.model)
-    check_prompts(train + evals, tokenizer, job.data)
-    sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume else ([], [])
-    return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
-                    dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None)
+
+    def load(job=job) -> RLInputs:
+        job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+        tokenizer = load_tokenizer(job.model)
+        check_prompts(train + evals, tokenizer, job.data)
+        sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume \
+            else ([], [])
+        return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
+                        dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None)
+
+    return load() if beside is None else side_by_side(load, lambda: beside(job, algo))
+
+
+def side_by_side(work, here):
+    """``work()``'s result, computed in another thread while ``here()`` runs in this one (which
+    must stay: processes it starts may be tied to its thread's life, as Ray's are). Whichever
+    raises, the other has finished first; ``work``'s error wins."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="prepare") as pool:
+        future = pool.submit(work)
+        try:
+            here()
+        finally:
+            result = future.exception() or future.result()  # waits for work in every case
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def process_start_time() -> float:
@@ -453,10 +478,29 @@ def startup_figures(process_start: float, run_start: float, cluster_start: float
     return {"startup_s": round(sum(v for k, v in stages.items() if k != "first_step"), 2), "startup": stages}
 
 
+def start_ray_for(job: RLJob, algo) -> str:
+    """Start (or join) the Ray the job's roles need: a local one is sized for them."""
+    from cluster.setup import NODE_GROUP_PINS, role_specs, start_ray
+    from primitives.algorithms import needs_values, uses_reference
+
+    cfg = job.cluster
+    return start_ray(cfg, role_specs(cfg, uses_reference(algo), NODE_GROUP_PINS if cfg.pin_roles else None,
+                                     with_critic=needs_values(algo)))
+
+
 def run_rl(job: RLJob) -> dict:
-    """The RL job end to end: prepare (no Ray), then actors, SFT stage, RL, evaluation, outputs."""
+    """The RL job end to end: prepare (no Ray; Ray starts beside the model's loading once
+    every value is checked), then actors, SFT stage, RL, evaluation, outputs."""
     run_start = time.time()
-    inputs = prepare_rl(job)
+    started = []
+    try:
+        inputs = prepare_rl(job, beside=lambda j, algo: started.append(start_ray_for(j, algo)))
+    except BaseException:
+        if started:  # a late error (a prompt too long for the model): no Ray left behind
+            import ray
+
+            ray.shutdown()
+        raise
     job = inputs.job
     start = time.time()
     logger, metrics_path = start_output(job)

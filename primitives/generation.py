@@ -13,7 +13,6 @@ reference logprobs, reward) for notebooks; training runs through ``cluster.drive
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -330,18 +329,3 @@ def create_rollout(model, tokenizer, prompt: Any, gen_config: GenerationConfig =
 
 # ----------------------------------------------------------------------------- reasoning
 
-_THINK = re.compile(r"<think>(.*?)(</think>|$)", re.DOTALL)
-
-
-def parse_thinking(text: str):
-    """Split ``<think>...</think>`` from the answer: ``(thinking, answer, closed)``.
-
-    ``closed`` is False when the block never ends (a truncated completion); then the
-    answer is empty. Text with no think block is all answer.
-    """
-    m = _THINK.search(text)
-    if m is None:
-        return "", text.strip(), True
-    closed = m.group(2) == "</think>"
-    answer = text[m.end():].strip() if closed else ""
-    return m.group(1).strip(), answer, closed

@@ -21,12 +21,28 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from primitives.generation import parse_thinking
 from primitives.hooks import did_you_mean, load_function
 
 
 class RewardError(RuntimeError):
     """A reward function failed; the message names the rollout and the function."""
+
+
+_THINK = re.compile(r"<think>(.*?)(</think>|$)", re.DOTALL)
+
+
+def parse_thinking(text: str):
+    """Split ``<think>...</think>`` from the answer: ``(thinking, answer, closed)``.
+
+    ``closed`` is False when the block never ends (a truncated completion); then the
+    answer is empty. Text with no think block is all answer.
+    """
+    m = _THINK.search(text)
+    if m is None:
+        return "", text.strip(), True
+    closed = m.group(2) == "</think>"
+    answer = text[m.end():].strip() if closed else ""
+    return m.group(1).strip(), answer, closed
 
 
 def _fn_name(fn) -> str:

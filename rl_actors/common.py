@@ -4,19 +4,24 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from typing import Optional
 
-import torch
-
-from primitives.logprobs import disable_dropout
 from primitives.types import ModelConfig
 
 
-def setup_process(num_threads: int = 1, seed: Optional[int] = None) -> None:
-    """One actor per core: more torch threads than cores oversubscribes the machine badly."""
-    torch.set_num_threads(max(1, num_threads))
-    if seed is not None:
-        torch.manual_seed(seed)
+def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch: bool = True) -> None:
+    """One actor per core: more torch threads than cores oversubscribes the machine badly.
+    An actor that may never need torch (a reward worker running plain Python) passes
+    ``needs_torch=False`` and saves its import (about a second of CPU); a torch imported there
+    later still starts with ``num_threads`` threads (``OMP_NUM_THREADS``, read at its import)."""
+    os.environ["OMP_NUM_THREADS"] = str(max(1, num_threads))
+    if needs_torch or "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(max(1, num_threads))
+        if seed is not None:
+            torch.manual_seed(seed)
 
 
 def check_model_path(path: str, role: str) -> None:
@@ -27,7 +32,10 @@ def check_model_path(path: str, role: str) -> None:
 
 def load_causal_lm(config: ModelConfig, role: str):
     """``(model, tokenizer)`` from a local HF checkpoint; the error names the actor role."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.logprobs import disable_dropout
 
     check_model_path(config.model_name_or_path, role)
     if config.device == "auto":
@@ -60,6 +68,8 @@ def actor_info(role: str, rank: int) -> dict:
 
 
 def gpu_visible() -> bool:
+    import torch
+
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 

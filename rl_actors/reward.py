@@ -1,10 +1,14 @@
 """RewardWorker: runs user reward code (and optionally a reward model) away from the trainers.
 
+Without a reward model it never imports torch (a second of CPU at every start-up on a small
+machine): the rollouts arrive as numpy, and the built-in rewards are plain Python.
+
 A raising or non-finite reward function fails the step with the rollout uid and the
 function's name in the message (``primitives.rewards.RewardError``).
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional, Sequence
 
 from primitives.rewards import create_rm_reward_fn, load_reward_model, score_rollouts
@@ -17,7 +21,7 @@ class RewardWorker:
     def __init__(self, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,
                  shaping_fn: Optional[Callable] = None, reward_model_path: Optional[str] = None,
                  rank: int = 0, num_threads: int = 1):
-        setup_process(num_threads)
+        setup_process(num_threads, needs_torch=reward_model_path is not None)
         if reward_fn is None and reward_model_path is None:
             raise ValueError(f"reward {rank}: give a reward_fn, a reward_model_path, or both")
         self.rank = rank
@@ -33,7 +37,8 @@ class RewardWorker:
         self.aggregate_fn, self.shaping_fn = aggregate_fn, shaping_fn
 
     def info(self) -> dict:
-        return actor_info(self.role, self.rank)
+        """Where it runs, and whether torch is loaded (plain-Python rewards never load it)."""
+        return {**actor_info(self.role, self.rank), "torch_loaded": "torch" in sys.modules}
 
     def score(self, rollouts: Sequence) -> list:
         return score_rollouts(list(rollouts), self.reward_fn, self.aggregate_fn, self.shaping_fn)

@@ -102,3 +102,27 @@ def test_the_job_summary_reports_startup_seconds_by_stage(tmp_path):
     assert abs(summary["startup_s"] - sum(s for k, s in stages.items() if k != "first_step")) < 0.02
     with open(tmp_path / "summary.json") as f:
         assert json.load(f)["startup"] == stages
+
+
+REWARD_WITHOUT_TORCH = """
+import sys
+from ray import cloudpickle  # what Ray sends the actor
+import numpy as np
+from cluster.config import RLJob
+from primitives.rewards import build_reward
+from primitives.types import Rollout
+from rl_actors.reward import RewardWorker
+reward_fn, aggregate_fn, _ = build_reward(RLJob().rewards)  # the default job's exact_match
+worker = RewardWorker(*cloudpickle.loads(cloudpickle.dumps((reward_fn, aggregate_fn))))
+ids = np.arange(3)
+rollouts = [Rollout("e0/i0/s" + str(k), "e0/i0", "1+2=", ids, ids, np.ones(3, np.float32), np.zeros(3, np.float32),
+                    text=text, answer=3) for k, text in enumerate(["3", "4"])]
+print("SCORED", [r.reward for r in worker.score(rollouts)], "torch" in sys.modules)
+"""
+
+
+def test_a_reward_worker_scores_plain_python_rewards_without_importing_torch():
+    proc = subprocess.run([sys.executable, "-c", REWARD_WITHOUT_TORCH], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert next(x for x in proc.stdout.splitlines() if x.startswith("SCORED")) == "SCORED [1.0, 0.0] False"

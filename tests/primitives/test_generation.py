@@ -18,7 +18,6 @@ from primitives.generation import (
     generate_tokens,
     left_pad,
     pack_rollout,
-    parse_thinking,
     position_ids_from_mask,
     render_prompt,
 )
@@ -172,6 +171,8 @@ def test_chat_template_with_tool_messages(tokenizer):
 
 
 def test_parse_thinking():
+    from primitives.rewards import parse_thinking
+
     assert parse_thinking("<think>carry the one</think> 42") == ("carry the one", "42", True)
     assert parse_thinking("<think>still thinking") == ("still thinking", "", False)
     assert parse_thinking("just 7") == ("", "just 7", True)
