@@ -54,10 +54,13 @@ class Collection(NamedTuple):
 
 
 def needs_reference(backend, algo) -> bool:
-    """Whether the step's rollouts are to be collected with reference logprobs (a reference
-    on the trainer ranks scores inside the train step instead)."""
-    return (backend.has_reference and not backend.reference_in_train_step
-            and (uses_reference(algo) or backend.reward_needs_reference))
+    """Whether the step's rollouts are collected with reference logprobs. A reference on the
+    trainer ranks scores each rank's shard inside the train step instead, unless they are
+    needed before the batch is made: KL in the reward (the advantage or the shaping function
+    reads them)."""
+    before_batch = bool(algo.kl_in_reward and algo.kl_coef) or backend.reward_needs_reference
+    return backend.has_reference and (before_batch if backend.reference_in_train_step
+                                      else uses_reference(algo) or backend.reward_needs_reference)
 
 
 def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,
@@ -170,10 +173,6 @@ def check_algorithm_for(backend, algo) -> None:
     if uses_reference(algo) and not backend.has_reference:
         raise ValueError(f"algorithm '{algo.name}' needs reference logprobs (kl_coef={algo.kl_coef}, or a loss "
                          f"that reads them), but the {backend.name} backend has no reference model")
-    if algo.kl_in_reward and algo.kl_coef and backend.reference_in_train_step:
-        raise ValueError(f"algorithm '{algo.name}' puts KL in the reward, which needs reference logprobs before the "
-                         "train step; the reference on the trainer ranks scores inside it (use reference workers: "
-                         "cluster.reference_on_trainers false)")
     if backend.name == "ray":
         check_algorithm_picklable(algo)
 

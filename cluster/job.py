@@ -137,9 +137,6 @@ def algorithm_errors(job: RLJob) -> list:
          f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
         (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
                                                                f"'{record.name}', whose advantage reads critic values"),
-        (not (record.kl_in_reward and record.kl_coef and job.cluster.reference_on_trainers),
-         f"cluster.reference_on_trainers: '{record.name}' puts KL in the reward, which needs reference logprobs "
-         "before the train step, where the trainer ranks score them; use reference workers"),
         (rows // algo.mini_batches >= job.cluster.trainers,
          f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "

@@ -151,7 +151,8 @@ class RayBackend:
 
     @property
     def reference_in_train_step(self) -> bool:
-        """The trainer ranks score reference logprobs of their own shards (rollouts carry none)."""
+        """The trainer ranks hold the reference: they score their own shards in the train step
+        (and the rollouts, when KL goes in the reward)."""
         return self.cluster.reference_on_trainers
 
     @property
@@ -172,10 +173,16 @@ class RayBackend:
         calls = fan_out_each(c.generators, method, [(chunk, gen, *extra) if chunk else None for chunk in chunks])
         return RolloutRefs((("generate", calls),))
 
+    def _reference(self, method: str) -> tuple:
+        """``(group, method)`` that scores reference logprobs: the reference workers, or the
+        trainer ranks' copies (``reference_`` methods; any rank scores any chunk)."""
+        c = self.cluster
+        return (c.trainers, f"reference_{method}") if c.reference_on_trainers else (c.reference, method)
+
     def reference_logprobs(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:
         """Reference logprobs of the rollouts, at the sampling temperature."""
-        c = self.cluster
-        return refs.then("ref", [call(c.reference, i % c.reference.size, "logprobs", x.ref, temperature)
+        group, method = self._reference("logprobs")
+        return refs.then("ref", [call(group, i % group.size, method, x.ref, temperature)
                                  for i, x in enumerate(refs.phases[-1][1])])
 
     def score(self, refs: RolloutRefs) -> RolloutRefs:
@@ -190,7 +197,8 @@ class RayBackend:
         reference returning only its logprob arrays."""
         c = self.cluster
         chunks = [x.ref for x in refs.phases[-1][1]]
-        ref = [call(c.reference, i % c.reference.size, "logprob_arrays", x, temperature) for i, x in enumerate(chunks)]
+        group, method = self._reference("logprob_arrays")
+        ref = [call(group, i % group.size, method, x, temperature) for i, x in enumerate(chunks)]
         reward = [call(c.rewards, i % c.rewards.size, "score", x) for i, x in enumerate(chunks)]
         return RolloutRefs(refs.phases, (("ref", ref), ("reward", reward)))
 

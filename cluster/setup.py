@@ -151,9 +151,6 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
     with_reference = with_reference or reward_needs_reference
     on_trainers = with_reference and cfg.reference_on_trainers
-    if on_trainers and reward_needs_reference:
-        raise ValueError("cluster.reference_on_trainers: the shaping function reads reference logprobs (KL in the "
-                         "reward), which the reward workers need before the train step; use reference workers")
     roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())

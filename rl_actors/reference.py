@@ -7,7 +7,8 @@ sampling temperature, move by ``ref_update_fn``, load and save. Two kinds of act
   scoring the rollouts side by side with the reward workers.
 * ``rl_actors.trainer.TrainerWorker`` with ``cluster.reference_on_trainers`` - every trainer
   rank holds a copy and scores its own shard of the step's batch inside the train step: no
-  reference process, no reference phase, no logprobs through the object store.
+  reference process, no reference phase, no logprobs through the object store (when KL goes
+  in the reward, the ranks score the rollouts first, as reference workers would).
 
 The reference is frozen by default. With a ``ref_update_fn`` (EMA, periodic reset, KL-bound
 reset - ``primitives.kl``) it moves at every RL step: ``ref_update_fn(ref_state,
@@ -50,6 +51,12 @@ class Reference:
         if not rollouts:
             return []
         return list(rollout_logprobs(self.model, rollouts, pad_id, temperature, micro_batch_size))
+
+    def scored(self, rollouts: Sequence, pad_id: int, temperature: float,
+               micro_batch_size: Optional[int] = None) -> list:
+        """The rollouts with ``ref_logprobs`` set (new records)."""
+        arrays = self.rollout_arrays(rollouts, pad_id, temperature, micro_batch_size)
+        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, arrays, strict=True)]
 
     def score_batch(self, batch: Batch, temperature: float, micro_batch_size: Optional[int] = None) -> Batch:
         """``batch`` with ``ref_logprobs`` set (0 off the loss mask), at ``temperature``."""
@@ -113,8 +120,7 @@ class RefLogprobWorker:
 
     def logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """The rollouts with ``ref_logprobs`` set (new records), scored at the sampling ``temperature``."""
-        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, self.logprob_arrays(rollouts, temperature),
-                                                              strict=True)]
+        return self.reference.scored(rollouts, self.tokenizer.pad_token_id, temperature, self.micro_batch_size)
 
     def logprob_arrays(self, rollouts: Sequence, temperature: float) -> list:
         """Only the reference logprobs, ``(T_i,)`` float32 each (the driver merges them with

@@ -14,7 +14,9 @@ source of the weight broadcast.
 With ``reference=True`` (``cluster.reference_on_trainers``) every rank also holds the
 reference (``rl_actors.reference.Reference``, a frozen copy of the initial policy in the
 model's dtype, not partitioned by ZeRO) and scores its own shard of each batch that arrives
-without reference logprobs, once per mini-batch, before the first update.
+without reference logprobs, once per mini-batch, before the first update; when KL goes in
+the reward the driver asks it for the rollouts' reference logprobs first, as it would a
+reference worker.
 """
 from __future__ import annotations
 
@@ -263,6 +265,17 @@ class TrainerWorker:
         """The reference becomes the policy as it stands (after SFT, say; collective under ZeRO-3)."""
         self._held_reference().load(self.full_state())
         return True
+
+    def reference_logprob_arrays(self, rollouts: Sequence, temperature: float) -> list:
+        """Reference logprobs ``(T_i,)`` of rollouts, before a batch is made (KL in the reward):
+        this rank's copy serves as a reference worker would (no collective: any rank, any chunk)."""
+        return self._held_reference().rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
+                                                     self.config.micro_batch_size)
+
+    def reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
+        """The rollouts with ``ref_logprobs`` set (new records)."""
+        return self._held_reference().scored(rollouts, self.tokenizer.pad_token_id, temperature,
+                                             self.config.micro_batch_size)
 
     def save_reference(self, path: str) -> str:
         return self._held_reference().save(path)

@@ -154,6 +154,60 @@ def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path
     assert "ray" not in sys.modules
 
 
+def test_an_error_found_while_ray_starts_leaves_no_ray_running(tmp_path, tiny_model_path, monkeypatch):
+    """run_rl starts Ray beside the model's loading, after every value check: a prompt too long
+    for the tokenizer is found then, and the job stops with its message and shuts Ray down."""
+    import ray
+
+    import cluster.job as job_module
+
+    starts = []
+    real = job_module.start_ray_for
+    monkeypatch.setattr(job_module, "start_ray_for", lambda job, algo: starts.append(real(job, algo)))
+    ray.shutdown()
+    job = _bad(tmp_path, tiny_model_path, {"data": DataConfig(
+        path=_jsonl(tmp_path / "long.jsonl", [{"prompt": "1" * 50, "answer": "2"}] * 4), eval_set=EvalData(size=1),
+        max_prompt_tokens=20)})
+    with pytest.raises(ValueError, match="long.jsonl:1: prompt is 50 tokens"):
+        job_module.run_rl(job)
+    assert len(starts) == 1 and starts[0]  # Ray did start (its address), beside the loading
+    assert not ray.is_initialized()
+
+
+def test_side_by_side_keeps_here_in_this_thread_and_work_beside():
+    import threading
+    import time
+
+    from cluster.job import side_by_side
+
+    seen = {}
+
+    def work():
+        seen["work in main"] = threading.current_thread() is threading.main_thread()
+        return 7
+
+    def here():
+        seen["here in main"] = threading.current_thread() is threading.main_thread()
+
+    assert side_by_side(work, here) == 7
+    assert seen == {"work in main": False, "here in main": True}
+    finished = []
+
+    def failing_work():
+        time.sleep(0.2)
+        finished.append(True)
+        raise ValueError("bad prompt file")
+
+    def failing_here():
+        raise RuntimeError("ray did not start")
+
+    with pytest.raises(ValueError, match="bad prompt file"):  # work's error wins, after work finished
+        side_by_side(failing_work, failing_here)
+    assert finished == [True]
+    with pytest.raises(RuntimeError, match="ray did not start"):
+        side_by_side(lambda: 1, failing_here)
+
+
 def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
     from cluster.cli import run
 
