@@ -447,11 +447,11 @@ def side_by_side(work, here):
         future = pool.submit(work)
         try:
             here()
-        finally:
-            result = future.exception() or future.result()  # waits for work in every case
-    if isinstance(result, BaseException):
-        raise result
-    return result
+        except BaseException as error:
+            if future.exception() is not None:  # waits for work
+                raise future.exception() from error
+            raise
+        return future.result()
 
 
 def process_start_time() -> float:
