@@ -58,9 +58,11 @@ def needs_reference(backend, algo) -> bool:
     trainer ranks scores each rank's shard inside the train step instead, unless they are
     needed before the batch is made: KL in the reward (the advantage or the shaping function
     reads them)."""
-    before_batch = bool(algo.kl_in_reward and algo.kl_coef) or backend.reward_needs_reference
-    return backend.has_reference and (before_batch if backend.reference_in_train_step
-                                      else uses_reference(algo) or backend.reward_needs_reference)
+    if not backend.has_reference:
+        return False
+    if backend.reference_in_train_step:
+        return bool(algo.kl_in_reward and algo.kl_coef) or backend.reward_needs_reference
+    return uses_reference(algo) or backend.reward_needs_reference
 
 
 def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,

@@ -94,7 +94,9 @@ class LocalBackend:
     def has_reference(self) -> bool:
         return self.reference is not None
 
-    reference_in_train_step = False  # the reference scores the rollouts before the batch is made
+    @property
+    def reference_in_train_step(self) -> bool:
+        return False  # the reference scores the rollouts before the batch is made
 
     @property
     def has_critic(self) -> bool:

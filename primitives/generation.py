@@ -325,7 +325,3 @@ def create_rollout(model, tokenizer, prompt: Any, gen_config: GenerationConfig =
                          f"use create_rollouts for a group of n completions")
     return create_rollouts(model, tokenizer, prompt, gen_config, ref_model=ref_model, reward_fn=reward_fn,
                            aggregate_fn=aggregate_fn, shaping_fn=shaping_fn, generator=generator)[0]
-
-
-# ----------------------------------------------------------------------------- reasoning
-

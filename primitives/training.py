@@ -87,9 +87,8 @@ def with_logprobs(model, batch: Batch, field: str = "old_logprobs", temperature:
     if batch.size == 0:
         return batch
     device = next(model.parameters()).device
-    with torch.no_grad():
-        logp, _ = completion_logprobs(model, _tensor(batch.input_ids, device), _tensor(batch.attention_mask, device),
-                                      batch.prompt_len, temperature, micro_batch_size)
+    logp, _ = completion_logprobs(model, _tensor(batch.input_ids, device), _tensor(batch.attention_mask, device),
+                                  batch.prompt_len, temperature, micro_batch_size)
     return batch._replace(**{field: (logp.float().cpu().numpy() * batch.loss_mask).astype(np.float32)})
 
 
