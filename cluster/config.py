@@ -31,6 +31,7 @@ class ClusterConfig(NamedTuple):
     reward_workers: int = 1  # reward workers
     reference_workers: int = 1  # reference workers when a step needs reference logprobs (scaled like the generators)
     reference_on_trainers: bool = False  # no reference workers: each trainer rank scores its own shard with its copy
+    generate_on_trainers: bool = False  # no generator workers: trainer ranks generate with their module (ZeRO-1/2)
     zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3)
     generator_cpus: float = 1.0  # CPUs per generator
     generator_gpus: float = 0.0  # GPUs per generator

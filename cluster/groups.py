@@ -12,9 +12,14 @@ from cluster.placement import RoleSpec
 
 
 class WorkerGroup(NamedTuple):
+    """``role``'s actors. A group with a ``method_prefix`` is a role hosted by another group's
+    actors (generation on the trainer ranks): its calls go to ``method_prefix + method``, its
+    failures name the hosts' role, and killing it is left to the hosting group."""
+
     role: str
     actors: tuple
     placement_group: Any = None
+    method_prefix: str = ""
 
     @property
     def size(self) -> int:
@@ -48,6 +53,7 @@ def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable
 
 
 def call(group: WorkerGroup, rank: int, method: str, *args, **kwargs) -> Call:
+    method = group.method_prefix + method
     return Call(getattr(group.actors[rank], method).remote(*args, **kwargs), group.role, rank, method)
 
 
@@ -71,6 +77,8 @@ def kill_group(group: WorkerGroup) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    if group.method_prefix:
+        return  # hosted by another group's actors
     for actor in group.actors:
         ray.kill(actor, no_restart=True)
     if group.placement_group is not None:

@@ -88,13 +88,19 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
     ]
     if rl_roles:
         checks += [
-            (cluster.generators >= 1, "cluster.generators must be at least 1"),
+            (cluster.generators >= 1 or cluster.generate_on_trainers, "cluster.generators must be at least 1"),
             (cluster.reward_workers >= 1, "cluster.reward_workers must be at least 1"),
             (cluster.reference_workers >= 1,
              f"cluster.reference_workers must be at least 1, got {cluster.reference_workers}"),
             (cluster.generator_backend in ("auto", "hf", "vllm"),
              f"cluster.generator_backend must be auto, hf or vllm, got {cluster.generator_backend}"),
             (cluster.sync_bucket_mb > 0, "cluster.sync_bucket_mb must be positive"),
+            (not cluster.generate_on_trainers or cluster.zero_stage != 3,
+             "cluster.generate_on_trainers needs cluster.zero_stage 1 or 2: under ZeRO-3 a rank holds only a "
+             "shard of the weights it would generate with"),
+            (not cluster.generate_on_trainers or cluster.generator_backend != "vllm",
+             "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
+             "vllm needs generator workers of its own"),
         ]
     return _checks(checks)
 
@@ -161,6 +167,10 @@ def rl_errors(job: RLJob) -> list:
         (algo.is_cap > 0, f"algorithm.is_cap must be positive, got {algo.is_cap}"),
         (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
         (algo.max_staleness >= 0, f"algorithm.max_staleness must be >= 0 (0: synchronous), got {algo.max_staleness}"),
+        (algo.max_staleness == 0 or not job.cluster.generate_on_trainers,
+         f"algorithm.max_staleness {algo.max_staleness} overlaps generation with training, but with "
+         "cluster.generate_on_trainers both run in the trainer processes, one after the other: use 0, or "
+         "generator workers"),
         (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
         (algo.critic_lr is None or algo.critic_lr > 0, f"algorithm.critic_lr must be positive, got {algo.critic_lr}"),
         (gen.group_size >= 2, "generation.group_size must be at least 2: group advantages compare completions "
@@ -511,7 +521,8 @@ def run_rl(job: RLJob) -> dict:
         "algorithm": job.algorithm.name, "sft_steps": job.sft.steps, "rl_steps": job.algorithm.steps,
         "model": job.model.model_name_or_path, "train_prompts": len(inputs.train_items),
         "eval_prompts": len(inputs.eval_items), **inputs.info,
-        "generators": job.cluster.generators, "trainer_ranks": job.cluster.trainers,
+        "generators": job.cluster.trainers if job.cluster.generate_on_trainers else job.cluster.generators,
+        "trainer_ranks": job.cluster.trainers,
         "zero_stage": job.cluster.zero_stage,
         "reward_mean_first5": mean_of(history[:5], "reward/mean"),
         "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
@@ -646,11 +657,13 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         backend.save(os.path.join(out, "final_model"), state)
         c = backend.cluster
         reference = "trainers" if c.reference_on_trainers else ("workers" if c.reference is not None else None)
+        generation = "trainers" if c.generators_on_trainers else "workers"
         address = c.ray_address
     finally:
         shutdown_cluster(backend.cluster)
-    return {"reference": reference, "ray_address": address, **accuracy_figures(before, after), **final,
-            "cluster_started_at": cluster_start, "startup": startup, "history": history}
+    return {"reference": reference, "generation": generation, "ray_address": address,
+            **accuracy_figures(before, after), **final, "cluster_started_at": cluster_start,
+            "startup": startup, "history": history}
 
 
 # ----------------------------------------------------------------------------- SFT

@@ -31,10 +31,12 @@ def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[f
     A tracking reference applies its ``ref_update_fn`` once per RL step: a sync that only
     refreshes the generators (a checkpoint load, a replaced generator, the SFT stage's end)
     passes ``move_reference=False``, and a reference worker takes part in the broadcast
-    unmoved. A reference on the trainer ranks moves there, after the broadcast."""
+    unmoved. A reference on the trainer ranks moves there, after the broadcast. Generators on the
+    trainer ranks already hold the weights: they take the version only, and with no one else to
+    send to (sync group of 1) nothing is broadcast."""
     t0 = time.perf_counter()
     meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
-    calls = fan_out(cluster.trainers, "send_weights", meta, bucket)
+    calls = fan_out(cluster.trainers, "send_weights", meta, bucket) if cluster.sync_address.world_size > 1 else []
     calls += fan_out(cluster.generators, "receive_weights", meta, bucket, version)
     if cluster.reference_tracks_policy and cluster.reference is not None:
         calls += fan_out(cluster.reference, "receive_weights", meta, bucket, step, kl, move_reference)

@@ -48,6 +48,7 @@ class RLCluster(NamedTuple):
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
     reference_on_trainers: bool = False  # every trainer rank holds the reference and scores its own shard
+    generators_on_trainers: bool = False  # ``generators`` is the trainer ranks, generating with the policy they train
 
 
 def stage_seconds(marks: Sequence[tuple]) -> dict:
@@ -63,9 +64,9 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
     extra = node_resources or {}
     strategy = cfg.placement
     roles = [RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus, extra.get("generator"),
-                      strategy),
-             RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
-             RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
+                      strategy)] if not cfg.generate_on_trainers else []
+    roles += [RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
+              RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
     if with_reference and not cfg.reference_on_trainers:
         roles.append(RoleSpec("reference", cfg.reference_workers, cfg.reference_cpus, cfg.reference_gpus,
                               extra.get("reference"), strategy))
@@ -165,25 +166,30 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
     gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads), {})  # noqa: E731
     reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
+    hosted = cfg.generate_on_trainers
     trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
                             lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads, on_trainers,
-                                        ref_update_fn if on_trainers else None), {}))
-    generators = create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
+                                        ref_update_fn if on_trainers else None, hosted), {}))
+    # generation on the trainer ranks: the trainers' actors, called at generator_<method>; their
+    # failures name the trainer, which is not replaceable
+    generators = WorkerGroup("trainer", trainers.actors, method_prefix="generator_") if hosted \
+        else create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
     rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
     reference = create_group(RefLogprobWorker, spec["reference"], pgs["reference"],
                              lambda r: ((model, r, ref_update_fn, None, threads), {})) if "reference" in spec else None
-    factories = {"generator": lambda r: create_actor(GeneratorWorker, spec["generator"], generators.placement_group,
-                                                     r, gen_args),
-                 "reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
+    factories = {"reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
                                                   r, reward_args)}
+    if not hosted:
+        factories["generator"] = lambda r: create_actor(GeneratorWorker, spec["generator"],
+                                                        generators.placement_group, r, gen_args)
     marks.append(("actors_created", time.time()))
     master = wait([call(trainers, 0, "endpoint")])[0]
     setups = fan_out(trainers, "setup", *master)  # waited for below, after the other roles
-    others = [generators, rewards] + ([reference] if reference else [])
+    others = ([] if hosted else [generators]) + [rewards] + ([reference] if reference else [])
     infos = wait([c for g in others for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
     marks.append(("actors_loaded", time.time()))
     tracks = with_reference and ref_update_fn is not None
-    backends = {info["backend"] for info in infos[: generators.size]}
+    backends = {"hf"} if hosted else {info["backend"] for info in infos[: generators.size]}
     if backends == {"vllm"} and tracks and reference is not None:
         raise ValueError("a policy-tracking reference worker cannot join vLLM's weight-transfer group; use a fixed "
                          "reference (no ref_update_fn), cluster.reference_on_trainers or cluster.generator_backend: hf")
@@ -197,7 +203,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
-                        reference_on_trainers=on_trainers)
+                        reference_on_trainers=on_trainers, generators_on_trainers=hosted)
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))
@@ -222,12 +228,14 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
     """(Re)build the weight-sync group on a fresh port: trainer rank 0 (sync rank 0), every
-    generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference on
-    the trainers reads the policy where it is). Called at start-up and after a generator is
-    replaced."""
-    host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
-    gens = cluster.generators.size
+    generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
+    generator on the trainers reads the policy where it is). Called at start-up and after a
+    generator is replaced. With nobody to send to, there is no group (world size 1)."""
+    gens = 0 if cluster.generators_on_trainers else cluster.generators.size
     refs = cluster.reference.size if cluster.reference_tracks_policy and cluster.reference is not None else 0
+    if gens + refs == 0:
+        return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))
+    host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
     joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i) for i in range(gens)]

@@ -8,6 +8,7 @@ Two backends return the same ``Rollout``s:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -48,14 +49,29 @@ def vllm_available() -> bool:
 
 
 class HFEngine:
-    """Generation with the HF model in this process."""
+    """Generation with an HF model in this process: its own (``load``), or the module a trainer
+    rank trains (``cluster.generate_on_trainers``), put in eval mode while it generates."""
 
     name = "hf"
 
-    def __init__(self, config: ModelConfig, role: str):
-        self.model, self.tokenizer = load_causal_lm(config, role)
-        self.model.eval()
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
         self.device = next(self.model.parameters()).device
+
+    @classmethod
+    def load(cls, config: ModelConfig, role: str) -> "HFEngine":
+        model, tokenizer = load_causal_lm(config, role)
+        return cls(model.eval(), tokenizer)
+
+    @contextmanager
+    def serving(self):
+        """Eval mode (no dropout) while generating; the mode it had afterwards."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
 
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
         return generate_rollouts(self.model, self.tokenizer, items, gen, version, generator)
@@ -118,6 +134,9 @@ class VLLMEngine:
             results.append(GenerationOutput(ids, logp, reason, c.text))
         return results
 
+    def serving(self):
+        return nullcontext()
+
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
         prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items], gen.template_kwargs)
         rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(gen.n)]
@@ -150,15 +169,27 @@ class GeneratorWorker:
     def __init__(self, model: ModelConfig, rank: int = 0, backend: str = "auto", seed: int = 0,
                  num_threads: int = 1, engine_kwargs: Optional[dict] = None):
         setup_process(num_threads, seed + 1000 * rank)
-        self.rank, self.seed = rank, seed
         use_vllm = backend == "vllm" or (backend == "auto" and vllm_available())
         if backend == "vllm" and not vllm_available():
             raise RuntimeError(f"generator {rank}: backend 'vllm' needs vllm installed and a visible GPU")
-        self.engine = VLLMEngine(model, f"generator {rank}", engine_kwargs) if use_vllm \
-            else HFEngine(model, f"generator {rank}")
+        engine = VLLMEngine(model, f"generator {rank}", engine_kwargs) if use_vllm \
+            else HFEngine.load(model, f"generator {rank}")
+        self._start(engine, rank, seed)
+
+    def _start(self, engine, rank: int, seed: int) -> None:
+        self.engine, self.rank, self.seed = engine, rank, seed
         self.policy_version = 0
         self.sync_group, self.sync_rank = None, None
         self.clock = BusyClock()
+
+    @classmethod
+    def hosted(cls, model, tokenizer, rank: int, seed: int = 0) -> "GeneratorWorker":
+        """A generator inside another actor's process, generating with ``model`` as it stands (a
+        trainer rank's module, ``cluster.generate_on_trainers``): no weights to receive, only the
+        version to stamp. Rank ``r`` samples as generator worker ``r`` would."""
+        self = cls.__new__(cls)
+        self._start(HFEngine(model, tokenizer), rank, seed)
+        return self
 
     def info(self) -> dict:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
@@ -175,7 +206,7 @@ class GeneratorWorker:
         only between calls, so every token of a rollout comes from that version)."""
         if not items:
             return []
-        with self.clock.working():
+        with self.clock.working(), self.engine.serving():
             return self.engine.generate(list(items), gen, self.policy_version, self._sampler(items))
 
     def generate_multiturn(self, items: Sequence, gen: GenerationConfig, tools: ToolConfig) -> list:
@@ -183,7 +214,7 @@ class GeneratorWorker:
         condition run here, in the generator's process."""
         if not items:
             return []
-        with self.clock.working():
+        with self.clock.working(), self.engine.serving():
             turn = self.engine.turn_generator(gen, self._sampler(items))
             return multiturn_rollouts(turn, self.engine.tokenizer, list(items), gen.n, tools, self.policy_version)
 
@@ -223,4 +254,5 @@ class GeneratorWorker:
 
     def logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """Recompute logprobs of given rollouts with this worker's weights (parity checks)."""
-        return rollout_logprobs(self.engine.model, rollouts, self.engine.tokenizer.pad_token_id, temperature)
+        with self.engine.serving():
+            return rollout_logprobs(self.engine.model, rollouts, self.engine.tokenizer.pad_token_id, temperature)

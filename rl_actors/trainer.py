@@ -59,6 +59,7 @@ from rl_actors.deepspeed_rank import (
     micro_batch_count,
     rendezvous_endpoint,
 )
+from rl_actors.generator import GeneratorWorker
 from rl_actors.reference import Reference
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
@@ -73,11 +74,12 @@ class TrainerWorker:
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
                  seed: int = 0, num_threads: int = 1, reference: bool = False,
-                 ref_update_fn: Optional[Callable] = None):
+                 ref_update_fn: Optional[Callable] = None, generate: bool = False):
         self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role)
-        self.rank, self.world_size, self.config = rank, world_size, config
-        self.with_reference, self.ref_update_fn = reference, ref_update_fn
+        self.rank, self.world_size, self.config, self.seed = rank, world_size, config, seed
+        self.with_reference, self.ref_update_fn, self.with_generation = reference, ref_update_fn, generate
         self.reference: Optional[Reference] = None  # built in setup
+        self.generation: Optional[GeneratorWorker] = None  # built in setup
         self.sync_group = None
         self.clock = BusyClock()
 
@@ -94,6 +96,11 @@ class TrainerWorker:
             self.reference = Reference(copy.deepcopy(module).to(getattr(torch, self.ds.model_config.dtype)),
                                        self.ref_update_fn)
         self.ds.setup(master_addr, master_port, module)
+        if self.with_generation:
+            if self.config.zero_stage == 3:
+                raise ValueError(f"{self.role} {self.rank}: generation on the trainer ranks needs ZeRO-1 or 2 "
+                                 "(under ZeRO-3 a rank holds a shard of the weights)")
+            self.generation = GeneratorWorker.hosted(self.module, self.tokenizer, self.rank, self.seed)
         return self.info()
 
     def info(self) -> dict:
@@ -286,6 +293,41 @@ class TrainerWorker:
 
     def reference_checksums(self) -> dict:
         return self._held_reference().checksums()
+
+    # --------------------------------------------------------------- the generator it hosts
+    # (cluster.generate_on_trainers: the driver's generator group calls these, ``generator_`` + method)
+    def _hosted_generator(self) -> GeneratorWorker:
+        if self.generation is None:
+            raise RuntimeError(f"{self.role} {self.rank} hosts no generator (cluster.generate_on_trainers is off)")
+        return self.generation
+
+    def generator_info(self) -> dict:
+        return {**self._hosted_generator().info(), "hosted_by": f"{self.role} {self.rank}"}
+
+    def generator_pad_token_id(self) -> int:
+        return self._hosted_generator().pad_token_id()
+
+    def generator_generate(self, items: Sequence, gen) -> list:
+        """Rollouts of ``items`` from the policy this rank trains, stamped with the last sync's version."""
+        return self._hosted_generator().generate(items, gen)
+
+    def generator_generate_multiturn(self, items: Sequence, gen, tools) -> list:
+        return self._hosted_generator().generate_multiturn(items, gen, tools)
+
+    def generator_busy(self) -> float:
+        return self._hosted_generator().busy()
+
+    def generator_receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
+        """The weights are already here (the module it generates with is the one trained): only
+        the version its rollouts carry changes. Nothing moves."""
+        self._hosted_generator().policy_version = version
+        return 0
+
+    def generator_weight_checksums(self) -> dict:
+        return self._hosted_generator().weight_checksums()
+
+    def generator_logprobs(self, rollouts: Sequence, temperature: float) -> list:
+        return self._hosted_generator().logprobs(rollouts, temperature)
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, train_state: Optional[dict] = None, extra_dirs: Optional[dict] = None) -> str:
