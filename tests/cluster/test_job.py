@@ -212,8 +212,9 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
     from cluster.cli import run
 
     with pytest.raises(SystemExit) as e:
-        run(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0", "--generation.temperature", "0",
-              "--algorithm.name", "ppo", "--cluster.critics", "0", "--logging.out", str(tmp_path)])
+        run(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0",
+              "--cluster.generate-on-trainers", "False", "--generation.temperature", "0", "--algorithm.name", "ppo",
+              "--cluster.critics", "0", "--logging.out", str(tmp_path)])
     text = str(e.value)
     for part in ("cluster.zero_stage must be 1, 2 or 3", "cluster.generators must be at least 1",
                  "generation.temperature must be > 0", "cluster.critics must be at least 1"):
@@ -266,7 +267,8 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
     assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
     assert (summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (2, 2, 2)
-    assert summary["reference"] == "trainers" and summary["eval_prompts"] == 128
+    assert summary["reference"] == "trainers" and summary["generation"] == "trainers"
+    assert summary["eval_prompts"] == 128
     for phase in ("generate", "reward", "train", "sync"):  # the reference scores inside the train step
         assert summary[f"time_{phase}_mean_s"] > 0
     assert "time_ref_mean_s" not in summary
