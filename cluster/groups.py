@@ -12,14 +12,15 @@ from cluster.placement import RoleSpec
 
 
 class WorkerGroup(NamedTuple):
-    """``role``'s actors. A group with a ``method_prefix`` is a role hosted by another group's
-    actors (generation on the trainer ranks): its calls go to ``method_prefix + method``, its
-    failures name the hosts' role, and killing it is left to the hosting group."""
+    """``role``'s actors. A group with a ``host_method`` is a role hosted inside another group's
+    actors (generation on the trainer ranks): ``method(*args)`` on it is the call
+    ``host_method(method, *args)`` on the host, its failures name the host's role, and killing
+    it is left to the hosting group."""
 
     role: str
     actors: tuple
     placement_group: Any = None
-    method_prefix: str = ""
+    host_method: str = ""
 
     @property
     def size(self) -> int:
@@ -53,7 +54,9 @@ def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable
 
 
 def call(group: WorkerGroup, rank: int, method: str, *args, **kwargs) -> Call:
-    method = group.method_prefix + method
+    if group.host_method:
+        ref = getattr(group.actors[rank], group.host_method).remote(method, *args, **kwargs)
+        return Call(ref, group.role, rank, f"{group.host_method}.{method}")
     return Call(getattr(group.actors[rank], method).remote(*args, **kwargs), group.role, rank, method)
 
 
@@ -77,8 +80,8 @@ def kill_group(group: WorkerGroup) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    if group.method_prefix:
-        return  # hosted by another group's actors
+    if group.host_method:
+        return  # hosted inside another group's actors
     for actor in group.actors:
         ray.kill(actor, no_restart=True)
     if group.placement_group is not None:

@@ -657,7 +657,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         backend.save(os.path.join(out, "final_model"), state)
         c = backend.cluster
         reference = "trainers" if c.reference_on_trainers else ("workers" if c.reference is not None else None)
-        generation = "trainers" if c.generators_on_trainers else "workers"
+        generation = "trainers" if c.generate_on_trainers else "workers"
         address = c.ray_address
     finally:
         shutdown_cluster(backend.cluster)

@@ -48,7 +48,7 @@ class RLCluster(NamedTuple):
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
     reference_on_trainers: bool = False  # every trainer rank holds the reference and scores its own shard
-    generators_on_trainers: bool = False  # ``generators`` is the trainer ranks, generating with the policy they train
+    generate_on_trainers: bool = False  # ``generators`` is a view of the trainer ranks, generating with their module
 
 
 def stage_seconds(marks: Sequence[tuple]) -> dict:
@@ -63,8 +63,10 @@ def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optiona
     it to matching nodes (e.g. {"generator": {"generator_node": 0.01}})."""
     extra = node_resources or {}
     strategy = cfg.placement
-    roles = [RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus, extra.get("generator"),
-                      strategy)] if not cfg.generate_on_trainers else []
+    roles = []
+    if not cfg.generate_on_trainers:
+        roles.append(RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus,
+                              extra.get("generator"), strategy))
     roles += [RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
               RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
     if with_reference and not cfg.reference_on_trainers:
@@ -170,9 +172,9 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
                             lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads, on_trainers,
                                         ref_update_fn if on_trainers else None, hosted), {}))
-    # generation on the trainer ranks: the trainers' actors, called at generator_<method>; their
-    # failures name the trainer, which is not replaceable
-    generators = WorkerGroup("trainer", trainers.actors, method_prefix="generator_") if hosted \
+    # generation on the trainer ranks: the trainers' actors, through their ``generator`` method;
+    # a failure names the trainer, which is not replaceable
+    generators = WorkerGroup("trainer", trainers.actors, host_method="generator") if hosted \
         else create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
     rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
     reference = create_group(RefLogprobWorker, spec["reference"], pgs["reference"],
@@ -195,15 +197,16 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
                          "reference (no ref_update_fn), cluster.reference_on_trainers or cluster.generator_backend: hf")
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
-    backend = "nccl" if cfg.trainer_gpus and cfg.generator_gpus else "gloo"
+    receiver_gpus = cfg.reference_gpus if hosted else cfg.generator_gpus  # who joins the broadcast
+    backend = "nccl" if cfg.trainer_gpus and receiver_gpus else "gloo"
+    wait(setups)  # first: a hosted generator exists once its trainer is set up
     pad_id = wait([call(generators, 0, "pad_token_id")])[0]
-    wait(setups)
     meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
     marks.append(("trainer_setup", time.time()))
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
                         "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
-                        reference_on_trainers=on_trainers, generators_on_trainers=hosted)
+                        reference_on_trainers=on_trainers, generate_on_trainers=hosted)
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))
@@ -231,7 +234,7 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
     generator on the trainers reads the policy where it is). Called at start-up and after a
     generator is replaced. With nobody to send to, there is no group (world size 1)."""
-    gens = 0 if cluster.generators_on_trainers else cluster.generators.size
+    gens = 0 if cluster.generate_on_trainers else cluster.generators.size
     refs = cluster.reference.size if cluster.reference_tracks_policy and cluster.reference is not None else 0
     if gens + refs == 0:
         return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))

@@ -4,8 +4,8 @@ Run:   python examples/grpo_single_process.py          (under a minute on 2 core
        python examples/grpo_single_process.py --help   (all flags)
 
 The RL loop is ``cluster.driver.train``, the very loop the Ray job runs
-(``rayrl rl examples/configs/default.yaml``: generators, DeepSpeed trainers, reward and
-reference workers), here over ``cluster.local.LocalBackend``: everything in this process,
+(``rayrl rl examples/configs/default.yaml``: DeepSpeed trainer ranks that also generate and
+hold the reference, and a reward worker), here over ``cluster.local.LocalBackend``: everything in this process,
 plain torch, no Ray. Same seed and config, same metrics (DESIGN invariant 7).
 
 What it does: builds a tiny Qwen2 and a character tokenizer locally (HF format, no

@@ -6,10 +6,12 @@ from contextlib import contextmanager
 
 
 class BusyClock:
-    """Seconds spent inside ``working()`` blocks since the last ``read()``."""
+    """Seconds spent inside ``working()`` blocks since the last ``read()``; with ``also``, the
+    same seconds count on that clock too (a generator hosted in a trainer's process keeps the
+    process busy)."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    def __init__(self, also: "BusyClock | None" = None):
+        self.seconds, self.also = 0.0, also
 
     @contextmanager
     def working(self):
@@ -17,7 +19,10 @@ class BusyClock:
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.seconds += seconds
+            if self.also is not None:
+                self.also.seconds += seconds
 
     def read(self) -> float:
         """The seconds worked since the last read; the clock starts again at 0."""

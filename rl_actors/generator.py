@@ -176,24 +176,25 @@ class GeneratorWorker:
             else HFEngine.load(model, f"generator {rank}")
         self._start(engine, rank, seed)
 
-    def _start(self, engine, rank: int, seed: int) -> None:
-        self.engine, self.rank, self.seed = engine, rank, seed
+    def _start(self, engine, rank: int, seed: int, host: Optional[str] = None,
+               host_clock: Optional[BusyClock] = None) -> None:
+        self.engine, self.rank, self.seed, self.host = engine, rank, seed, host
         self.policy_version = 0
         self.sync_group, self.sync_rank = None, None
-        self.clock = BusyClock()
+        self.clock = BusyClock(also=host_clock)
 
     @classmethod
-    def hosted(cls, model, tokenizer, rank: int, seed: int = 0) -> "GeneratorWorker":
-        """A generator inside another actor's process, generating with ``model`` as it stands (a
-        trainer rank's module, ``cluster.generate_on_trainers``): no weights to receive, only the
-        version to stamp. Rank ``r`` samples as generator worker ``r`` would."""
+    def hosted(cls, model, tokenizer, rank: int, seed: int, host: str, host_clock: BusyClock) -> "GeneratorWorker":
+        """A generator inside the actor ``host`` (a trainer rank, ``cluster.generate_on_trainers``),
+        generating with ``model`` as it stands: no weights to receive, only the version to stamp.
+        Rank ``r`` samples as generator worker ``r`` would; generating counts on ``host_clock``."""
         self = cls.__new__(cls)
-        self._start(HFEngine(model, tokenizer), rank, seed)
+        self._start(HFEngine(model, tokenizer), rank, seed, host, host_clock)
         return self
 
     def info(self) -> dict:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
-        return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model}
+        return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model, "hosted_by": self.host}
 
     def _sampler(self, items: Sequence) -> torch.Generator:
         return rollout_sampler(self.seed, self.rank, self.policy_version, items)
@@ -232,8 +233,11 @@ class GeneratorWorker:
         return True
 
     def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
-        """Join one broadcast from trainer rank 0; afterwards rollouts carry ``version``."""
-        if isinstance(self.engine, VLLMEngine):
+        """Join one broadcast from trainer rank 0; afterwards rollouts carry ``version``. A hosted
+        generator already holds the weights (the module is the trainer's): nothing moves."""
+        if self.host is not None:
+            moved = 0
+        elif isinstance(self.engine, VLLMEngine):
             self.engine.update(meta)
             moved = sum(m.nbytes for m in meta)
         else:

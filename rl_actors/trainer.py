@@ -64,6 +64,10 @@ from rl_actors.reference import Reference
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
+# what the driver calls on a generator group (cluster.ray_backend, cluster.setup, cluster.driver)
+HOSTED_GENERATOR_METHODS = frozenset({"info", "pad_token_id", "generate", "generate_multiturn", "busy",
+                                      "receive_weights", "weight_checksums", "logprobs"})
+
 
 class TrainerWorker:
     """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``self.ds``, a
@@ -74,12 +78,15 @@ class TrainerWorker:
 
     def __init__(self, model: ModelConfig, rank: int, world_size: int, config: TrainerConfig = TrainerConfig(),
                  seed: int = 0, num_threads: int = 1, reference: bool = False,
-                 ref_update_fn: Optional[Callable] = None, generate: bool = False):
+                 ref_update_fn: Optional[Callable] = None, host_generator: bool = False):
+        if host_generator and config.zero_stage == 3:
+            raise ValueError(f"{self.role} {rank}: cluster.generate_on_trainers needs ZeRO-1 or 2: under ZeRO-3 a "
+                             "rank holds only a shard of the weights it would generate with")
         self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role)
         self.rank, self.world_size, self.config, self.seed = rank, world_size, config, seed
-        self.with_reference, self.ref_update_fn, self.with_generation = reference, ref_update_fn, generate
+        self.with_reference, self.ref_update_fn, self.host_generator = reference, ref_update_fn, host_generator
         self.reference: Optional[Reference] = None  # built in setup
-        self.generation: Optional[GeneratorWorker] = None  # built in setup
+        self.hosted: Optional[GeneratorWorker] = None  # built in setup
         self.sync_group = None
         self.clock = BusyClock()
 
@@ -96,11 +103,9 @@ class TrainerWorker:
             self.reference = Reference(copy.deepcopy(module).to(getattr(torch, self.ds.model_config.dtype)),
                                        self.ref_update_fn)
         self.ds.setup(master_addr, master_port, module)
-        if self.with_generation:
-            if self.config.zero_stage == 3:
-                raise ValueError(f"{self.role} {self.rank}: generation on the trainer ranks needs ZeRO-1 or 2 "
-                                 "(under ZeRO-3 a rank holds a shard of the weights)")
-            self.generation = GeneratorWorker.hosted(self.module, self.tokenizer, self.rank, self.seed)
+        if self.host_generator:
+            self.hosted = GeneratorWorker.hosted(self.module, self.tokenizer, self.rank, self.seed,
+                                                 f"{self.role} {self.rank}", host_clock=self.clock)
         return self.info()
 
     def info(self) -> dict:
@@ -295,39 +300,14 @@ class TrainerWorker:
         return self._held_reference().checksums()
 
     # --------------------------------------------------------------- the generator it hosts
-    # (cluster.generate_on_trainers: the driver's generator group calls these, ``generator_`` + method)
-    def _hosted_generator(self) -> GeneratorWorker:
-        if self.generation is None:
+    def generator(self, method: str, *args):
+        """``method(*args)`` of the generator this rank hosts (``cluster.generate_on_trainers``):
+        the driver's generator group calls this. Its generation counts as this rank's busy time."""
+        if self.hosted is None:
             raise RuntimeError(f"{self.role} {self.rank} hosts no generator (cluster.generate_on_trainers is off)")
-        return self.generation
-
-    def generator_info(self) -> dict:
-        return {**self._hosted_generator().info(), "hosted_by": f"{self.role} {self.rank}"}
-
-    def generator_pad_token_id(self) -> int:
-        return self._hosted_generator().pad_token_id()
-
-    def generator_generate(self, items: Sequence, gen) -> list:
-        """Rollouts of ``items`` from the policy this rank trains, stamped with the last sync's version."""
-        return self._hosted_generator().generate(items, gen)
-
-    def generator_generate_multiturn(self, items: Sequence, gen, tools) -> list:
-        return self._hosted_generator().generate_multiturn(items, gen, tools)
-
-    def generator_busy(self) -> float:
-        return self._hosted_generator().busy()
-
-    def generator_receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
-        """The weights are already here (the module it generates with is the one trained): only
-        the version its rollouts carry changes. Nothing moves."""
-        self._hosted_generator().policy_version = version
-        return 0
-
-    def generator_weight_checksums(self) -> dict:
-        return self._hosted_generator().weight_checksums()
-
-    def generator_logprobs(self, rollouts: Sequence, temperature: float) -> list:
-        return self._hosted_generator().logprobs(rollouts, temperature)
+        if method not in HOSTED_GENERATOR_METHODS:
+            raise AttributeError(f"a hosted generator has no method {method!r}")
+        return getattr(self.hosted, method)(*args)
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, train_state: Optional[dict] = None, extra_dirs: Optional[dict] = None) -> str:

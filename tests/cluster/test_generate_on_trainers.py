@@ -10,9 +10,9 @@ import pytest
 
 from cluster.config import ClusterConfig, DataConfig, RLConfig, RLJob
 from cluster.driver import gather, load_cluster_checkpoint, save_cluster_checkpoint, train
-from cluster.groups import ActorFailure, WorkerGroup, call, fan_out
+from cluster.groups import ActorFailure, call, fan_out
 from cluster.job import rl_errors
-from cluster.ray_backend import sync_weights
+from cluster.ray_backend import RayBackend, sync_weights
 from cluster.setup import build_rl_cluster, join_weight_sync, role_specs, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
 from primitives.data import make_prompt_source
@@ -50,7 +50,10 @@ def _run(cluster) -> dict:
     state = _train(cluster, steps=3)
     weights = gather([fan_out(cluster.trainers, "full_state")[0]], 300)[0]
     reference = gather([call(cluster.reference, 0, "weight_checksums")], 300)[0]
-    return {"metrics": state.metrics_history, "weights": weights, "reference": reference, "state": state}
+    tokens = [r.completion_ids.tolist() for r in gather([call(cluster.generators, 1, "generate", _items()[:2], GEN)],
+                                                         300)[0]]
+    return {"metrics": state.metrics_history, "weights": weights, "reference": reference, "state": state,
+            "tokens": tokens}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def hosted_run(cluster):
 def test_no_generator_processes_and_only_the_reference_in_the_sync_group(cluster):
     names = [r.name for r in role_specs(ClusterConfig(generate_on_trainers=True), with_reference=True)]
     assert names == ["trainer", "reward", "reference"]
-    assert cluster.generators_on_trainers and cluster.generators.actors == cluster.trainers.actors
+    assert cluster.generate_on_trainers and cluster.generators.actors == cluster.trainers.actors
     assert cluster.sync_address.world_size == 1 + 1  # trainer rank 0 and the tracking reference worker
     infos = gather(fan_out(cluster.generators, "info"), 300)
     assert [i["hosted_by"] for i in infos] == ["trainer 0", "trainer 1"] and {i["backend"] for i in infos} == {"hf"}
@@ -94,14 +97,14 @@ def test_same_tokens_metrics_and_weights_as_with_generator_workers(hosted_run, w
     assert max(float(np.abs(hosted_run["weights"][k] - worker_run["weights"][k]).max())
                for k in hosted_run["weights"]) < 1e-6
     assert hosted_run["reference"] == worker_run["reference"]  # the EMA reference got each broadcast
+    assert hosted_run["tokens"] == worker_run["tokens"]  # generator rank 1 after 3 steps: the same tokens
+    assert len({tuple(t) for t in hosted_run["tokens"]}) > 1
 
 
 def test_rollouts_carry_the_synced_version_and_a_sync_with_no_receivers_moves_nothing(cluster, hosted_run):
     version = hosted_run["state"].policy_version
     rollouts = gather([call(cluster.generators, 1, "generate", _items()[:1], GEN)], 300)[0]
     assert len(rollouts) == 4 and {r.policy_version for r in rollouts} == {version} and version == 3
-    policy = gather(fan_out(cluster.trainers, "weight_checksums"), 300)[0]
-    assert gather(fan_out(cluster.generators, "weight_checksums"), 300) == [policy, policy]
     # without the tracking reference worker there is no one to send to: no group, no broadcast
     alone = join_weight_sync(cluster._replace(reference=None, reference_tracks_policy=False))
     assert alone.sync_address.world_size == 1
@@ -109,34 +112,40 @@ def test_rollouts_carry_the_synced_version_and_a_sync_with_no_receivers_moves_no
     rollouts = gather([call(cluster.generators, 0, "generate", _items()[:1], GEN)], 300)[0]
     assert {r.policy_version for r in rollouts} == {version + 4}
     sync_weights(cluster, version, move_reference=False)  # back as it was, for the next test
-    assert gather(fan_out(cluster.trainers, "weight_checksums"), 300)[0] == policy
 
 
 def test_a_checkpoint_load_restamps_the_version(cluster, hosted_run, tmp_path):
     state = hosted_run["state"]
     path = str(tmp_path / "ckpt")
     save_cluster_checkpoint(cluster, path, state)
+    saved = gather([call(cluster.generators, 0, "weight_checksums")], 300)[0]
     later = _train(cluster, steps=state.iteration + 1, start=state)
     assert later.policy_version == state.policy_version + 1
+    assert gather([call(cluster.generators, 0, "weight_checksums")], 300)[0] != saved  # it generated from new weights
     assert load_cluster_checkpoint(cluster, path).policy_version == state.policy_version
+    assert gather([call(cluster.generators, 0, "weight_checksums")], 300)[0] == saved  # and from the loaded ones
     rollouts = gather([call(cluster.generators, 0, "generate", _items()[:1], GEN)], 300)[0]
     assert {r.policy_version for r in rollouts} == {state.policy_version}
 
 
-def test_a_failure_names_the_trainer_and_is_not_replaced():
-    class Method:
-        def __init__(self, name):
-            self.name = name
+def test_a_failure_names_the_trainer_and_is_not_replaced(cluster, hosted_run):
+    with pytest.raises(ActorFailure, match=r"trainer 1 failed in generator.logprobs") as e:
+        gather([call(cluster.generators, 1, "logprobs", ["not a rollout"], T)], 300)
+    assert e.value.role == "trainer" and not e.value.replaceable
+    backend = RayBackend(cluster)
+    dead = ActorFailure("trainer 1 died during generator.generate", "trainer", 1, died=True)
+    with pytest.raises(ActorFailure, match="trainer 1 died"):
+        backend.recover(dead, since=0)  # re-raised: nothing replaced
+    assert backend.cluster is cluster and backend.restarts == 0
+    with pytest.raises(ActorFailure, match="a hosted generator has no method 'broadcast_probe'"):
+        gather([call(cluster.generators, 0, "broadcast_probe", 4)], 300)
 
-        def remote(self, *args):
-            return self.name
 
-    class Actor:
-        generator_generate = Method("generator_generate")
-
-    group = WorkerGroup("trainer", (Actor(),), method_prefix="generator_")
-    assert call(group, 0, "generate") == ("generator_generate", "trainer", 0, "generator_generate")
-    assert not ActorFailure("trainer 0 died during generator_generate", "trainer", 0, died=True).replaceable
+def test_generating_counts_as_the_trainer_being_busy(cluster, hosted_run):
+    gather(fan_out(cluster.trainers, "busy") + fan_out(cluster.generators, "busy"), 300)  # both clocks at 0
+    gather([call(cluster.generators, 0, "generate", _items()[:4], GEN)], 300)
+    trainer, generator = gather([call(cluster.trainers, 0, "busy"), call(cluster.generators, 0, "busy")], 300)
+    assert generator > 0 and trainer == generator  # one process: busy while it generates
 
 
 @pytest.mark.parametrize("change, message", [
