@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-IMPORTED_AT = time.time()  # the process start when psutil is absent (cluster.job.process_start_time)
+IMPORTED_AT = time.time()  # the process start where /proc is absent (cluster.job.process_start_time)
 
 from cluster.config import JOBS, ConfigError, dump_config, load_job_config, parse_overrides  # noqa: E402
 

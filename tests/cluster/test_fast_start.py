@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from cluster.job import startup_figures
 from cluster.setup import stage_seconds
@@ -126,3 +127,16 @@ def test_a_reward_worker_scores_plain_python_rewards_without_importing_torch():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert next(x for x in proc.stdout.splitlines() if x.startswith("SCORED")) == "SCORED [1.0, 0.0] False"
+
+
+def test_the_process_start_is_read_to_a_clock_tick():
+    """startup_s counts from the process's start: read from /proc against the boot-time clock, it
+    falls between the parent's spawn and the child's first line (psutil's create_time, whose boot
+    time is in whole seconds, was up to 1 s early)."""
+    spawned = time.time()
+    proc = subprocess.run([sys.executable, "-c", "import time; first = time.time(); "
+                           "from cluster.job import process_start_time; print(first, process_start_time())"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, start = map(float, proc.stdout.split())
+    assert spawned - 0.02 <= start <= first  # a clock tick (10 ms) of rounding, and some slack
