@@ -17,6 +17,10 @@ model's dtype, not partitioned by ZeRO) and scores its own shard of each batch t
 without reference logprobs, once per mini-batch, before the first update; when KL goes in
 the reward the driver asks it for the rollouts' reference logprobs first, as it would a
 reference worker.
+
+With ``host_generator=True`` (``cluster.generate_on_trainers``, ZeRO-1/2) every rank also hosts a
+``GeneratorWorker`` that generates with this rank's module (in eval mode while it does); the
+driver reaches it through ``generator(method, *args)``, and a weight sync only stamps its version.
 """
 from __future__ import annotations
 
