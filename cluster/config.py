@@ -25,6 +25,11 @@ from primitives.types import ModelConfig
 Scalar = Union[bool, int, float, str]  # a value of a config dict (task or reward arguments)
 
 
+# said by the config check (cluster.job) and by a trainer rank built with ZeRO-3 from Python
+GENERATE_ON_ZERO3 = ("cluster.generate_on_trainers needs cluster.zero_stage 1 or 2: under ZeRO-3 a rank holds only a "
+                     "shard of the weights it would generate with")
+
+
 class ClusterConfig(NamedTuple):
     generators: int = 2  # generator workers (scaled independently of the trainers)
     trainers: int = 2  # trainer ranks (one DeepSpeed ZeRO data-parallel group)

@@ -17,7 +17,15 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from cluster.config import RLJob, SFTJob, dump_config, record_to_dict, resolve_output_dir, resume_errors
+from cluster.config import (
+    GENERATE_ON_ZERO3,
+    RLJob,
+    SFTJob,
+    dump_config,
+    record_to_dict,
+    resolve_output_dir,
+    resume_errors,
+)
 from primitives.data import (
     EvalData,
     FieldMap,
@@ -95,9 +103,7 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
             (cluster.generator_backend in ("auto", "hf", "vllm"),
              f"cluster.generator_backend must be auto, hf or vllm, got {cluster.generator_backend}"),
             (cluster.sync_bucket_mb > 0, "cluster.sync_bucket_mb must be positive"),
-            (not cluster.generate_on_trainers or cluster.zero_stage != 3,
-             "cluster.generate_on_trainers needs cluster.zero_stage 1 or 2: under ZeRO-3 a rank holds only a "
-             "shard of the weights it would generate with"),
+            (not cluster.generate_on_trainers or cluster.zero_stage != 3, GENERATE_ON_ZERO3),
             (not cluster.generate_on_trainers or cluster.generator_backend != "vllm",
              "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
              "vllm needs generator workers of its own"),

@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from cluster.config import GENERATE_ON_ZERO3
 from cluster.weight_sync import DTYPES as DTYPES_BY_NAME
 from cluster.weight_sync import (
     SyncAddress,
@@ -84,8 +85,7 @@ class TrainerWorker:
                  seed: int = 0, num_threads: int = 1, reference: bool = False,
                  ref_update_fn: Optional[Callable] = None, host_generator: bool = False):
         if host_generator and config.zero_stage == 3:
-            raise ValueError(f"{self.role} {rank}: cluster.generate_on_trainers needs ZeRO-1 or 2: under ZeRO-3 a "
-                             "rank holds only a shard of the weights it would generate with")
+            raise ValueError(f"{self.role} {rank}: {GENERATE_ON_ZERO3}")
         self.ds = DeepSpeedRank(model, rank, world_size, config, seed, num_threads, role=self.role)
         self.rank, self.world_size, self.config, self.seed = rank, world_size, config, seed
         self.with_reference, self.ref_update_fn, self.host_generator = reference, ref_update_fn, host_generator

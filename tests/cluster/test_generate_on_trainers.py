@@ -159,3 +159,13 @@ def test_what_cannot_work_with_generation_on_the_trainers_is_a_named_error(chang
     assert any(message in e for e in rl_errors(job)), rl_errors(job)
     assert not rl_errors(RLJob(data=DataConfig(task="arithmetic"),
                                cluster=ClusterConfig(generate_on_trainers=True, generators=0)))
+
+
+def test_a_trainer_built_from_python_refuses_to_host_a_generator_under_zero3(tiny_model_path):
+    from cluster.config import GENERATE_ON_ZERO3
+    from rl_actors.trainer import TrainerWorker
+
+    with pytest.raises(ValueError, match="trainer 0: cluster.generate_on_trainers needs cluster.zero_stage 1 or 2"):
+        TrainerWorker(tiny_model_path, 0, 1, TrainerConfig(zero_stage=3), host_generator=True)
+    job = RLJob(data=DataConfig(task="arithmetic"), cluster=ClusterConfig(generate_on_trainers=True, zero_stage=3))
+    assert GENERATE_ON_ZERO3 in rl_errors(job)  # the same words before Ray starts
