@@ -96,6 +96,8 @@ def test_the_job_summary_reports_startup_seconds_by_stage(tmp_path):
     summary = run(["rl", os.path.join(ROOT, "examples", "configs", "default.yaml"), "--sft.steps", "0",
                    "--algorithm.steps", "1", "--algorithm.prompts-per-step", "4", "--eval.enabled", "False",
                    "--cluster.trainers", "1", "--logging.out", str(tmp_path)])
+    # the default job generates on its trainer ranks: 1 rank, 1 generator, whatever cluster.generators says
+    assert (summary["generation"], summary["generators"], summary["trainer_ranks"]) == ("trainers", 1, 1)
     stages = summary["startup"]
     assert list(stages) == ["driver_start", "prepare", "ray_init", "actors_created", "actors_loaded",
                             "trainer_setup", "weight_sync", "before_rl", "first_step"]
