@@ -28,6 +28,7 @@ class LossCounts(NamedTuple):
     num_tokens: int  # loss tokens in the whole step
     num_sequences: int  # sequences in the whole step
     max_len: int = 0  # seq-mean-token-sum-norm's constant: the generation budget (tokens)
+    num_rows: int = 0  # rows in the whole step, before sharding (every rank pads to the largest shard's passes)
 
 
 # Aggregations: ``(loss (B, T), mask (B, T), counts) -> scalar``; the algorithm record holds one.

@@ -24,7 +24,7 @@ def step_counts(batch: Batch) -> LossCounts:
     """Global denominators of one optimizer update's (whole, unsharded) batch. The length
     normaliser is the generation budget the batch carries, not its padded width."""
     return LossCounts(num_tokens=batch.num_loss_tokens, num_sequences=batch.num_loss_sequences,
-                      max_len=batch.budget)
+                      max_len=batch.budget, num_rows=batch.size)
 
 
 def _default_backward(loss: torch.Tensor) -> None:

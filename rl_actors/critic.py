@@ -22,7 +22,6 @@ Per PPO step the driver:
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Optional, Sequence
 
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 
 from primitives.algorithms import AlgorithmConfig
-from primitives.training import minibatches, updates_of
+from primitives.training import updates_of
 from primitives.types import Batch, ModelConfig
 from primitives.value import (
     rollout_values,
@@ -40,7 +39,7 @@ from primitives.value import (
     value_model_from_reward_model,
 )
 from rl_actors.common import check_model_path
-from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, micro_batch_count, rendezvous_endpoint
+from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, micro_batch_count, passes, rendezvous_endpoint
 
 
 def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:
@@ -115,16 +114,13 @@ class CriticWorker:
         the results in rank order with ``concat_value_shares``.
 
         Under ZeRO-3 each forward gathers parameters collectively, so a rank with fewer
-        micro-batches than the largest share (or no rollouts at all) runs discarded forwards
-        until every rank has made the same number."""
+        micro-batches than the largest share (or no rollouts at all) pads with discarded
+        forwards until every rank has made the same number (``DeepSpeedRank.pad_forwards``)."""
+        mbs = self.config.micro_batch_size
         mine = np.array_split(np.arange(len(rollouts)), self.world_size)[self.rank]
         share = [rollouts[i] for i in mine]
         out = self.values(share) if share else []
-        if self.config.zero_stage == 3 and rollouts:
-            step = self.config.micro_batch_size or math.ceil(len(rollouts) / self.world_size)
-            most = math.ceil(math.ceil(len(rollouts) / self.world_size) / step)
-            for _ in range(most - micro_batch_count(len(share), step)):
-                self.values(rollouts[:1])
+        self.ds.pad_forwards(micro_batch_count(len(share), mbs), passes(len(rollouts), self.world_size, mbs))
         return out
 
     # --------------------------------------------------------------- training
@@ -138,7 +134,6 @@ class CriticWorker:
         if batch.values is None or batch.returns is None:
             raise ValueError(f"critic {self.rank}: value_step needs batch.values and batch.returns (build the batch "
                              f"with make_batch(..., values=...) and an algorithm whose advantage_fn is GAE)")
-        self._check_zero3_shards(batch, algo)
 
         def prepare(part: Batch, fix_old: bool) -> Batch:
             return part.shard(self.rank, self.world_size)  # the clip's anchor is batch.values: nothing to fix
@@ -146,28 +141,15 @@ class CriticWorker:
         return [self._update(shard, counts, algo.value_clip, lr)
                 for shard, counts in updates_of(batch, algo, prepare)]
 
-    def _check_zero3_shards(self, batch: Batch, algo: AlgorithmConfig) -> None:
-        """Under ZeRO-3 every forward is collective: every rank must make the same number of
-        micro-batch forwards in each update (the same answer on every rank)."""
-        if self.config.zero_stage != 3:
-            return
-        mb = self.config.micro_batch_size
-        for part in minibatches(batch, algo):
-            counts = [micro_batch_count(part.shard(r, self.world_size).size, mb) for r in range(self.world_size)]
-            if min(counts) == 0 or len(set(counts)) > 1:
-                raise ValueError(f"critic {self.rank}: a mini-batch of {part.size} rows over {self.world_size} ranks "
-                                 f"gives them {counts} micro-batches of up to {mb} rows; under ZeRO-3 every rank "
-                                 f"must make the same number of forwards - choose rows per mini-batch and "
-                                 f"micro_batch_size so that the shards split evenly")
-
     def _update(self, shard: Batch, counts, clip: float, lr: Optional[float]) -> dict:
-        """One optimizer update on this rank's shard; the loss is divided by global counts."""
+        """One optimizer update on this rank's shard; the loss is divided by global counts. Every
+        rank makes the largest shard's number of backward passes (``DeepSpeedRank.update``)."""
         def run() -> dict:
             return value_forward_backward(self.ds.engine, shard, counts, clip, self.config.micro_batch_size,
                                           backward=self.ds.backward, loss_scale=float(self.world_size))
 
-        return self.ds.update(micro_batch_count(shard.size, self.config.micro_batch_size), run if shard.size else None,
-                              lr)
+        return self.ds.update(passes(counts.num_rows, self.world_size, self.config.micro_batch_size),
+                              run if shard.size else None, lr)
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> str:

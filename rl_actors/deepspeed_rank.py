@@ -11,12 +11,19 @@ two share.
   critics) is its own set of processes with its own default process group, so the two
   never share collectives.
 * **One reduction per update.** An update may hold any number of micro-batches:
-  ``start_update(n)`` says how many backward passes it makes, and before each ``backward``
-  the rank tells DeepSpeed whether it is the last one (``set_gradient_accumulation_boundary``),
-  so gradients reduce once, then ``finish_step`` steps. A rank without rows joins the
-  reduction with a zero loss (``empty_backward``). DeepSpeed averages gradients over ranks,
-  so the caller multiplies its loss (already divided by the step's *global* counts) by the
-  world size.
+  ``update(passes, run, lr)`` says how many backward passes it makes, and before each
+  ``backward`` the rank tells DeepSpeed whether it is the last one
+  (``set_gradient_accumulation_boundary``), so gradients reduce once, then ``finish_step``
+  steps. DeepSpeed averages gradients over ranks, so the caller multiplies its loss (already
+  divided by the step's *global* counts) by the world size.
+* **The same passes on every rank.** Shards differ by a row (or a pair) whenever the rows do
+  not split evenly, so ranks would make different numbers of micro-batches. ZeRO-2 reduces
+  gradients at every backward and ZeRO-3 gathers parameters at every forward: the
+  collectives stop matching (gloo aborts with a collective mismatch, NCCL hangs). Every rank
+  therefore makes the largest shard's count (``passes``); a rank with fewer rows (or none)
+  makes the rest as padding passes, a one-token forward whose loss is multiplied by zero
+  (``padding_backward``), and under ZeRO-3 forward-only work is padded the same way
+  (``pad_forwards``).
 * **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and its RNG
   state into one temporary directory that rank 0 moves into the checkpoint in a single
   rename (``primitives.checkpoint.atomic_directory``); nothing is ever half-written.
@@ -41,6 +48,18 @@ def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
     if unit == 2 and step % 2:
         step += 1
     return -(-rows // step) if rows else 0
+
+
+def largest_shard(rows: int, world_size: int, unit: int = 1) -> int:
+    """Rows of the largest of ``world_size`` shards of ``rows`` rows split in whole ``unit``s
+    (``Batch.shard``, ``np.array_split``: shares differ by at most one unit)."""
+    return -(-(rows // unit) // world_size) * unit
+
+
+def passes(rows: int, world_size: int, micro_batch_size: int, unit: int = 1) -> int:
+    """Micro-batch passes every rank makes when ``rows`` rows are sharded over ``world_size``
+    ranks: the largest shard's count, so that collectives match on every rank."""
+    return micro_batch_count(largest_shard(rows, world_size, unit), micro_batch_size, unit)
 
 
 class TrainerConfig(NamedTuple):
@@ -164,31 +183,46 @@ class DeepSpeedRank:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
-    def start_update(self, micro_batches: int) -> None:
-        """The next update makes ``micro_batches`` backward passes (at least one: a rank
-        without rows makes ``empty_backward``)."""
-        self._backwards_left = max(1, micro_batches)
-
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward; the gradients reduce over ranks after the update's last."""
         self._backwards_left -= 1
         self.engine.set_gradient_accumulation_boundary(self._backwards_left <= 0)
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def empty_backward(self) -> None:
-        """A rank with no rows this step still joins the gradient reduction, with zeros."""
-        self.backward(sum(p.sum() * 0.0 for p in self.module.parameters()))
+    def _padding_input(self) -> dict:
+        """One token (id 0, attended): the cheapest input every model here takes."""
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        return {"input_ids": one, "attention_mask": torch.ones_like(one)}
 
-    def update(self, micro_batches: int, run: Optional[Callable[[], dict]], lr: Optional[float]) -> dict:
-        """One optimizer update: ``run()`` makes this rank's ``micro_batches`` backward passes
-        through ``backward`` and returns their metrics; ``run`` None (a rank without rows) joins
-        the gradient reduction with zeros. Then the engine steps (``finish_step``)."""
-        self.start_update(micro_batches)
-        if run is None:
-            self.empty_backward()
-            metrics = {}
-        else:
-            metrics = run()
+    def padding_backward(self) -> None:
+        """A backward pass that adds nothing: a one-token forward through the engine (so ZeRO-3
+        gathers and counts it like a real micro-batch) and its output times zero, which reaches
+        every parameter, so the gradient reduction runs as after a real micro-batch."""
+        out = self.engine(**self._padding_input())
+        self.backward(getattr(out, "logits", out).float().sum() * 0.0)
+
+    @torch.no_grad()
+    def pad_forwards(self, made: int, passes: int) -> None:
+        """Under ZeRO-3 every forward gathers parameters collectively: after ``made`` forwards
+        of forward-only work (old or reference logprobs, values, an eval loss), make discarded
+        one-token forwards up to ``passes``, the count of the rank with the most rows. ZeRO-1/2
+        forwards are local: nothing to pad."""
+        if self.config.zero_stage == 3:
+            for _ in range(passes - made):
+                self.module(**self._padding_input())
+
+    def update(self, passes: int, run: Optional[Callable[[], dict]], lr: Optional[float]) -> dict:
+        """One optimizer update of ``passes`` backward passes, the same count on every rank (at
+        least one): ``run()`` makes this rank's micro-batches through ``backward`` and returns
+        their metrics, then padding passes (``padding_backward``) make up the count; ``run``
+        None is a rank without rows. Then the engine steps (``finish_step``)."""
+        self._backwards_left = max(1, passes)
+        metrics = run() if run is not None else {}
+        if self._backwards_left < 0:
+            raise RuntimeError(f"{self.role} {self.rank}: made {max(1, passes) - self._backwards_left} backward "
+                               f"passes in an update of {max(1, passes)}")
+        while self._backwards_left > 0:
+            self.padding_backward()
         return self.finish_step(metrics, lr)
 
     def finish_step(self, metrics: dict, lr: Optional[float]) -> dict:

@@ -47,7 +47,6 @@ from primitives.algorithms import AlgorithmConfig
 from primitives.logprobs import rollout_logprobs
 from primitives.training import (
     forward_backward,
-    minibatches,
     pair_unit,
     sft_eval_loss,
     sft_forward_backward,
@@ -61,7 +60,9 @@ from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
     deepspeed_config,
+    largest_shard,
     micro_batch_count,
+    passes,
     rendezvous_endpoint,
 )
 from rl_actors.generator import GeneratorWorker
@@ -134,18 +135,18 @@ class TrainerWorker:
         is the sampling temperature the rollouts were drawn at. Returns one metric dict per
         update, this rank's shares (``primitives.metrics.merge_rank_updates`` adds the ranks)."""
         unit = pair_unit(algo)
-        smallest = min(part.size for part in minibatches(batch, algo))
-        if self.config.zero_stage == 3 and smallest < self.world_size * unit:  # the same answer on every rank
-            raise ValueError(f"trainer {self.rank}: a mini-batch of {smallest} rows leaves some of the "
-                             f"{self.world_size} ranks none; under ZeRO-3 every rank must run a forward - use at "
-                             f"least {self.world_size * unit} rows per mini-batch")
+        mbs = self.config.micro_batch_size
 
         def prepare(part: Batch, fix_old: bool) -> Batch:
             shard = part.shard(self.rank, self.world_size, unit)
-            if shard.ref_logprobs is None and self.reference is not None:
-                shard = self.reference.score_batch(shard, temperature, self.config.micro_batch_size)
-            return with_old_logprobs(self.module, shard, temperature, self.config.micro_batch_size) if fix_old \
-                else shard
+            if shard.ref_logprobs is None and self.reference is not None:  # a copy of its own: no collective
+                shard = self.reference.score_batch(shard, temperature, mbs)
+            if not fix_old:
+                return shard
+            shard = with_old_logprobs(self.module, shard, temperature, mbs)  # micro-batches of mbs rows, pairs or not
+            self.ds.pad_forwards(micro_batch_count(shard.size, mbs),
+                                 micro_batch_count(largest_shard(part.size, self.world_size, unit), mbs))
+            return shard
 
         with self.clock.working():
             return [self._update(shard, counts, algo, temperature, lr)
@@ -156,7 +157,8 @@ class TrainerWorker:
         return self.clock.read()
 
     def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
-        """One optimizer update on this rank's shard; the loss is divided by global counts."""
+        """One optimizer update on this rank's shard; the loss is divided by global counts. Every
+        rank makes the largest shard's number of backward passes (``DeepSpeedRank.update``)."""
         unit = pair_unit(algo)
 
         def run() -> dict:
@@ -164,7 +166,7 @@ class TrainerWorker:
                                     backward=self.ds.backward, loss_scale=float(self.world_size),
                                     where=f"{self.role} {self.rank}")
 
-        return self.ds.update(micro_batch_count(shard.size, self.config.micro_batch_size, unit),
+        return self.ds.update(passes(counts.num_rows, self.world_size, self.config.micro_batch_size, unit),
                               run if shard.size else None, lr)
 
     def sft_step(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
@@ -178,21 +180,22 @@ class TrainerWorker:
                                         num_tokens, self.config.micro_batch_size, backward=self.ds.backward,
                                         loss_scale=float(self.world_size))
 
-        return self.ds.update(micro_batch_count(len(rows), self.config.micro_batch_size),
+        return self.ds.update(passes(len(input_ids), self.world_size, self.config.micro_batch_size),
                               run if len(rows) else None, lr)
 
     def pad_token_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
 
     def sft_eval(self, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> dict:
-        """This rank's share of the held-out SFT loss (no update). A rank without rows still runs
-        one forward, discarded, so that ZeRO-3's parameter gathers see every rank."""
+        """This rank's share of the held-out SFT loss (no update). Under ZeRO-3 a rank with fewer
+        rows (or none) pads its forwards to the largest share's count (``DeepSpeedRank.pad_forwards``)."""
         num_tokens = int(loss_mask[:, 1:].sum())
+        mbs = self.config.micro_batch_size
         rows = np.array_split(np.arange(len(input_ids)), self.world_size)[self.rank]
-        part = rows if len(rows) else np.arange(1)
-        metrics = sft_eval_loss(self.ds.engine, input_ids[part], attention_mask[part], loss_mask[part], num_tokens,
-                                self.config.micro_batch_size)
-        return metrics if len(rows) else {}
+        metrics = sft_eval_loss(self.ds.engine, input_ids[rows], attention_mask[rows], loss_mask[rows], num_tokens,
+                                mbs) if len(rows) else {}
+        self.ds.pad_forwards(micro_batch_count(len(rows), mbs), passes(len(input_ids), self.world_size, mbs))
+        return metrics
 
     # --------------------------------------------------------------- weights
     def weight_meta(self) -> list:

@@ -180,8 +180,8 @@ def test_save_then_load_resumes_exactly(ray_local, tiny_model_path, tmp_path, st
 
 def test_bad_batches_are_refused_before_any_collective(ray_local, tiny_model_path):
     """Checked before the engine is touched (no setup needed): a batch without values or
-    returns, and under ZeRO-3 shards whose micro-batch counts differ (13 rows over 2 ranks
-    in micro-batches of 3: 2 and 3 forwards, which would hang the parameter gathers)."""
+    returns, and a critic initialised from something that is not a directory. (Uneven shards
+    are not refused: every rank pads to the same passes, tests/rl_actors/test_uneven_shards.py.)"""
     algo = ppo(kl_coef=0.0)
     batch = _batch(tiny_model_path, algo)[2]
     remote = ray_local.remote(num_cpus=1)(CriticWorker)
@@ -189,8 +189,6 @@ def test_bad_batches_are_refused_before_any_collective(ray_local, tiny_model_pat
     try:
         with pytest.raises(ValueError, match="needs batch.values and batch.returns"):
             ray_local.get(actor.value_step.remote(batch._replace(returns=None), algo), timeout=120)
-        with pytest.raises(ValueError, match=r"\[2, 3\] micro-batches"):
-            ray_local.get(actor.value_step.remote(batch.select(range(13)), algo), timeout=120)
     finally:
         ray_local.kill(actor)
     with pytest.raises(FileNotFoundError, match="init must be 'policy' or a reward model directory"):
