@@ -94,6 +94,8 @@ def _one_process(path, batch, algo, sft):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     rl = train_on_batch(model, opt, batch, algo, TEMPERATURE, max_grad_norm=1.0, micro_batch_size=MICRO)
+    if sft is None:
+        return rl, None, None, None
     input_ids, attention, loss_mask = sft
     num_tokens = int(loss_mask[:, 1:].sum())
     sft_metrics = sft_forward_backward(model, input_ids, attention, loss_mask, num_tokens, MICRO)
@@ -187,3 +189,21 @@ def test_three_online_dpo_pairs_on_two_ranks_stay_whole(ray_local, tiny_model_pa
         assert got[key] == pytest.approx(ref[key], abs=1e-6), key
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert _max_diff(state, weights) < 2e-5
+
+
+def test_a_zero3_rank_without_rows_pads_its_passes(ray_local, tiny_model_path):
+    """2 rows on 3 ZeRO-3 ranks with 2 PPO epochs: one rank has no rows, yet joins every
+    parameter gather (old-logprob forward and both updates) with padding passes; the result is
+    the one process's."""
+    batch, algo, _ = _rl_batch(tiny_model_path)
+    batch = batch.select(range(2))
+    rl_ref = _one_process(tiny_model_path, batch, algo, None)[0]
+    actors = _group(ray_local, TrainerWorker, tiny_model_path, 3, world=3)
+    try:
+        updates = merge_rank_updates(_all(ray_local, actors, "train_step", batch, algo, TEMPERATURE))[1]
+    finally:
+        _kill(ray_local, actors)
+    assert len(updates) == len(rl_ref) == 2
+    for got, expected in zip(updates, rl_ref):
+        assert got["loss/policy"] == pytest.approx(expected["loss/policy"], abs=2e-6)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
