@@ -59,12 +59,18 @@ def describe_model(model) -> dict:
 
 
 def actor_info(role: str, rank: int) -> dict:
-    """Where this actor runs (for placement tests and error messages)."""
-    import ray
-
-    ctx = ray.get_runtime_context()
-    return {"role": role, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "node_id": ctx.get_node_id(), "gpus": ray.get_gpu_ids()}
+    """Where this actor runs (for placement tests and error messages): the Ray node and GPUs
+    inside a Ray worker; only the process and host when an actor class is driven directly
+    (``benchmarks/gpu_check.py``: no Ray is started, nor need it be installed)."""
+    info = {"role": role, "rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+    try:
+        import ray
+    except ImportError:
+        return info
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        info.update(node_id=ctx.get_node_id(), gpus=ray.get_gpu_ids())
+    return info
 
 
 def gpu_visible() -> bool:
