@@ -15,6 +15,7 @@ import torch
 from primitives.generation import left_pad, position_ids_from_mask
 from primitives.packing import (
     PackPlan,
+    keeps_by_mask,
     padding_share,
     plan_for,
     scatter_completions,
@@ -146,8 +147,13 @@ def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_ent
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     module = getattr(model, "module", model)
     mask = tree_masks(plan, model, device) if plan.shared else None
+    by_mask = keeps_by_mask()
+    columns = np.flatnonzero(plan.keep.any(0))  # without a mask: the positions some row keeps, in every row
     logits = model(input_ids=as_tensor(plan.input_ids), position_ids=as_tensor(plan.position_ids),
-                   attention_mask=mask, use_cache=False, logits_to_keep=as_tensor(plan.keep)).logits
+                   attention_mask=mask, use_cache=False,
+                   logits_to_keep=as_tensor(plan.keep if by_mask else columns)).logits
+    if not by_mask:  # (R, U, V) -> the K kept, row-major like the mask's own order
+        logits = logits[as_tensor(plan.keep[:, columns])]
     kept = int(plan.keep.sum())
     if logits.shape[:-1] != (kept,):
         raise ValueError(f"{type(module).__name__} returned logits of shape {tuple(logits.shape)} for a boolean "

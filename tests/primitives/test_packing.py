@@ -337,3 +337,24 @@ def test_auto_choice_follows_the_padding_share(tiny_model, monkeypatch):
     assert not lp.use_packing(tiny_model, ids, mask, P, share_prompts=False)
     monkeypatch.setattr(lp, "PACK_MIN_SHARE", share + 1e-3)
     assert not lp.use_packing(tiny_model, ids, mask, P)
+
+
+@pytest.mark.parametrize("prompts", ["distinct", "shared"])
+def test_packed_logits_by_columns_equal_padded(model, prompts, monkeypatch):
+    """A transformers without the boolean ``logits_to_keep`` (5.19, which vLLM's CPU build pins)
+    keeps the columns some packed row keeps, and the K kept logits are picked from those: the
+    same logprobs, entropies and gradients as the padded forward."""
+    monkeypatch.setattr(lp, "keeps_by_mask", lambda: False)
+    ids, mask, P, T = _inputs(_rollouts(_vocab(model), seed=2, prompts=prompts))
+    real = mask[:, P:] > 0
+    (logp, ent), (logp_ref, ent_ref) = _both(model, ids, mask, P)
+    assert _max_diff(logp, logp_ref, real) <= ATOL and _max_diff(ent, ent_ref, real) <= ATOL
+    model.zero_grad(set_to_none=True)
+    (logp * real).sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (logp_ref * real).sum().backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert float((packed[n] - p.grad).abs().max()) <= ATOL, n
+    model.zero_grad(set_to_none=True)

@@ -394,7 +394,7 @@ def test_overlong_rows_are_masked_not_dropped_and_dapo_sizes_from_the_budget():
     expected = centred / (np.sqrt((centred ** 2).sum() / 2) + 1e-6)
     assert batch.advantages[:, 0].tolist() == pytest.approx([expected[0], 0.0, expected[2]], abs=1e-5)
     assert batch.loss_mask.sum(1).tolist() == [9.0, 0.0, 8.0]
-    assert step_counts(batch) == LossCounts(num_tokens=17, num_sequences=2, max_len=10)
+    assert step_counts(batch) == LossCounts(num_tokens=17, num_sequences=2, max_len=10, num_rows=3)
     with pytest.raises(ValueError, match="generation budget"):
         make_batch(rs, algos.dapo(), pad_id=0)
     # length counts policy tokens: 12 tokens of which 4 are tool output = 8 policy tokens, no penalty
