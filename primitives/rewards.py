@@ -110,15 +110,21 @@ def min_threshold_aggregator(threshold: float = 0.5) -> Callable:
 
 
 def lexicographic_aggregator(thresholds: Sequence[float], weights: Optional[Sequence[float]] = None) -> Callable:
-    """Components in priority order; a component counts only once every earlier one meets
-    its threshold. Components must lie in [0, 1].
+    """Components in priority order; a component counts only once every earlier one meets its
+    threshold (``x >= t``). Components must lie in [0, 1].
 
-    Returns ``k + v_k`` where k earlier components passed and v_k is the first failing one
-    (or ``K - 1 + weighted mean`` when all pass), so any gain on a higher priority beats
-    every gain on a lower one.
+    Returns ``k + v_k / t_k`` where the first k components meet their thresholds and ``v_k`` is
+    the first that does not (its progress towards ``t_k``, in [0, 1)); when all K meet theirs,
+    ``K + the weighted mean of all components``. Meeting one more threshold is therefore worth
+    more than any progress below it, and raising a component never lowers the score (the score
+    moves to the next integer band exactly when the component reaches its threshold).
     """
-    th = list(thresholds)
+    th = np.asarray(thresholds, dtype=np.float64)
     w = np.asarray(weights if weights is not None else [1.0] * len(th), dtype=np.float64)
+    if ((th < 0) | (th > 1)).any():
+        raise ValueError(f"lexicographic_aggregator needs thresholds in [0, 1], got {th.tolist()}")
+    if len(w) != len(th) or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"lexicographic_aggregator needs {len(th)} weights >= 0, not all 0, got {w.tolist()}")
 
     def aggregate(vector) -> float:
         v = np.asarray(vector, dtype=np.float64)
@@ -127,9 +133,9 @@ def lexicographic_aggregator(thresholds: Sequence[float], weights: Optional[Sequ
         if ((v < 0) | (v > 1)).any():
             raise ValueError(f"lexicographic_aggregator needs components in [0, 1], got {v.tolist()}")
         for k, (x, t) in enumerate(zip(v, th)):
-            if x < t:
-                return float(k + x)
-        return float(len(th) - 1 + (v @ w) / w.sum())
+            if x < t:  # t > x >= 0
+                return float(k + x / t)
+        return float(len(th) + (v @ w) / w.sum())
 
     return aggregate
 

@@ -1,4 +1,5 @@
 """Rewards: builders, aggregators, shaping, scoring errors, reward model, HTTP reward."""
+import itertools
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -6,6 +7,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from primitives import rewards as R
 from primitives.tools import ToolResult
@@ -25,12 +28,48 @@ def test_aggregators_hand_values():
     assert R.min_threshold_aggregator(0.5)([0.6, 0.9]) == pytest.approx(0.54)
     assert R.min_threshold_aggregator(0.5)([0.4, 0.9]) == 0.0
     lex = R.lexicographic_aggregator([0.9, 0.7])
-    assert lex([0.5, 1.0]) == pytest.approx(0.5)  # first priority fails: its value only
-    assert lex([0.95, 0.6]) == pytest.approx(1.6)  # first passes, second fails
-    assert lex([0.95, 0.8]) == pytest.approx(1.875)  # all pass: 1 + mean
+    assert lex([0.45, 1.0]) == pytest.approx(0.5)  # first priority fails: its progress 0.45 / 0.9 only
+    assert lex([0.95, 0.56]) == pytest.approx(1.8)  # first passes, second fails: 1 + 0.56 / 0.7
+    assert lex([0.95, 0.8]) == pytest.approx(2.875)  # all pass: 2 + mean
     assert lex([0.89, 1.0]) < lex([0.9, 0.0])  # any gain on priority 1 beats all of priority 2
     with pytest.raises(ValueError, match="components"):
         R.weighted_sum_aggregator([1.0])([1.0, 2.0])
+
+
+def test_lexicographic_meeting_a_threshold_never_lowers_the_score():
+    """Thresholds (0.5, 0.9): (0.5, 0.89) scores 1 + 0.89 / 0.9 and (0.5, 0.90) meets both,
+    2 + mean 0.7, higher; a component exactly on its threshold meets it."""
+    lex = R.lexicographic_aggregator([0.5, 0.9])
+    assert lex([0.5, 0.89]) == pytest.approx(1 + 0.89 / 0.9)
+    assert lex([0.5, 0.9]) == pytest.approx(2.7)
+    assert lex([0.5, 0.9]) > lex([0.5, 0.89])
+    binary = R.lexicographic_aggregator([1.0, 1.0])
+    assert [binary([1, 1]), binary([1, 0]), binary([0, 1])] == [3.0, 1.0, 0.0]
+    assert R.lexicographic_aggregator([0.0, 0.5])([0.0, 0.25]) == pytest.approx(1.5)  # threshold 0: always met
+    with pytest.raises(ValueError, match="thresholds in \\[0, 1\\]"):
+        R.lexicographic_aggregator([1.5])
+    with pytest.raises(ValueError, match="weights"):
+        R.lexicographic_aggregator([0.5, 0.5], weights=[0.0, 0.0])
+
+
+unit = st.floats(0.0, 1.0, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), k=st.integers(1, 4))
+def test_lexicographic_is_monotone_in_every_component(data, k):
+    """For any thresholds, weights and components in [0, 1]: raising one component never
+    lowers the aggregate, and meeting one more threshold beats any progress below it."""
+    thresholds = data.draw(st.lists(unit, min_size=k, max_size=k))
+    weights = data.draw(st.lists(st.floats(0.01, 10.0), min_size=k, max_size=k))
+    lex = R.lexicographic_aggregator(thresholds, weights)
+    v = data.draw(st.lists(unit, min_size=k, max_size=k))
+    i = data.draw(st.integers(0, k - 1))
+    raised = list(v)
+    raised[i] = data.draw(st.floats(v[i], 1.0))
+    assert lex(raised) >= lex(v)
+    met = sum(1 for _ in itertools.takewhile(lambda p: p[0] >= p[1], zip(v, thresholds)))
+    assert met <= lex(v) <= met + 1  # the band is the number of leading thresholds met
 
 
 def test_overlong_penalty_hand_values():
