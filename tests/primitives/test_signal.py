@@ -68,6 +68,14 @@ def test_merge_adds_shares_takes_maxima_and_keeps_global_values():
         ["max", "min", "max", "first", "sum"]
 
 
+def test_two_critic_ranks_log_the_critic_learning_rate_and_grad_norm_once():
+    """Every critic rank holds the reduced grad norm and its lr whole (like the policy's):
+    two ranks' updates merge to the one value, not twice it, while the value loss adds."""
+    rank = {"critic/value_loss": 0.5, "critic/grad_norm": 1.5, "critic/lr": 3e-4}
+    summary, _ = merge_rank_updates([[rank], [dict(rank, **{"critic/value_loss": 0.25})]])
+    assert summary == {"critic/value_loss": 0.75, "critic/grad_norm": 1.5, "critic/lr": 3e-4, "policy/updates": 1.0}
+
+
 def test_updates_are_averaged_after_ranks_are_merged():
     # two ranks, two updates: shares add within an update, updates average
     per_rank = [[{"loss/policy": 1.0, "policy/clip_frac": 0.0, "grad_norm": 3.0},

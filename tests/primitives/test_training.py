@@ -1,4 +1,6 @@
 """Batching and the training step: layout, advantages per group, micro-batch and shard equivalence."""
+import copy
+
 import pytest
 import torch
 
@@ -6,8 +8,10 @@ from primitives import algorithms as algos
 from primitives.batching import make_batch
 from primitives.data import PromptItem
 from primitives.generation import generate_rollouts
+from primitives.logprobs import completion_logprobs
 from primitives.rewards import score_rollouts
-from primitives.training import forward_backward, step_counts
+from primitives.tiny import TinyModelSpec, build_tiny_model
+from primitives.training import forward_backward, minibatches, step_counts, train_on_batch
 from primitives.types import GenerationConfig
 
 
@@ -120,3 +124,33 @@ def test_dapo_overlong_penalty_applied_in_batch(scored, tokenizer):
         n = len(r.completion_ids)
         expected = r.reward + (0.0 if n <= 2 else -(n - 2) / 4)
         assert got == pytest.approx(expected, abs=1e-6)
+
+
+def test_one_epoch_of_two_mini_batches_fixes_the_old_logprobs_first(scored, tokenizer):
+    """One PPO epoch of two mini-batches is two updates, so the second mini-batch's clip ratio
+    is against the policy before the first update, not against itself: its ratio mean is the
+    mean of exp(logp after update 1 - logp before any), computed here on its own."""
+    algo = algos.grpo(kl_coef=0.0, ppo_epochs=1, mini_batches=2, clip_eps_low=0.01, clip_eps_high=0.01)
+    batch = make_batch(scored, algo, tokenizer.pad_token_id)
+    second = minibatches(batch, algo)[1]
+
+    def logp(model):
+        with torch.no_grad():
+            return completion_logprobs(model, torch.from_numpy(second.input_ids),
+                                       torch.from_numpy(second.attention_mask), second.prompt_len)[0]
+
+    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
+                             seed=1)
+    before = logp(model)
+    replay = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    updates = train_on_batch(model, opt, batch, algo)
+    assert len(updates) == 2 and updates[0]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    # the policy the second update sees: the first update alone, replayed on a copy
+    replay_opt = torch.optim.AdamW(replay.parameters(), lr=1e-2, weight_decay=0.0)
+    train_on_batch(replay, replay_opt, minibatches(batch, algo)[0], algo._replace(mini_batches=1))
+    mask = torch.from_numpy(second.loss_mask)
+    expected = float((torch.exp(logp(replay) - before) * mask).sum() / mask.sum())
+    assert abs(expected - 1.0) > 1e-3  # the first update moved the second mini-batch's logprobs
+    assert updates[1]["policy/ratio_mean"] == pytest.approx(expected, abs=1e-5)
+    assert updates[1]["policy/approx_kl_old"] > 1e-3
