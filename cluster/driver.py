@@ -27,7 +27,7 @@ from cluster.ray_backend import (  # noqa: F401 (the cluster-level operations, u
 )
 from cluster.setup import RLCluster
 from primitives.algorithms import check_schedule, needs_values, uses_reference
-from primitives.batching import make_batch, rollout_metrics
+from primitives.batching import rollout_metrics, trainable_batch
 from primitives.data import SFTSample, collate_sft
 from primitives.evaluation import eval_metrics, sample_records, write_jsonl_atomic
 from primitives.filters import apply_filters, by_group
@@ -136,8 +136,9 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
     dispatched now when it is empty). When the algorithm's filters drop groups (DAPO's
     dynamic sampling drops groups whose rewards are all equal), the next collection in flight
     is taken, or more prompts are drawn, up to ``max_rounds`` extra rounds, until the step has
-    ``prompts_per_step`` groups. Prompts are consumed in the order drawn, so the data position
-    after the step says exactly what was trained."""
+    ``prompts_per_step`` groups; when every round's groups were dropped, the step has no
+    rollouts (``train`` skips its update). Prompts are consumed in the order drawn, so the data
+    position after the step says exactly what was trained (or dropped)."""
     queue = deque() if queue is None else queue
     with_ref, version = needs_reference(backend, algo), state.policy_version
     position, kept, times, rounds, drawn, regenerated = state.data_position, [], {}, 0, 0, 0
@@ -154,12 +155,30 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
         if not algo.filters or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
             break
         rounds += 1
-    if not kept:
-        raise RuntimeError(f"step {state.iteration}: the filters of '{algo.name}' kept no group after {rounds + 1} "
-                           "rounds (with dynamic sampling: every group had equal rewards)")
     extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds),
              "staleness/regenerated": float(regenerated), **staleness_metrics(kept, version)}
     return kept, position, {**times, **extra}
+
+
+# what a step with nothing to train logs in place of its update (no rows, no optimizer step)
+SKIPPED_UPDATE = {"batch/rows": 0.0, "batch/loss_tokens": 0.0, "policy/updates": 0.0}
+
+
+def train_and_sync(backend, batch, algo, temperature: float, lr: float, with_critic: bool, version: int, step: int,
+                   queue: deque) -> dict:
+    """One update on ``batch`` (the policy's, and the critic's with ``with_critic``), then the
+    weights sent to the generators as ``version``; the metrics of both."""
+    t0 = time.perf_counter()
+    per_rank, critic_per_rank = backend.train_step(batch, algo, temperature, lr, with_critic)
+    metrics = {"time/train": time.perf_counter() - t0}
+    trained, _ = merge_rank_updates(per_rank)
+    if critic_per_rank is not None:
+        critic, _ = merge_rank_updates(critic_per_rank)
+        trained.update({k: v for k, v in critic.items() if k.startswith("critic/")})
+    if queue:  # a generator that died under the collections in flight is replaced before the sync
+        backend.settle(list(queue))
+    metrics.update(backend.sync(version, step, trained.get("kl/ref_k3")))
+    return {**metrics, **trained}
 
 
 def check_algorithm_for(backend, algo) -> None:
@@ -237,6 +256,10 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
     * On Ray, a generator or reward worker that dies is replaced and the step's prompts are
       collected again, so no prompt is lost or trained twice.
     * ``component_names`` (``build_reward``'s labels) name the logged ``reward/<name>``.
+    * A step with nothing to train - the filters kept no group, or a pairwise loss found no
+      pair (every group's rewards tied) - skips its update: the weights, the optimizer and the
+      policy version stay, its prompts count as consumed, and it logs ``policy/updates`` 0
+      and ``batch/rows`` 0 (no ``reward/*``: those describe the trained batch).
     * ``max_staleness`` > 0 is asynchronous RL: the prompts of the next ``max_staleness``
       steps are generated (and scored) while this step trains, so a rollout is trained by a
       policy up to that many versions newer than its generator's. Rollouts are consumed oldest
@@ -277,35 +300,31 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
             queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo), tools))
         metrics["recovery/actor_restarts"] = float(backend.restarts)
         with_critic = needs_values(algo)
-        values = backend.values(rollouts) if with_critic else None
-        batch = make_batch(rollouts, algo, backend.pad_token_id, values=values, seed=state.rng_seed + it,
-                           budget=gen.max_new_tokens)
-        t0 = time.perf_counter()
-        per_rank, critic_per_rank = backend.train_step(batch, algo, gen.temperature, lr_schedule(it), with_critic)
-        metrics["time/train"] = time.perf_counter() - t0
-        trained, _ = merge_rank_updates(per_rank)
-        if critic_per_rank is not None:
-            critic, _ = merge_rank_updates(critic_per_rank)
-            trained.update({k: v for k, v in critic.items() if k.startswith("critic/")})
-        version = state.policy_version + 1
-        if queue:  # a generator that died under the collections in flight is replaced before the sync
-            backend.settle(list(queue))
-        metrics.update(backend.sync(version, it + 1, trained.get("kl/ref_k3")))
+        values = backend.values(rollouts) if with_critic and rollouts else None
+        batch = trainable_batch(rollouts, algo, backend.pad_token_id, values=values, seed=state.rng_seed + it,
+                                budget=gen.max_new_tokens)
+        if batch is None:  # nothing to train (every group tied): no update, no sync, the weights stay
+            version, trained = state.policy_version, dict(SKIPPED_UPDATE)
+        else:
+            version = state.policy_version + 1
+            trained = train_and_sync(backend, batch, algo, gen.temperature, lr_schedule(it), with_critic, version,
+                                     it + 1, queue)
+            trained.update(rollout_metrics(batch, component_names))
         busy, now = backend.busy(), time.perf_counter()
         metrics.update({f"idle/{role}": max(0.0, 1.0 - seconds / (now - t_clock)) for role, seconds in busy.items()})
         t_clock = now
-        metrics.update({**trained, **rollout_metrics(batch, component_names), "step": it, "algorithm": algo.name,
-                        "time/step": time.perf_counter() - t_step})
+        metrics.update({**trained, "step": it, "algorithm": algo.name, "time/step": time.perf_counter() - t_step})
         if tools is not None:
             metrics.update(tool_metrics(rollouts))
-        state = state._replace(iteration=it + 1, global_step=state.global_step + 1, policy_version=version,
-                               data_position=position)
+        state = state._replace(iteration=it + 1, global_step=state.global_step + int(batch is not None),
+                               policy_version=version, data_position=position)
         evaluated = eval_fn is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == num_steps)
         if evaluated:
             metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
         state = state._replace(metrics_history=state.metrics_history + (metrics,))
         call_hook(logger, "logger", metrics)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        if "reward/mean" in metrics:  # a skipped step has no trained batch to describe
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         saved = checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0
         if saved:
             call_hook(checkpoint_fn, "checkpoint_fn", backend, state)

@@ -123,8 +123,26 @@ def make_batch(rollouts: Sequence, algo: "AlgorithmConfig", pad_id: int,
     limit of DAPO's overlong penalty. ``values`` are the critic's per rollout (GAE). With a
     pair selector the rows are (chosen, rejected) pairs, adjacent, with advantage +1 / -1
     marking the role. Rollout filters (dynamic sampling) are the driver's job (it needs to
-    generate more); this function only batches what it is given.
+    generate more); this function only batches what it is given. Nothing to batch (no
+    rollouts, or no pair) is an error here; ``trainable_batch`` returns None instead.
     """
+    batch = trainable_batch(rollouts, algo, pad_id, values, seed, budget)
+    if batch is None:
+        check_rollouts(rollouts)  # no rollouts: named as such
+        raise ValueError(f"algorithm '{algo.name}': the pair selector {fn_name(algo.pair_selector)} found no "
+                         "pair (no group has two rollouts with different rewards)")
+    return batch
+
+
+def trainable_batch(rollouts: Sequence, algo: "AlgorithmConfig", pad_id: int,
+                    values: Optional[Sequence[np.ndarray]] = None, seed: int = 0,
+                    budget: int = 0) -> Optional[Batch]:
+    """``make_batch`` of one RL step, or None when the step has nothing to train: no rollouts
+    (the filters kept no group: with dynamic sampling, every group's rewards tied), or, for a
+    pairwise loss, no pair (online DPO with every group tied). The driver then skips the
+    update rather than stopping the run."""
+    if not rollouts:
+        return None
     check_rollouts(rollouts)
     rollouts = apply_overlong_penalty(rollouts, algo, budget)
     if algo.pair_selector is not None:
@@ -132,8 +150,7 @@ def make_batch(rollouts: Sequence, algo: "AlgorithmConfig", pad_id: int,
             rollouts = [r for r in rollouts if r.finish_reason != "length"]
         pairs = select_pairs(rollouts, algo.pair_selector, seed)
         if not pairs:
-            raise ValueError(f"algorithm '{algo.name}': the pair selector {fn_name(algo.pair_selector)} found no "
-                             "pair (no group has two rollouts with different rewards)")
+            return None
         rows = [r for pair in pairs for r in pair]
         T = max(len(r.completion_ids) for r in rows)
         sign = np.tile(np.array([1.0, -1.0], dtype=np.float32), len(pairs))[:, None]
