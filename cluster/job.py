@@ -149,7 +149,7 @@ def algorithm_errors(job: RLJob) -> list:
          f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
         (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
                                                                f"'{record.name}', whose advantage reads critic values"),
-        (rows // algo.mini_batches >= job.cluster.trainers,
+        (gen.group_size < 2 or rows // algo.mini_batches >= job.cluster.trainers,  # a bad group size is named alone
          f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
          "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
@@ -179,8 +179,8 @@ def rl_errors(job: RLJob) -> list:
          "generator workers"),
         (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
         (algo.critic_lr is None or algo.critic_lr > 0, f"algorithm.critic_lr must be positive, got {algo.critic_lr}"),
-        (gen.group_size >= 2, "generation.group_size must be at least 2: group advantages compare completions "
-                              "of one prompt"),
+        (gen.group_size >= 2, f"generation.group_size must be at least 2 (completions per prompt), got "
+                              f"{gen.group_size}: group advantages and pairs compare completions of one prompt"),
         (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
         (gen.temperature > 0, f"generation.temperature must be > 0 for RL sampling, got {gen.temperature} "
                               "(logprobs are of softmax(logits / T); set eval.temperature 0 for greedy evaluation)"),

@@ -9,6 +9,7 @@ import difflib
 import importlib
 import importlib.util
 import os
+import traceback
 from typing import Callable, Sequence
 
 
@@ -28,6 +29,13 @@ def load_function(spec: str) -> Callable:
             module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"hook '{spec}': cannot import '{module_name}' ({e})") from None
+    except SyntaxError as e:  # the user's module does not parse: its file and line, not Python's traceback
+        raise ValueError(f"hook '{spec}': {e.filename}:{e.lineno}: syntax error: {e.msg}"
+                         + (f"\n    {e.text.strip()}" if e.text and e.text.strip() else "")) from None
+    except Exception as e:  # the module raised while it ran: where, and what
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"hook '{spec}': importing '{module_name}' raised {type(e).__name__}: {e} "
+                         f"({frame.filename}:{frame.lineno})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"hook '{spec}': '{module_name}' has no callable '{attr}'")
@@ -72,9 +80,36 @@ def trait(fn, name: str, default=False):
     return getattr(getattr(fn, "func", None), name, default)
 
 
+# the documented signature of each extension point (DESIGN section 5), as the code calls it;
+# keyed by the name ``check_arity`` is given (after any "algorithm '...': " prefix)
+HOOK_SIGNATURES = {
+    "reward_fn": "reward_fn(rollout) -> float or a sequence of floats (one per component)",
+    "aggregate_fn": "aggregate_fn(vector) -> float",
+    "shaping_fn": "shaping_fn(rollout, reward) -> float",
+    "ref_update_fn": "ref_update_fn(ref_state, policy_weights, step, kl) -> ref_state (kl: the step's kl/ref_k3, "
+                     "or None; e.g. primitives.kl.create_ema_updater(0.99))",
+    "prompt_source": "prompt_source(position, n) -> (items, position)",
+    "algorithm_schedule": "algorithm_schedule(iteration, last_metrics) -> AlgorithmConfig",
+    "logger": "logger(metrics)",
+    "eval_fn": "eval_fn(backend, state) -> dict",
+    "checkpoint_fn": "checkpoint_fn(backend, state)",
+    "advantage_fn": "advantage_fn(inputs, algo) -> (advantages (B, T), returns (B, T) or None)",
+    "policy_loss_fn": "policy_loss_fn(logp, old_logp, advantages, mask, algo) -> (loss (B, T), clipped (B, T))",
+    "loss_fn": "loss_fn(inputs, algo) -> (loss, metrics)",
+    "aggregation": "aggregation(loss (B, T), mask, counts) -> scalar",
+    "kl_fn": "kl_fn(logp, ref_logp, mask) -> (B, T)",
+    "pair_selector": "pair_selector(members, rng) -> [(chosen, rejected), ...]",
+    "filter": "filter(rollouts) -> rollouts",
+    "tools.parser": "tool_parser(text) -> calls",
+    "tools.executor": "tool_executor(call) -> result",
+    "tools.stop_condition": "stop_condition(conversation) -> bool",
+}
+
+
 def check_arity(fn: Callable, what: str, *args) -> None:
     """``what`` (a hook) must accept ``args`` positionally: a ``TypeError`` from binding, turned
-    into a ValueError that names the hook, its function and the documented signature."""
+    into a ValueError that names the hook, its function and the documented signature
+    (``HOOK_SIGNATURES``)."""
     import inspect
 
     if not callable(fn):
@@ -86,8 +121,9 @@ def check_arity(fn: Callable, what: str, *args) -> None:
     try:
         sig.bind(*args)
     except TypeError as e:
-        raise ValueError(f"{what}: {fn_name(fn)}{sig} cannot be called with {len(args)} argument(s) ({e})") \
-            from None
+        documented = HOOK_SIGNATURES.get(what.rsplit(": ", 1)[-1])
+        raise ValueError(f"{what}: {fn_name(fn)}{sig} cannot be called with {len(args)} argument(s) ({e})"
+                         + (f"; the documented signature is {documented}" if documented else "")) from None
 
 
 def check_picklable(fn, what: str) -> None:

@@ -69,6 +69,9 @@ def _bad(tmp_path, base_model, changes):
     return job
 
 
+BROKEN_REWARD = "def fn(rollout):\n    return 1.0\n\ndef broken(:\n    pass\n"  # a syntax error on line 4
+RAISING_REWARD = "def fn(rollout):\n    return 1.0\nSCALE = 1 / 0\n"  # raises on line 3 when imported
+
 BAD_INPUTS = [
     # (what to change, text the error must contain)
     (lambda t, m: {"data": DataConfig(path=str(t / "nope.jsonl"), eval_set=EvalData(size=0.25))},
@@ -83,6 +86,10 @@ BAD_INPUTS = [
      "empty dataset"),
     (lambda t, m: {"rewards": (RewardSpec("exact_mach"),)}, "did you mean 'exact_match'"),
     (lambda t, m: {"rewards": (RewardSpec("no_such_module:reward"),)}, "cannot import 'no_such_module'"),
+    (lambda t, m: {"rewards": (RewardSpec(f"{_text(t / 'my_reward.py', BROKEN_REWARD)}:fn"),)},
+     "{t}/my_reward.py:4: syntax error: "),
+    (lambda t, m: {"rewards": (RewardSpec(f"{_text(t / 'raising.py', RAISING_REWARD)}:fn"),)},
+     "importing '{t}/raising.py' raised ZeroDivisionError: division by zero ({t}/raising.py:3)"),
     (lambda t, m: {"rewards": (RewardSpec("exact_match", 0.0), RewardSpec("length_window", 0.0,
                                                                        {"min_tokens": 1, "max_tokens": 3}))},
      "all reward weights are 0"),
@@ -221,6 +228,18 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
         assert part in text
     with pytest.raises(ConfigErrors, match="sft.path is required"):
         run_sft(SFTJob(logging=LoggingConfig(out=str(tmp_path))))
+
+
+def test_a_bad_group_size_is_named_alone(tmp_path):
+    """generation.group_size 0 is reported as itself, with what is valid - not as the rows it
+    would leave each mini-batch."""
+    from cluster.cli import run
+
+    with pytest.raises(SystemExit) as e:
+        run(["rl", DEFAULT, "--generation.group-size", "0", "--logging.out", str(tmp_path)])
+    text = str(e.value)
+    assert "generation.group_size must be at least 2 (completions per prompt), got 0" in text
+    assert "mini_batches" not in text and text.count("\n  - ") == 1
 
 
 @pytest.mark.slow
