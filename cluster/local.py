@@ -106,7 +106,8 @@ class LocalBackend:
     def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> LocalRollouts:
         t0 = time.perf_counter()
         items = list(items)
-        sampler = rollout_sampler(self.seed, 0, self.policy_version, items)  # as generator rank 0 seeds it
+        device = next(self.policy.parameters()).device
+        sampler = rollout_sampler(self.seed, 0, self.policy_version, items, device)  # as generator rank 0 would
         if tools is None:
             rollouts = generate_rollouts(self.policy, self.tokenizer, items, gen, self.policy_version, sampler)
         else:

@@ -8,6 +8,17 @@ mask), sampling must be seedable per call, and stop strings are checked per row.
 Layout: prompts are left-padded; position ids are ``cumsum(attention_mask) - 1`` so a
 padded prompt sees the same positions as an unpadded one (DESIGN section 9, pitfall).
 
+Behaviour logprobs are of the full tempered distribution ``softmax(logits / T)``, also with
+top-k / top-p: tokens are drawn from the truncated, renormalised distribution, but their
+logprobs are not renormalised over the kept set. They mean what the trainer recomputes
+(``primitives.logprobs``), so with the same weights the importance weight is 1 and it
+measures only the gap between the policies (DESIGN sections 6-7). vLLM's processed logprobs
+are renormalised over the kept set; ``cluster.job`` refuses vLLM with top-k / top-p where
+the importance weight is applied.
+
+The sampling generator lives on the model's device (``torch.multinomial`` draws on the
+device of the probabilities, and refuses a generator on another one).
+
 ``create_rollout`` / ``create_rollouts`` take one prompt end to end in one process (sample,
 reference logprobs, reward) for notebooks; training runs through ``cluster.driver.train``.
 """
@@ -24,7 +35,7 @@ from primitives.types import Conversation, GenerationConfig, Message, Rollout, g
 
 class GenerationOutput(NamedTuple):
     completion_ids: np.ndarray  # (T,) int64, eos included when produced
-    logprobs: np.ndarray  # (T,) float32 log_softmax(logits / temperature) of each token
+    logprobs: np.ndarray  # (T,) float32 log_softmax(logits / temperature) of each token (no top-k/top-p renormalising)
     finish_reason: str  # "stop" | "length"
     text: str  # decoded completion, special tokens removed
 
@@ -117,7 +128,10 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator=None):
     """Pick the next token of each row; returns ``(tokens (B,), logprobs (B,))``.
 
     The logprob is under ``log_softmax(logits / temperature)`` without the top-k/top-p
-    truncation, the same quantity the trainer recomputes (temperature 0 counts as 1).
+    truncation, the same quantity the trainer recomputes (temperature 0 counts as 1): the
+    token is drawn from the truncated distribution, its logprob is of the full one (not
+    ``log_softmax`` of the filtered logits, which would differ by log(the kept mass)).
+    ``generator`` must be on the device of ``logits``.
     """
     temperature = config.temperature if config.temperature > 0 else 1.0
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -127,6 +141,17 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator=None):
         probs = filter_logits(logits.float() / temperature, config.top_k, config.top_p).softmax(-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def check_sampler_device(generator: Optional[torch.Generator], device: torch.device,
+                         config: GenerationConfig) -> None:
+    """A sampling generator on another device than the model is refused before any forward,
+    naming both: ``torch.multinomial`` draws on the probabilities' device."""
+    if generator is None or config.temperature <= 0 or generator.device.type == device.type:
+        return
+    raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}: "
+                     f"torch.multinomial draws on the model's device; build the generator there, "
+                     f"torch.Generator(device={str(device)!r})")
 
 
 def _stop_cut(tokenizer, ids: list, stops: Sequence[str]) -> Optional[int]:
@@ -147,12 +172,14 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
 
     Returns a ``GenerationOutput`` per row. A row ends at eos ("stop"), after the first
     stop string it produces ("stop", the stop string kept), or at ``max_new_tokens`` ("length").
+    ``generator`` (when sampling, ``temperature > 0``) must be on the model's device.
     """
     if not len(prompt_ids):
         raise ValueError("generate_tokens: no prompts")
     if config.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {config.max_new_tokens}")
     device = next(model.parameters()).device
+    check_sampler_device(generator, device, config)
     ids_np, mask_np = left_pad(prompt_ids, tokenizer.pad_token_id)
     ids, mask = torch.from_numpy(ids_np).to(device), torch.from_numpy(mask_np).to(device)
     B, eos = ids.shape[0], tokenizer.eos_token_id
@@ -279,7 +306,8 @@ def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig 
     ``prompt``: a str, a ``Conversation`` (needs a chat template), or a ``PromptItem``; a bare
     prompt becomes ``PromptItem(index=0, prompt=prompt)``, so uids are ``e0/i0/s{k}`` and the
     group is ``e0/i0``. ``policy_version`` is 0. Sampling uses ``generator`` when given, else a
-    private generator seeded with ``gen_config.seed``, else the global torch RNG.
+    private generator seeded with ``gen_config.seed`` on the model's device, else the global
+    torch RNG. A given ``generator`` must be on the model's device.
 
     ``ref_model`` (same tokenizer): sets ``ref_logprobs (T,)`` - its logprobs of the same
     completion tokens at ``gen_config.temperature``, the temperature the behaviour logprobs

@@ -9,7 +9,7 @@ Two backends return the same ``Rollout``s:
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -30,14 +30,20 @@ from rl_actors.clock import BusyClock
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
 
-def rollout_sampler(seed: int, rank: int, version: int, items: Sequence) -> torch.Generator:
+def rollout_sampler(seed: int, rank: int, version: int, items: Sequence,
+                    device: Union[str, torch.device] = "cpu") -> torch.Generator:
     """The sampling generator of one ``generate`` call, seeded by (seed, generator rank, policy
     version, first prompt): the same call after a resume, on a replacement actor, or on the
-    local backend samples the same tokens."""
+    local backend samples the same tokens.
+
+    It lives on ``device``, the device of the model it samples for: ``torch.multinomial``
+    refuses a generator on another device than its probabilities ("Expected a 'cuda' device
+    type for generator"). The same key gives the same stream on the same kind of device (a
+    CUDA generator draws other numbers than a CPU one seeded alike)."""
     import zlib
 
     key = f"{seed}/{rank}/{version}/{items[0].epoch}/{items[0].index}" if items else "-"
-    return torch.Generator(device="cpu").manual_seed(zlib.crc32(key.encode()))
+    return torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
 
 
 def vllm_available() -> bool:
@@ -56,7 +62,11 @@ class HFEngine:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self.device = next(self.model.parameters()).device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are now (a trainer rank's module may move after this engine is built)."""
+        return next(self.model.parameters()).device
 
     @classmethod
     def load(cls, config: ModelConfig, role: str) -> "HFEngine":
@@ -72,6 +82,10 @@ class HFEngine:
             yield
         finally:
             self.model.train(training)
+
+    def sampler(self, seed: int, rank: int, version: int, items: Sequence) -> torch.Generator:
+        """The call's sampling generator (``rollout_sampler``), on the model's device."""
+        return rollout_sampler(seed, rank, version, items, device=self.device)
 
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
         return generate_rollouts(self.model, self.tokenizer, items, gen, version, generator)
@@ -93,7 +107,17 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """vLLM offline engine; sampled-token logprobs come from vLLM (``logprobs=0``)."""
+    """vLLM offline engine; sampled-token logprobs come from vLLM (``logprobs=0``).
+
+    Those logprobs are vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after
+    temperature and after top-k / top-p, i.e. of the distribution it sampled from,
+    renormalised over the kept tokens. Without top-k / top-p (``top_p`` 1, ``top_k`` 0) that
+    is ``log_softmax(logits / T)``, what the HF engine and the trainer compute; with either,
+    each logprob is the full one minus log(the kept mass), so the importance weight against
+    the trainer would be that mass, not the policies' gap. The job check
+    (``cluster.job.behaviour_logprob_errors``) refuses that combination where the weight is
+    applied. Sampling happens in vLLM's own processes, seeded by ``SamplingParams.seed``.
+    """
 
     name = "vllm"
 
@@ -107,8 +131,8 @@ class VLLMEngine:
         check_model_path(config.model_name_or_path, role)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path,
                                                        trust_remote_code=config.trust_remote_code)
-        # processed logprobs: of the distribution actually sampled (after temperature), the
-        # quantity the trainer's importance weight compares with (vLLM's default is raw logits)
+        # processed logprobs: after temperature (vLLM's default, raw, is before it), which the
+        # trainer's importance weight compares with; top-k / top-p renormalise them (see above)
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
                        trust_remote_code=config.trust_remote_code, logprobs_mode="processed_logprobs",
                        weight_transfer_config=WeightTransferConfig(backend="nccl"), **(engine_kwargs or {}))
@@ -136,6 +160,10 @@ class VLLMEngine:
 
     def serving(self):
         return nullcontext()
+
+    def sampler(self, seed: int, rank: int, version: int, items: Sequence) -> None:
+        """None: vLLM samples in its own processes (``SamplingParams.seed``), not with a torch generator."""
+        return None
 
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
         prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items], gen.template_kwargs)
@@ -196,8 +224,8 @@ class GeneratorWorker:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
         return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model, "hosted_by": self.host}
 
-    def _sampler(self, items: Sequence) -> torch.Generator:
-        return rollout_sampler(self.seed, self.rank, self.policy_version, items)
+    def _sampler(self, items: Sequence) -> Optional[torch.Generator]:
+        return self.engine.sampler(self.seed, self.rank, self.policy_version, items)
 
     def pad_token_id(self) -> int:
         return int(self.engine.tokenizer.pad_token_id)

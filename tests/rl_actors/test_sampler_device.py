@@ -1,0 +1,75 @@
+"""The generator's sampler lives on its model's device: ``torch.multinomial`` refuses a CPU
+generator for CUDA probabilities ("Expected a 'cuda' device type for generator"), which crashed
+generator workers and generation hosted on trainer ranks on GPUs at the first sampled token.
+CI has no GPU: the meta device stands in for CUDA (a model moves there, though it cannot run),
+and ``torch.Generator`` is recorded to see which device each sampler is asked for. The seeding
+rule stays: the same seed, rank, policy version and prompts give the same stream."""
+import copy
+
+import numpy as np
+import torch
+
+import rl_actors.generator as generator_module
+from primitives.data import PromptItem
+from primitives.generation import generate_rollouts
+from primitives.tools import ToolConfig
+from primitives.types import GenerationConfig
+from rl_actors.clock import BusyClock
+from rl_actors.generator import GeneratorWorker, VLLMEngine, rollout_sampler
+
+ITEMS = [PromptItem(5, "12+34="), PromptItem(6, "1+2=")]
+GEN = GenerationConfig(max_new_tokens=4, n=2, temperature=0.7)
+
+
+def _hosted(model, tokenizer, rank=1, seed=3):
+    return GeneratorWorker.hosted(model, tokenizer, rank=rank, seed=seed, host="trainer 1", host_clock=BusyClock())
+
+
+def test_generate_and_tool_turns_sample_with_a_generator_on_the_models_device(tiny_model, tokenizer, monkeypatch):
+    """A hosted generator whose model is on another device than the CPU (meta, for CUDA) asks
+    torch for its sampler on that device, for ``generate`` and for tool-using turns alike, and
+    hands the engine that very generator. A sampler hard-coded to the CPU is asked for on cpu."""
+    requested, made = [], []
+    real_generator = torch.Generator
+
+    def recording_generator(device="cpu"):
+        requested.append(torch.device(device))
+        made.append(real_generator())  # the meta device has no generator: a CPU one carries the seed
+        return made[-1]
+
+    monkeypatch.setattr(torch, "Generator", recording_generator)
+    worker = _hosted(copy.deepcopy(tiny_model).to("meta"), tokenizer)
+    given = []
+    monkeypatch.setattr(worker.engine, "generate", lambda items, gen, version, generator: given.append(generator) or [])
+    monkeypatch.setattr(worker.engine, "turn_generator", lambda gen, generator: given.append(generator))
+    monkeypatch.setattr(generator_module, "multiturn_rollouts", lambda *args: [])
+    worker.generate(ITEMS, GEN)
+    worker.generate_multiturn(ITEMS, GEN, ToolConfig(executor=print))
+    assert requested == [torch.device("meta"), torch.device("meta")]
+    assert len(given) == 2 and given[0] is made[0] and given[1] is made[1]
+    assert made[0].initial_seed() == 280600438  # crc32("3/1/0/0/5"): seed 3, rank 1, version 0, epoch 0, index 5
+
+
+def test_the_sampler_keeps_its_seeding_rule_on_the_models_device(tiny_model, tokenizer):
+    """On the CPU the sampler is a CPU generator seeded by (seed, rank, version, first prompt):
+    a hosted worker samples exactly what ``generate_rollouts`` samples with ``rollout_sampler``,
+    twice the same, and another version draws another stream."""
+    worker = _hosted(tiny_model, tokenizer)
+    sampler = worker._sampler(ITEMS)
+    assert sampler.device == next(tiny_model.parameters()).device == torch.device("cpu")
+    assert sampler.initial_seed() == 280600438  # crc32("3/1/0/0/5")
+    first, again = worker.generate(ITEMS, GEN), worker.generate(ITEMS, GEN)
+    expected = generate_rollouts(tiny_model, tokenizer, ITEMS, GEN, 0,
+                                 rollout_sampler(3, 1, 0, ITEMS, device=torch.device("cpu")))
+    for a, b, e in zip(first, again, expected):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist() == e.completion_ids.tolist()
+        assert np.array_equal(a.logprobs, e.logprobs)
+    worker.policy_version = 2
+    assert worker._sampler(ITEMS).initial_seed() == 1786366998  # crc32("3/1/2/0/5")
+
+
+def test_vllm_samples_in_its_own_processes_without_a_torch_generator():
+    """vLLM seeds its own sampling (``SamplingParams.seed``): its engine asks for no torch
+    generator, so a vLLM actor makes none on its GPU."""
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: only the sampler rule is read
+    assert engine.sampler(3, 1, 0, ITEMS) is None
