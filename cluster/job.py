@@ -153,7 +153,31 @@ def algorithm_errors(job: RLJob) -> list:
          f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
          "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
-    ])
+    ]) + behaviour_logprob_errors(job, record)
+
+
+def behaviour_logprob_errors(job: RLJob, record) -> list:
+    """vLLM with top-k / top-p where the importance weight is applied. vLLM's behaviour logprobs
+    (``processed_logprobs``) are renormalised over the tokens top-k / top-p keep; the trainer's
+    and the HF generator's are of the full ``softmax(logits / T)``, so the weight would be the
+    kept mass, not the gap between the policies (DESIGN sections 6-7). ``auto`` picks vLLM on
+    generator workers with GPUs; a pairwise loss (online DPO) only measures the weight."""
+    from primitives.algorithms import pairwise
+
+    gen, cluster = job.generation, job.cluster
+    truncation = [name for name, on in ((f"generation.top_p {gen.top_p}", gen.top_p < 1),
+                                        (f"generation.top_k {gen.top_k}", gen.top_k > 0)) if on]
+    vllm = cluster.generator_backend == "vllm" or (cluster.generator_backend == "auto" and cluster.generator_gpus > 0
+                                                   and not cluster.generate_on_trainers)
+    if not (truncation and vllm and record.is_level != "off" and not pairwise(record)):
+        return []
+    backend = "vllm" if cluster.generator_backend == "vllm" else \
+        f"auto (vLLM on generator workers with cluster.generator_gpus {cluster.generator_gpus})"
+    return [f"{' and '.join(truncation)} with cluster.generator_backend {backend} and algorithm.is_level "
+            f"{record.is_level}: vLLM's behaviour logprobs are renormalised over the tokens top-p/top-k keep, the "
+            "trainer's are of the full softmax(logits / T), so the importance weight would be the kept probability "
+            "mass, not the gap between the policies; use generation.top_p 1 and generation.top_k 0, or "
+            "cluster.generator_backend hf (its logprobs are of the full distribution), or algorithm.is_level off"]
 
 
 def rl_errors(job: RLJob) -> list:

@@ -85,7 +85,8 @@ class AlgorithmConfig(NamedTuple):
     # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
     # brings you off-policy RL training"): the loss of each token is weighted by
     # min(pi_old / pi_behaviour, is_cap), per token or per sequence, so a generator that
-    # differs from the trainer (vLLM, bf16, top-p, stale weights) is corrected explicitly.
+    # differs from the trainer (vLLM, bf16, stale weights) is corrected explicitly. Behaviour
+    # logprobs are of the full softmax(logits / T) under top-k / top-p too (primitives.generation).
     is_level: str = "token"  # off | token | sequence
     is_cap: float = 2.0  # the truncation C of the importance weight
     ppo_epochs: int = 1  # passes over each rollout batch

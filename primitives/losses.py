@@ -101,6 +101,10 @@ def truncated_is_weights(old_logp, behaviour_logp, mask, level: str = "token", c
     each token is multiplied by ``w``, so samples the generator over-drew are down-weighted
     and the truncation bounds the variance. Returns ``(w (B, T), capped (B, T) bool)``;
     both are 0 / False where ``mask`` is 0.
+
+    Both logprobs are of the full tempered distribution ``softmax(logits / T)``, also when the
+    generator sampled with top-k / top-p (``primitives.generation``): with equal weights
+    ``w`` is 1, so it measures the gap between the policies, not the truncation.
     """
     if level not in ("token", "sequence"):
         raise ValueError(f"importance-sampling level must be token or sequence, got '{level}'")

@@ -175,3 +175,58 @@ def test_print_config_prints_yaml_and_starts_nothing():
     printed = yaml.safe_load(out.stdout)
     assert printed["algorithm"]["steps"] == 7 and printed["model"]["model_name_or_path"] == "tiny"
     assert record_from_dict(RLJob, printed).algorithm.steps == 7
+
+
+VLLM_TOP_P = """
+data: {task: arithmetic}
+generation: {top_p: 0.9}
+cluster: {generator_backend: vllm}
+"""
+
+
+def test_vllm_with_top_p_and_an_importance_weight_is_refused_before_ray(tmp_path, monkeypatch):
+    """vLLM's behaviour logprobs are renormalised over the top-p / top-k set, the trainer's are of
+    the full softmax(logits / T): with the importance weight applied (algorithm.is_level token, the
+    default) the job stops before Ray starts, naming the fields and what would be right."""
+    import cluster.job as job_module
+    from cluster.cli import run
+
+    def start_ray_for(job, algo):
+        raise AssertionError("Ray was started for a job its checks should have refused")
+
+    monkeypatch.setattr(job_module, "start_ray_for", start_ray_for)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    with pytest.raises(SystemExit) as e:
+        run(["rl", _write(tmp_path, VLLM_TOP_P), "--logging.out", str(tmp_path / "out")])
+    assert ("generation.top_p 0.9 with cluster.generator_backend vllm and algorithm.is_level token: vLLM's behaviour "
+            "logprobs are renormalised") in str(e.value)
+    assert "use generation.top_p 1 and generation.top_k 0, or cluster.generator_backend hf" in str(e.value)
+    assert "ray" not in sys.modules
+
+
+REFUSED = "with cluster.generator_backend"
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({"generation": {"top_k": 20}, "cluster": {"generator_backend": "vllm"}}, "generation.top_k 20 with"),
+    ({"generation": {"top_p": 0.5, "top_k": 4}, "cluster": {"generator_backend": "vllm"},
+      "algorithm": {"is_level": "sequence"}}, "generation.top_p 0.5 and generation.top_k 4 with"),
+    ({"generation": {"top_p": 0.9}, "cluster": {"generator_gpus": 1}},  # auto: vLLM on GPU generators
+     "cluster.generator_backend auto (vLLM on generator workers with cluster.generator_gpus 1.0)"),
+    ({"generation": {"top_p": 0.9}, "cluster": {"generator_backend": "hf"}}, None),  # HF: full distribution
+    ({"generation": {"top_p": 0.9}, "cluster": {"generator_backend": "vllm"}, "algorithm": {"is_level": "off"}},
+     None),  # the weight is measured, not applied
+    ({"generation": {"top_p": 0.9}, "cluster": {"generator_backend": "vllm"}, "algorithm": {"name": "online_dpo"}},
+     None),  # a pairwise loss has no ratio to weight
+    ({"generation": {"top_p": 0.9}}, None),  # auto without generator GPUs: HF
+    ({"generation": {"top_p": 0.9}, "cluster": {"generator_gpus": 1, "generate_on_trainers": True, "generators": 0}},
+     None),  # generation on the trainer ranks: HF
+    ({"cluster": {"generator_backend": "vllm"}}, None),  # no truncation: vLLM's logprobs are the full ones
+], ids=["vllm-top_k", "vllm-both-sequence", "auto-gpus", "hf", "is_level-off", "online_dpo", "auto-cpu",
+        "on-trainers", "vllm-untruncated"])
+def test_which_generator_and_truncation_go_together(changes, refused):
+    from cluster.job import rl_errors
+
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, **changes})
+    errors = [e for e in rl_errors(job) if REFUSED in e]
+    assert (errors == []) if refused is None else (len(errors) == 1 and refused in errors[0]), errors

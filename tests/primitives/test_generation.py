@@ -109,6 +109,54 @@ def test_a_shared_prompt_prefills_once_with_the_same_samples(tiny_model, tokeniz
     assert len({tuple(o.completion_ids.tolist()) for o in shared[:4]}) > 1  # the group's samples differ
 
 
+def _kept_set_logprobs(model, rollout, gen: GenerationConfig) -> np.ndarray:
+    """The rollout's token logprobs renormalised over the top-k / top-p set (vLLM's processed
+    logprobs): ``log_softmax(filter_logits(logits / T))``, one unpadded row. (T,)"""
+    ids = torch.from_numpy(np.concatenate([rollout.prompt_ids, rollout.completion_ids]))[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(rollout.prompt_ids) - 1: -1].float()  # (T, V)
+    kept = filter_logits(logits / gen.temperature, gen.top_k, gen.top_p).log_softmax(-1)
+    return kept.gather(-1, torch.from_numpy(rollout.completion_ids)[:, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.parametrize("truncation", [{"top_p": 0.5}, {"top_k": 3}], ids=["top_p", "top_k"])
+def test_truncated_sampling_keeps_full_distribution_logprobs(tiny_model, tokenizer, truncation):
+    """With top-p 0.5 or top-k 3 the HF path's behaviour logprobs are of the full tempered
+    distribution, as the trainer recomputes them (``primitives.logprobs``): with the same weights
+    the capped importance weight is 1 (to 1e-5), per token and per sequence. Renormalised over the
+    kept set (vLLM's processed logprobs) they would be off by log(kept mass), here at least 0.1:
+    the weight would be that mass."""
+    from primitives.losses import truncated_is_weights
+
+    gen = GenerationConfig(max_new_tokens=8, n=4, temperature=0.7, **truncation)
+    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS[:2])]
+    rollouts = generate_rollouts(tiny_model, tokenizer, items, gen, generator=torch.Generator().manual_seed(4))
+    trainer = rollout_logprobs(tiny_model, rollouts, tokenizer.pad_token_id, temperature=0.7)
+    T = max(len(r.completion_ids) for r in rollouts)
+    pad = lambda rows: torch.tensor(np.stack([np.pad(x, (0, T - len(x))) for x in rows]))  # noqa: E731
+    mask = pad([np.ones(len(r.completion_ids), dtype=np.float32) for r in rollouts])
+    behaviour = pad([r.logprobs for r in rollouts])
+    for level in ("token", "sequence"):
+        w, capped = truncated_is_weights(pad(trainer), behaviour, mask, level, cap=2.0)
+        torch.testing.assert_close(w, mask, atol=1e-5, rtol=0)
+        assert not capped.any()
+    kept = [_kept_set_logprobs(tiny_model, r, gen) for r in rollouts]
+    assert all(np.isfinite(k).all() for k in kept)  # every sampled token is inside the kept set
+    log_mass = np.concatenate([t - k for t, k in zip(trainer, kept)])  # full - renormalised = log(kept mass)
+    assert (log_mass <= 1e-5).all() and log_mass.min() < -0.1
+
+
+def test_a_sampler_on_another_device_than_the_model_is_refused(tiny_model, tokenizer):
+    """A CPU generator never meets CUDA probabilities: ``generate_tokens`` refuses a sampler on
+    another device than the model before any forward, naming both. (The meta device stands in
+    for CUDA on a CPU-only machine.)"""
+    model = copy.deepcopy(tiny_model).to("meta")
+    ids = encode_prompts(tokenizer, PROMPTS[:1])
+    with pytest.raises(ValueError, match=r"the sampling generator is on cpu but the model is on meta: .*"
+                                         r"torch.Generator\(device='meta'\)"):
+        generate_tokens(model, tokenizer, ids, GenerationConfig(max_new_tokens=2), torch.Generator().manual_seed(0))
+
+
 class _Scripted(torch.nn.Module):
     """A 'model' that always predicts the next token of a fixed script (to test stopping)."""
 
