@@ -27,6 +27,7 @@ from primitives.tools import hf_turn_generator, multiturn_rollouts
 from primitives.training import train_on_batch
 from primitives.types import GenerationConfig, ModelConfig, TrainState
 from rl_actors.common import load_causal_lm
+from rl_actors.deepspeed_rank import adamw
 from rl_actors.generator import rollout_sampler
 from rl_actors.trainer import TrainerConfig
 
@@ -66,8 +67,7 @@ class LocalBackend:
         torch.manual_seed(seed)
         self.config, self.seed, self.trainer_config = config, seed, trainer
         self.policy, self.tokenizer = load_causal_lm(config._replace(dtype="float32"), "local policy")
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=trainer.lr, betas=tuple(trainer.betas),
-                                           weight_decay=trainer.weight_decay)
+        self.optimizer = adamw(self.policy.parameters(), trainer)
         self.reward_fn, self.aggregate_fn, self.shaping_fn = reward_fn, aggregate_fn, shaping_fn
         self.reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
         self.reference = None
@@ -81,8 +81,7 @@ class LocalBackend:
 
             self.critic = value_model_from_policy(self.policy) if critic == "policy" \
                 else value_model_from_reward_model(critic)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic_lr or trainer.lr,
-                                                      betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
+            self.critic_optimizer = adamw(self.critic.parameters(), trainer, critic_lr or trainer.lr)
         self.policy_version, self.restarts = 0, 0
         self._busy = {"generators": 0.0, "trainers": 0.0}
 

@@ -69,9 +69,16 @@ class TrainerConfig(NamedTuple):
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
+    adam_eps: float = 1e-8  # AdamW's epsilon
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # rows per forward/backward on one rank
     bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
+
+
+def adamw(params, cfg: TrainerConfig, lr: Optional[float] = None) -> torch.optim.AdamW:
+    """torch's AdamW with ``cfg``'s settings (``lr`` in place of ``cfg.lr`` where given)."""
+    return torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)
 
 
 def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
@@ -162,8 +169,7 @@ class DeepSpeedRank:
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
                                    init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                    world_size=self.world_size)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=self.config.lr, betas=tuple(self.config.betas),
-                                      weight_decay=self.config.weight_decay)
+        optimizer = adamw(module.parameters(), self.config)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
         self.device = self.engine.device

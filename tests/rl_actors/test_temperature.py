@@ -74,8 +74,10 @@ def test_the_driver_logs_the_same_numbers_on_1_and_2_ranks(runs):
                 "grad_norm", "mismatch/k3", "mismatch/max_abs_logp_diff", "mismatch/is_weight_mean", "reward/mean"):
         assert rl2[key] == pytest.approx(rl1[key], abs=1e-6), (key, rl2[key], rl1[key])
     assert rl1["policy/entropy"] > 0.1 and rl1["grad_norm"] > 0  # real values, not zeros
-    for key in ("loss/sft", "sft/tokens", "grad_norm"):
+    for key in ("loss/sft", "sft/tokens"):
         assert sft2[key] == pytest.approx(sft1[key], rel=1e-6), (key, sft2[key], sft1[key])
+    # a norm over 0.6M summed gradients: float32 rounding of another summation order is ~1e-6 of it
+    assert sft2["grad_norm"] == pytest.approx(sft1["grad_norm"], rel=1e-5), (sft2["grad_norm"], sft1["grad_norm"])
     assert sft1["loss/sft"] > 1.0
 
 
