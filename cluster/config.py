@@ -20,7 +20,7 @@ from primitives.hooks import (
     load_function,  # noqa: F401 (the job's hooks resolve here, before Ray starts)
 )
 from primitives.rewards import RewardSpec
-from primitives.types import ModelConfig
+from primitives.types import ModelConfig, VLLMConfig
 
 Scalar = Union[bool, int, float, str]  # a value of a config dict (task or reward arguments)
 
@@ -46,7 +46,8 @@ class ClusterConfig(NamedTuple):
     reference_gpus: float = 0.0  # GPUs per reference worker
     reward_cpus: float = 1.0  # CPUs per reward worker
     placement: str = "PACK"  # placement of each role's actors: PACK or SPREAD across nodes
-    generator_backend: str = "auto"  # auto (vLLM if installed and a GPU is visible), hf or vllm
+    generator_backend: str = "auto"  # auto (vLLM if installed and a GPU is visible, else HF), hf or vllm (also on CPU)
+    vllm: VLLMConfig = VLLMConfig()  # the vLLM engine's settings (generator workers running vLLM)
     pin_roles: bool = False  # pin generators to generator_node and trainers to trainer_node nodes (k8s/ groups)
     threads_per_actor: int = 1  # torch threads in each actor
     ray_address: Optional[str] = None  # Ray address to join (default: RAY_ADDRESS, else a local Ray)

@@ -107,8 +107,30 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
             (not cluster.generate_on_trainers or cluster.generator_backend != "vllm",
              "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
              "vllm needs generator workers of its own"),
-        ]
+        ] + vllm_errors(cluster)
     return _checks(checks)
+
+
+def vllm_errors(cluster) -> list:
+    """``cluster.vllm`` settings that cannot apply where the generators run (CPU: no GPUs)."""
+    v, gpus = cluster.vllm, cluster.generator_gpus
+    return [
+        (v.tensor_parallel_size >= 1, f"cluster.vllm.tensor_parallel_size must be at least 1, got "
+                                      f"{v.tensor_parallel_size}"),
+        (v.tensor_parallel_size == 1 or gpus > 0,
+         f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size} splits the model over GPUs; the generators "
+         f"run on CPU (cluster.generator_gpus 0), where vLLM runs one process per engine"),
+        (v.tensor_parallel_size == 1 or gpus == 0 or gpus >= v.tensor_parallel_size,
+         f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size} needs cluster.generator_gpus >= "
+         f"{v.tensor_parallel_size} (each generator worker's placement bundle holds its engine's GPUs), got {gpus}"),
+        (0 < v.gpu_memory_utilization <= 1,
+         f"cluster.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}"),
+        (v.max_model_len is None or v.max_model_len >= 2,
+         f"cluster.vllm.max_model_len must be at least 2 tokens, got {v.max_model_len}"),
+        (v.cpu_kv_cache_gib >= 1, f"cluster.vllm.cpu_kv_cache_gib must be at least 1, got {v.cpu_kv_cache_gib}"),
+        (not v.enable_sleep_mode or gpus > 0,
+         "cluster.vllm.enable_sleep_mode releases GPU memory; the generators run on CPU (cluster.generator_gpus 0)"),
+    ]
 
 
 def sft_errors(sft, in_rl_job: bool) -> list:

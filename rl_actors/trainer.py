@@ -221,17 +221,16 @@ class TrainerWorker:
         return True
 
     def _send_to_vllm(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
-        """vLLM's trainer side of its NCCL weight transfer (packed buffers, names in ``meta``
-        order, as the generators' ``update_weights`` call expects)."""
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+        """The trainer side of vLLM's NCCL weight transfer (GPU generators): its packed producer,
+        names in ``meta`` order, buffers of vLLM's default geometry, which the generators' init
+        info leaves at its default too (``VLLMEngine.init_transfer``)."""
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         params = dict(self.module.named_parameters())
         with self.ds.gathered([m.name for m in meta]):
             if self.rank == 0:
-                args = NCCLTrainerSendWeightsArgs(group=self.sync_group, packed=True,
-                                                  packed_buffer_size_bytes=bucket_bytes)
-                NCCLWeightTransferEngine.trainer_send_weights(
-                    ((m.name, params[m.name].data.to(DTYPES_BY_NAME[m.dtype])) for m in meta), args)
+                tensors = ((m.name, params[m.name].data.to(DTYPES_BY_NAME[m.dtype])) for m in meta)
+                packed_nccl_broadcast_producer(tensors, self.sync_group, 0, post_iter_func=lambda item: item[1])
         return sum(m.nbytes for m in meta)
 
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:

@@ -1,0 +1,102 @@
+"""A vLLM generator worker (vLLM's CPU build) beside 2 ZeRO-2 trainer ranks on a local Ray:
+the weights it samples with equal the trainer's after every sync (read inside vLLM's worker,
+through its kernels), rollouts carry the synced version, and its behaviour logprobs agree
+with the trainer's at T = 1 and T = 0.7. vLLM must import here: a CI without it fails."""
+import numpy as np
+import pytest
+import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
+
+from cluster.config import ClusterConfig
+from cluster.driver import gather, sync_weights, train
+from cluster.groups import call, fan_out
+from cluster.setup import build_rl_cluster, shutdown_cluster
+from primitives.algorithms import constant_schedule, grpo
+from primitives.batching import make_batch
+from primitives.data import make_prompt_source
+from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.types import GenerationConfig
+from rl_actors.trainer import TrainerConfig
+from tests.conftest import scored_rollouts
+
+# measured on this CPU, fp32 (2026-11-25): vLLM's and the trainer's logprobs of the same tokens
+# differ by at most 4.8e-7 at T = 1 and at T = 0.7 (other kernels, the same weights); the bound
+# leaves 20x for another CPU. A tied output head left with the old table (the bug the layerwise
+# reload has on CPU, rl_actors.vllm_transfer.refresh_tied_heads) puts it at 0.10.
+PARITY = 1e-5
+
+
+def _spread_reward(rollout) -> float:
+    """Varies with the sampled tokens, so a random model's groups have spread and a step moves the weights."""
+    return float(int(rollout.completion_ids.sum()) % 3)
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(ray_local, tiny_model_path):
+    cfg = ClusterConfig(generators=1, trainers=2, zero_stage=2, generator_backend="vllm", call_timeout_s=300)
+    cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=16),
+                               _spread_reward, with_reference=False, bucket_mb=0.25)  # several buckets a sync
+    yield cluster
+    shutdown_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def items():
+    return make_arithmetic_task(ArithmeticTaskSpec(num_train=32, num_heldout=4))[0]
+
+
+def _checksums(cluster, role):
+    return gather(fan_out(getattr(cluster, role), "weight_checksums"), cluster.timeout_s)
+
+
+def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
+    info = gather([call(vllm_cluster.generators, 0, "info")], vllm_cluster.timeout_s)[0]
+    assert info["backend"] == "vllm"
+    assert vllm_cluster.sync_address.protocol == "torch"  # the trainer's bucketed gloo wire
+
+
+def _rollout_versions(cluster, items) -> set:
+    gen = GenerationConfig(max_new_tokens=3)
+    return {r.policy_version for r in gather([call(cluster.generators, 0, "generate", items[:2], gen)],
+                                             cluster.timeout_s)[0]}
+
+
+def test_every_sync_leaves_vllm_with_the_trainer_weights_and_version(vllm_cluster, items, tiny_model_path):
+    """Before training both hold the checkpoint; after two RL steps (each ends in a sync) vLLM
+    holds exactly the trainer's new weights; a train step without a sync leaves vLLM behind (so
+    the comparison can fail), and the next sync brings it level and stamps the next version."""
+    start = _checksums(vllm_cluster, "trainers")[0]
+    assert _checksums(vllm_cluster, "generators")[0] == start
+    state = train(vllm_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.0)),
+                  GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=2,
+                  lr_schedule=lambda s: 1e-3, progress=False)
+    trainer = _checksums(vllm_cluster, "trainers")
+    assert trainer[0] == trainer[1] and trainer[0] != start
+    assert _checksums(vllm_cluster, "generators")[0] == trainer[0]
+    assert _rollout_versions(vllm_cluster, items) == {state.policy_version} == {2}
+
+    rollouts, tok = scored_rollouts(tiny_model_path)
+    algo = grpo(kl_coef=0.0)
+    batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
+    gather(fan_out(vllm_cluster.trainers, "train_step", batch, algo, 1.0), vllm_cluster.timeout_s)
+    moved = _checksums(vllm_cluster, "trainers")[0]
+    assert moved != trainer[0] and _checksums(vllm_cluster, "generators")[0] == trainer[0]
+    sync_weights(vllm_cluster, version=3)
+    assert _checksums(vllm_cluster, "generators")[0] == moved
+    assert _rollout_versions(vllm_cluster, items) == {3}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vllm_logprobs_equal_the_trainer_logprobs(vllm_cluster, items, temperature):
+    """Invariant 1b with vLLM: behaviour logprobs of fresh rollouts == the trainer's
+    recomputation at the sampling temperature (``mismatch/*`` would log this gap)."""
+    sync_weights(vllm_cluster, version=9)
+    gen = GenerationConfig(max_new_tokens=6, n=4, temperature=temperature)
+    rollouts = gather([call(vllm_cluster.generators, 0, "generate", items[:6], gen)], vllm_cluster.timeout_s)[0]
+    assert len(rollouts) == 24 and {r.policy_version for r in rollouts} == {9}
+    group = [r.completion_ids.tolist() for r in rollouts[:4]]
+    assert len({tuple(g) for g in group}) > 1  # one prompt's samples differ (a seed per request)
+    trainer = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, temperature)], vllm_cluster.timeout_s)[0]
+    diff = max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts))
+    assert diff < PARITY, diff
+    other = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.7 - temperature)], vllm_cluster.timeout_s)[0]
+    assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(other, rollouts)) > 100 * PARITY  # T matters
