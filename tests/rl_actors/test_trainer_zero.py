@@ -40,7 +40,8 @@ def _compare_weights(got, expected, what):
 
 def _trainer_group(ray, path, stage, world=2):
     remote = ray.remote(num_cpus=1)(TrainerWorker)
-    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)  # several micro-batches
+    # micro-batches of 3: several per rank
+    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)
     actors = [remote.remote(ModelConfig(path), r, world, cfg, 0) for r in range(world)]
     addr = ray.get(actors[0].endpoint.remote())
     ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
