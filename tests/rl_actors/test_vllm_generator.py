@@ -2,6 +2,8 @@
 the weights it samples with equal the trainer's after every sync (read inside vLLM's worker,
 through its kernels), rollouts carry the synced version, and its behaviour logprobs agree
 with the trainer's at T = 1 and T = 0.7. vLLM must import here: a CI without it fails."""
+import string
+
 import numpy as np
 import pytest
 import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
@@ -100,3 +102,79 @@ def test_vllm_logprobs_equal_the_trainer_logprobs(vllm_cluster, items, temperatu
     assert diff < PARITY, diff
     other = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.7 - temperature)], vllm_cluster.timeout_s)[0]
     assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(other, rollouts)) > 100 * PARITY  # T matters
+
+
+def test_tool_turns_through_vllm_are_masked(vllm_cluster, items):
+    """The multi-turn loop on a vLLM generator (its turn generator): every turn calls the
+    calculator, the tool's tokens are out of the loss and carry no logprob, and the trainer
+    scores the policy's tokens as vLLM sampled them."""
+    from primitives.data import PromptItem
+    from primitives.tools import ToolConfig, calculator_tool, create_tool_executor
+    from tests.cluster.test_extension_points import always_calc, stop_after_tool
+
+    sync_weights(vllm_cluster, version=11)
+    tools = ToolConfig(create_tool_executor({"calc": calculator_tool}), always_calc, stop_after_tool, max_turns=3)
+    gen = GenerationConfig(max_new_tokens=3, n=2, stop=tuple(string.printable[:94]))  # a truncated turn calls no tool
+    prompts = [PromptItem(i, it.prompt, it.answer) for i, it in enumerate(items[:3])]
+    rollouts = gather([call(vllm_cluster.generators, 0, "generate_multiturn", prompts, gen, tools)],
+                      vllm_cluster.timeout_s)[0]
+    assert len(rollouts) == 6 and {r.policy_version for r in rollouts} == {11}
+    for r in rollouts:
+        masked = r.loss_mask == 0
+        assert masked.any() and (~masked).any() and (r.logprobs[masked] == 0).all()
+        assert len(r.tool_calls) == 1  # "2+3" -> "5", then the stop
+    trainer = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.0)], vllm_cluster.timeout_s)[0]
+    policy_gap = max(float(np.abs(t - r.logprobs)[r.loss_mask == 1].max()) for t, r in zip(trainer, rollouts))
+    assert policy_gap < PARITY, policy_gap
+
+
+def test_asynchronous_rl_with_a_vllm_generator(vllm_cluster, items):
+    """max_staleness 1: step k trains rollouts vLLM sampled with version k - 1 while step k - 1
+    trained; every prompt is trained once; after the run vLLM holds the trainer's weights."""
+    sync_weights(vllm_cluster, version=0)  # a run that starts at version 0 (earlier tests stamped others)
+    logged = []
+    state = train(vllm_cluster, make_prompt_source(items[:12]), constant_schedule(grpo(kl_coef=0.0)),
+                  GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
+                  lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_staleness=1)
+    assert state.iteration == 3
+    assert [m["staleness/mean"] for m in logged] == [0.0, 1.0, 1.0]
+    assert sum(m["batch/rows"] for m in logged) == 3 * 4 * 2
+    trainer = _checksums(vllm_cluster, "trainers")[0]
+    assert _checksums(vllm_cluster, "generators")[0] == trainer
+
+
+def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_local, vllm_cluster, items):
+    """The vLLM generator dies after step 0; step 1 finds it dead, a new vLLM worker takes its
+    bundle, joins the weight sync and receives the current weights, and step 1 is generated
+    again from the same prompts: every step trains all its rows, no prompt twice, and the
+    replacement holds the trainer's weights. (Runs last: it replaces the module's generator.)"""
+    from cluster.ray_backend import RayBackend
+    from tests.rl_actors.test_cluster_sync import _kill_and_wait
+
+    sync_weights(vllm_cluster, version=0)
+    first, logged = vllm_cluster.generators.actors[0], []
+    source, served = make_prompt_source(items[:16]), []
+
+    def recording_source(position, n):
+        got, nxt = source(position, n)
+        served.append((position, [it.index for it in got]))
+        return got, nxt
+
+    def killing_logger(metrics):
+        logged.append(metrics)
+        if metrics["step"] == 0:
+            _kill_and_wait(ray_local, first)
+
+    backend = RayBackend(vllm_cluster)
+    state = train(backend, recording_source, constant_schedule(grpo(kl_coef=0.0)),
+                  GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
+                  lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
+    cluster = backend.cluster
+    assert state.iteration == 3 and logged[-1]["recovery/actor_restarts"] == 1
+    assert cluster.generators.actors[0] != first
+    assert [m["batch/rows"] for m in logged] == [8, 8, 8]
+    drawn = [i for _, got in served for i in got]
+    assert len(served) == 3 and len(set(drawn)) == len(drawn) == 12  # each step's prompts drawn once, none twice
+    info = gather([call(cluster.generators, 0, "info")], cluster.timeout_s)[0]
+    assert info["backend"] == "vllm"
+    assert _checksums(cluster, "generators")[0] == _checksums(cluster, "trainers")[0]
