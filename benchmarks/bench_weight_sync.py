@@ -1,19 +1,24 @@
-"""Weight-sync throughput for a ~100M-parameter Qwen2 against one raw gloo broadcast of the
-same bytes in the same process group (target: at least 80 % of raw).
+"""Weight-sync throughput against one raw gloo broadcast of the same bytes in the same process
+group (target: at least 80 % of raw), into HF generator workers or into vLLM.
 
-Run:  python benchmarks/bench_weight_sync.py [--generators 2 --bucket-mb 64 --repeats 5]
-The source is trainer rank 0 of a 1-rank DeepSpeed ZeRO-2 group; receivers are HF
-generator workers that copy every bucket into their model.
+Run:  python benchmarks/bench_weight_sync.py [--backend hf|vllm --model qwen100m|smollm2
+                                              --generators 2 --bucket-mb 64 --repeats 5]
+The source is trainer rank 0 of a 1-rank DeepSpeed ZeRO-2 group. HF receivers copy every
+bucket into their model; vLLM receives inside its worker process (our gloo engine) and loads
+each bucket through vLLM's layerwise reload, and its raw broadcast is received there too.
+``qwen100m`` is a random ~100M-parameter Qwen2; ``smollm2`` the embedded 135M model.
 """
 import tempfile
 
-from common import bench_parser, median, start_local_ray, table
+from common import bench_parser, median, model_path, start_local_ray, table
 
 
 def main():
     p = bench_parser(__doc__)
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    p.add_argument("--model", choices=("qwen100m", "smollm2"), default="qwen100m")
     args = p.parse_args()
     ray = start_local_ray()
     from cluster.driver import gather, sync_weights
@@ -27,12 +32,13 @@ def main():
 
     spec = TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=14, num_attention_heads=12,
                          num_key_value_heads=12, max_position_embeddings=512)
-    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-sync-"), spec)
+    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-sync-"), spec) if args.model == "qwen100m" \
+        else model_path("smollm2")
     model = ModelConfig(path)
     trainer = ray.remote(num_cpus=1, num_gpus=args.gpus)(TrainerWorker).remote(model, 0, 1, TrainerConfig(zero_stage=2))
     ray.get(trainer.setup.remote(*ray.get(trainer.endpoint.remote())))
     remote = ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker)
-    gens = [remote.remote(model, r, "hf") for r in range(args.generators)]
+    gens = [remote.remote(model, r, args.backend) for r in range(args.generators)]
     meta = ray.get(trainer.weight_meta.remote())
     host, port = ray.get(trainer.endpoint.remote())
     address = SyncAddress(host, port, 1 + args.generators, "nccl" if args.gpus else "gloo")
@@ -56,8 +62,9 @@ def main():
             [f"weight sync ({args.bucket_mb:g} MB buckets)", f"{sync_t:.3f}", f"{nbytes / sync_t / 1e9:.2f}",
              f"{100 * raw_t / sync_t:.0f}%"]]
     print(table(rows, ["path", "median s", "GB/s", "of raw"]))
-    print(f"{numel / 1e6:.1f}M parameters ({nbytes / 1e6:.0f} MB fp32), {len(meta)} tensors, "
-          f"{args.generators} receivers, median of {args.repeats}; checksums equal on all receivers")
+    print(f"{args.model} into {args.backend}: {numel / 1e6:.1f}M parameters ({nbytes / 1e6:.0f} MB fp32), "
+          f"{len(meta)} tensors, {args.generators} receivers, median of {args.repeats}; checksums equal on all "
+          f"receivers")
 
 
 if __name__ == "__main__":

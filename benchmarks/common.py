@@ -18,6 +18,17 @@ def start_local_ray(num_cpus: int = 8):
     return ray
 
 
+def model_path(name: str) -> str:
+    """A local HF directory of an embedded model, as a job resolves it: ``tiny`` (the random tiny
+    Qwen2, built into a temporary directory) or ``smollm2`` (converted once into the model cache)."""
+    import tempfile
+
+    from cluster.job import resolve_model
+    from primitives.types import ModelConfig
+
+    return resolve_model(ModelConfig(name), tempfile.mkdtemp(prefix="bench-"), seed=0).model_name_or_path
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 

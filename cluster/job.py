@@ -714,10 +714,10 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         c = backend.cluster
         reference = "trainers" if c.reference_on_trainers else ("workers" if c.reference is not None else None)
         generation = "trainers" if c.generate_on_trainers else "workers"
-        address = c.ray_address
+        engine, address = c.generator_engine, c.ray_address
     finally:
         shutdown_cluster(backend.cluster)
-    return {"reference": reference, "generation": generation, "ray_address": address,
+    return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
             **accuracy_figures(before, after), **final, "cluster_started_at": cluster_start,
             "startup": startup, "history": history}
 

@@ -49,6 +49,7 @@ class RLCluster(NamedTuple):
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
     reference_on_trainers: bool = False  # every trainer rank holds the reference and scores its own shard
     generate_on_trainers: bool = False  # ``generators`` is a view of the trainer ranks, generating with their module
+    generator_engine: str = "hf"  # the engine the generators run: hf or vllm
 
 
 def stage_seconds(marks: Sequence[tuple]) -> dict:
@@ -210,7 +211,8 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend, protocol), meta,
                         pad_id, int(bucket_mb * 2 ** 20),
                         cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
-                        reference_on_trainers=on_trainers, generate_on_trainers=hosted)
+                        reference_on_trainers=on_trainers, generate_on_trainers=hosted,
+                        generator_engine=next(iter(backends)))
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))

@@ -127,7 +127,8 @@ def vllm_environment(settings: VLLMConfig, num_threads: int, on_gpu: bool) -> di
     needs vLLM's pickle serialisation between its processes on this host. On CPU: the KV cache
     size, no core reserved for vLLM's own use and no thread pinning (Ray places the actors;
     vLLM's pinning would stack every engine on the same cores), and the actor's thread count."""
-    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # its INFO lines drown the job's
     if not on_gpu:
         env.update(VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(max(1, num_threads)))
@@ -256,6 +257,12 @@ class VLLMEngine:
         with self.serving():
             return self.llm.collective_rpc(worker_weight_checksums)[0]
 
+    def broadcast_probe(self, numel: int, dtype: str) -> float:
+        """One raw broadcast in the sync group, received inside vLLM's worker (CPU engine)."""
+        from rl_actors.vllm_transfer import worker_broadcast_probe
+
+        return self.llm.collective_rpc(worker_broadcast_probe, args=(numel, dtype))[0]
+
     def init_transfer(self, address: SyncAddress, rank: int) -> None:
         if self.on_gpu:
             info = {"master_address": address.host, "master_port": address.port, "rank_offset": rank,
@@ -377,6 +384,8 @@ class GeneratorWorker:
         and the baseline the bucketed sync is measured against)."""
         from cluster.weight_sync import DTYPES, raw_broadcast
 
+        if isinstance(self.engine, VLLMEngine):
+            return self.engine.broadcast_probe(numel, dtype)
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], self.sync_rank, self.engine.device)
 
     def logprobs(self, rollouts: Sequence, temperature: float) -> list:

@@ -219,3 +219,12 @@ def worker_weight_checksums(worker) -> dict:
     from cluster.weight_sync import tensor_checksums
 
     return tensor_checksums(model_weights(worker.model_runner.get_model()).items())
+
+
+def worker_broadcast_probe(worker, numel: int, dtype: str) -> float:
+    """``collective_rpc`` target: seconds of one raw broadcast of ``numel`` elements in this
+    worker's sync group (the baseline a weight sync into vLLM is measured against)."""
+    from cluster.weight_sync import DTYPES, raw_broadcast
+
+    engine = worker.weight_transfer_engine
+    return raw_broadcast(engine.group, numel, DTYPES[dtype], engine.rank, torch.device("cpu"))
