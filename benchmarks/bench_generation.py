@@ -30,9 +30,10 @@ def main():
     if args.model == "tiny":
         items = [PromptItem(i, f"{i % 50:02d}+{(7 * i) % 50:02d}=") for i in range(args.prompts)]
     else:
-        items = [PromptItem(i, [{"role": "system", "content": "Reply with the number only."},
-                                {"role": "user", "content": f"What is {i % 97}+{(7 * i) % 89}?"}])
-                 for i in range(args.prompts)]
+        from primitives.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
+
+        spec = ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0)
+        items = chat_arithmetic_items(make_arithmetic_task(spec)[0])
     # eos never ends early at temperature 1 on a random model often enough to matter; count real tokens
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n)
     results = {}

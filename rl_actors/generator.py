@@ -177,16 +177,20 @@ class VLLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path,
                                                        trust_remote_code=config.trust_remote_code)
-        gpu_only = dict(tensor_parallel_size=settings.tensor_parallel_size,
-                        gpu_memory_utilization=settings.gpu_memory_utilization,
-                        enable_sleep_mode=settings.enable_sleep_mode) if self.on_gpu else {}
+        # on CPU, no chunked prefill: a seeded request whose prompt is split over two engine steps
+        # makes vLLM rewind its CPU torch.Generator, which has no offset ("CPU Generator does not
+        # use offset": the engine dies once a call's prompts exceed one step's token budget)
+        device_kwargs = dict(tensor_parallel_size=settings.tensor_parallel_size,
+                             gpu_memory_utilization=settings.gpu_memory_utilization,
+                             enable_sleep_mode=settings.enable_sleep_mode) if self.on_gpu \
+            else dict(enable_chunked_prefill=False)
         # processed logprobs: after temperature (vLLM's default, raw, is before it), which the
         # trainer's importance weight compares with; top-k / top-p renormalise them (see above)
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
                        trust_remote_code=config.trust_remote_code, logprobs_mode="processed_logprobs",
                        max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
                        weight_transfer_config=WeightTransferConfig(backend="nccl" if self.on_gpu else BACKEND),
-                       **gpu_only)
+                       **device_kwargs)
         self.device = torch.device("cuda" if self.on_gpu else "cpu")
         self.asleep = False
         if settings.enable_sleep_mode and self.on_gpu:

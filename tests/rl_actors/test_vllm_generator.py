@@ -104,6 +104,18 @@ def test_vllm_logprobs_equal_the_trainer_logprobs(vllm_cluster, items, temperatu
     assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(other, rollouts)) > 100 * PARITY  # T matters
 
 
+def test_a_call_larger_than_one_engine_step_completes(vllm_cluster):
+    """256 distinct 30-token prompts, seeded samples: 7680 prompt tokens, over vLLM's 4096-token
+    step. With chunked prefill a prompt split over two steps made vLLM rewind its CPU generator,
+    and the engine died ("CPU Generator does not use offset")."""
+    from primitives.data import PromptItem
+
+    many = [PromptItem(i, f"What is {1000 + i} plus {9000 - i}? It is ") for i in range(256)]
+    gen = GenerationConfig(max_new_tokens=2, n=2)
+    rollouts = gather([call(vllm_cluster.generators, 0, "generate", many, gen)], vllm_cluster.timeout_s)[0]
+    assert len(rollouts) == 512 and sum(len(r.prompt_ids) for r in rollouts[::2]) == 256 * 30
+
+
 def test_tool_turns_through_vllm_are_masked(vllm_cluster, items):
     """The multi-turn loop on a vLLM generator (its turn generator): every turn calls the
     calculator, the tool's tokens are out of the loss and carry no logprob, and the trainer
