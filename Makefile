@@ -27,6 +27,8 @@ PYTEST_ARGS ?=
 .PHONY: run test lint venv clean
 
 $(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' || \
+	  { echo "make venv: $(PYTHON) is Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'); vLLM's CPU build needs 3.11 or 3.12 (PYTHON=python3.11 make ...)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja

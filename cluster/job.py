@@ -112,17 +112,20 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
 
 
 def vllm_errors(cluster) -> list:
-    """``cluster.vllm`` settings that cannot apply where the generators run (CPU: no GPUs)."""
+    """``cluster.vllm`` settings that cannot apply where the generators run (CPU: no GPUs), and
+    the vLLM layouts this project has not run."""
     v, gpus = cluster.vllm, cluster.generator_gpus
+    vllm_on_gpus = gpus > 0 and cluster.generator_backend in ("vllm", "auto") and not cluster.generate_on_trainers
     return [
         (v.tensor_parallel_size >= 1, f"cluster.vllm.tensor_parallel_size must be at least 1, got "
                                       f"{v.tensor_parallel_size}"),
         (v.tensor_parallel_size == 1 or gpus > 0,
          f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size} splits the model over GPUs; the generators "
          f"run on CPU (cluster.generator_gpus 0), where vLLM runs one process per engine"),
-        (v.tensor_parallel_size == 1 or gpus == 0 or gpus >= v.tensor_parallel_size,
-         f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size} needs cluster.generator_gpus >= "
-         f"{v.tensor_parallel_size} (each generator worker's placement bundle holds its engine's GPUs), got {gpus}"),
+        (v.tensor_parallel_size == 1 or gpus == 0,
+         f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size}: each of an engine's GPU workers would need a "
+         f"rank of its own in the weight-sync group, which this project does not lay out yet; use 1 (and more "
+         f"cluster.generators)"),
         (0 < v.gpu_memory_utilization <= 1,
          f"cluster.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}"),
         (v.max_model_len is None or v.max_model_len >= 2,
@@ -130,6 +133,10 @@ def vllm_errors(cluster) -> list:
         (v.cpu_kv_cache_gib >= 1, f"cluster.vllm.cpu_kv_cache_gib must be at least 1, got {v.cpu_kv_cache_gib}"),
         (not v.enable_sleep_mode or gpus > 0,
          "cluster.vllm.enable_sleep_mode releases GPU memory; the generators run on CPU (cluster.generator_gpus 0)"),
+        (not vllm_on_gpus or cluster.trainer_gpus > 0,
+         f"cluster.generator_backend {cluster.generator_backend} with cluster.generator_gpus {gpus} and "
+         f"cluster.trainer_gpus 0: vLLM on GPUs receives weights over NCCL, which CPU trainers cannot send; give "
+         f"the trainers GPUs, or use cluster.generator_backend hf"),
     ]
 
 

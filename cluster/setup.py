@@ -247,7 +247,7 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
-    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i) for i in range(gens)]
+    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i, cluster.bucket_bytes) for i in range(gens)]
     joins += [call(cluster.reference, r, "init_weight_sync", sync, 1 + gens + r) for r in range(refs)]
     gather(joins, cluster.timeout_s)
     return cluster._replace(sync_address=sync)

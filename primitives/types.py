@@ -68,7 +68,7 @@ class VLLMConfig(NamedTuple):
     """The vLLM engine's settings a user tunes (``cluster.vllm``); they apply where a generator
     worker runs vLLM (``cluster.generator_backend: vllm``, or auto with GPUs)."""
 
-    tensor_parallel_size: int = 1  # GPUs one generator's engine spans (GPU only; cluster.generator_gpus holds them)
+    tensor_parallel_size: int = 1  # GPUs one generator's engine spans; only 1 runs today (more: a named error)
     gpu_memory_utilization: float = 0.9  # GPU only: share of the GPU vLLM takes for weights and KV cache
     max_model_len: Optional[int] = None  # longest prompt + completion in tokens (None: the model's own limit)
     enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (reset at every weight sync)

@@ -135,6 +135,26 @@ def vllm_environment(settings: VLLMConfig, num_threads: int, on_gpu: bool) -> di
     return env
 
 
+VLLM_NCCL_BUFFERS = 2  # packed buffers in flight in vLLM's NCCL weight transfer (trainer and generators agree)
+
+
+def check_transfer_plugin(role: str) -> None:
+    """vLLM on CPU receives weights through our engine, which vLLM registers in its own processes
+    from this project's ``vllm.general_plugins`` entry point: name what is missing before vLLM
+    starts (else its worker fails deep inside with an unknown backend)."""
+    from importlib.metadata import entry_points
+
+    from rl_actors.vllm_transfer import PLUGIN
+
+    if PLUGIN not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        raise RuntimeError(f"{role}: vLLM's plugin entry point '{PLUGIN}' is not installed; install this project "
+                           f"(pip install -e ., as make venv does) so vLLM's processes can receive weights")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN not in allowed.split(","):
+        raise RuntimeError(f"{role}: VLLM_PLUGINS={allowed!r} leaves out '{PLUGIN}', which carries the weights "
+                           f"into vLLM on CPU; add it or unset VLLM_PLUGINS")
+
+
 def vllm_seeds(base: int, rows: int) -> list:
     """One sampling seed per request of a call: rows of the same prompt (a GRPO group) must not
     share a seed, or vLLM would sample them alike."""
@@ -169,6 +189,8 @@ class VLLMEngine:
 
         check_model_path(config.model_name_or_path, role)
         self.on_gpu, self.settings = gpu_visible(), settings
+        if not self.on_gpu:
+            check_transfer_plugin(role)
         os.environ.update(vllm_environment(settings, num_threads, self.on_gpu))
         from vllm import LLM
         from vllm.config import WeightTransferConfig
@@ -238,20 +260,21 @@ class VLLMEngine:
             self.asleep = True
 
     def sampler(self, seed: int, rank: int, version: int, items: Sequence) -> int:
-        """The call's base seed: the HF sampler's key (``sampler_key``) as an integer; request
-        ``j`` samples with ``base + j`` in vLLM's processes."""
+        """The call's base seed: the HF sampler's key (``sampler_key``: the job's seed, the
+        generator's rank, the policy version, the first prompt); request ``j`` samples with
+        ``base + j`` in vLLM's processes. As on the HF engine, ``GenerationConfig.seed`` is not
+        read: the worker's seed is the job's."""
         return sampler_key(seed, rank, version, items)
 
     def generate(self, items, gen: GenerationConfig, version: int, generator: int) -> list:
         prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items], gen.template_kwargs)
         rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(gen.n)]
-        base = generator if gen.seed is None else gen.seed + version
-        outs = self._outputs([ids for _, ids, _ in rows], gen, base)
+        outs = self._outputs([ids for _, ids, _ in rows], gen, generator)
         return [pack_rollout(it, ids, o, k, version) for (it, ids, k), o in zip(rows, outs)]
 
     def turn_generator(self, gen: GenerationConfig, generator: int) -> Callable:
         """Each turn of each conversation samples with the next seed of the call's stream."""
-        calls = itertools.count(generator if gen.seed is None else gen.seed)
+        calls = itertools.count(generator)
         return lambda context_ids: self._outputs([context_ids], gen, next(calls))[0]
 
     def weight_checksums(self) -> dict:
@@ -267,10 +290,13 @@ class VLLMEngine:
 
         return self.llm.collective_rpc(worker_broadcast_probe, args=(numel, dtype))[0]
 
-    def init_transfer(self, address: SyncAddress, rank: int) -> None:
+    def init_transfer(self, address: SyncAddress, rank: int, bucket_bytes: int) -> None:
+        """Join the sync group as ``rank``. On a GPU, vLLM's NCCL engine takes packed buffers of
+        ``bucket_bytes``, two in flight, as the trainer sends them (``TrainerWorker._send_to_vllm``)."""
         if self.on_gpu:
             info = {"master_address": address.host, "master_port": address.port, "rank_offset": rank,
-                    "world_size": address.world_size, "packed": True}
+                    "world_size": address.world_size, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
+                    "packed_num_buffers": VLLM_NCCL_BUFFERS}
         else:
             from rl_actors.vllm_transfer import init_info
 
@@ -355,10 +381,12 @@ class GeneratorWorker:
         return self.clock.read()
 
     # --------------------------------------------------------------- weight sync
-    def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
+    def init_weight_sync(self, address: SyncAddress, rank: int, bucket_bytes: int = 64 * 2 ** 20) -> bool:
+        """Join the weight-sync group as ``rank`` (vLLM on a GPU also fixes its receive buffers to
+        ``bucket_bytes``, the cluster's bucket size)."""
         self.sync_rank = rank
         if isinstance(self.engine, VLLMEngine):
-            self.engine.init_transfer(address, rank)
+            self.engine.init_transfer(address, rank, bucket_bytes)
         else:
             self.sync_group = init_sync_group(address, rank)
         return True

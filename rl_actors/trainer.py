@@ -222,15 +222,18 @@ class TrainerWorker:
 
     def _send_to_vllm(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
         """The trainer side of vLLM's NCCL weight transfer (GPU generators): its packed producer,
-        names in ``meta`` order, buffers of vLLM's default geometry, which the generators' init
-        info leaves at its default too (``VLLMEngine.init_transfer``)."""
+        names in ``meta`` order, ``VLLM_NCCL_BUFFERS`` buffers of ``bucket_bytes`` in flight, as
+        the generators' init info fixed them (``VLLMEngine.init_transfer``)."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        from rl_actors.generator import VLLM_NCCL_BUFFERS
 
         params = dict(self.module.named_parameters())
         with self.ds.gathered([m.name for m in meta]):
             if self.rank == 0:
                 tensors = ((m.name, params[m.name].data.to(DTYPES_BY_NAME[m.dtype])) for m in meta)
-                packed_nccl_broadcast_producer(tensors, self.sync_group, 0, post_iter_func=lambda item: item[1])
+                packed_nccl_broadcast_producer(tensors, self.sync_group, 0, post_iter_func=lambda item: item[1],
+                                               buffer_size_bytes=bucket_bytes, num_buffers=VLLM_NCCL_BUFFERS)
         return sum(m.nbytes for m in meta)
 
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:

@@ -31,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from cluster.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group
 
 BACKEND = "rayrl_gloo"
+PLUGIN = "rayrl_gloo"  # the entry point's name in pyproject.toml
 
 
 def register() -> None:
@@ -164,8 +165,8 @@ def model_weights(model: torch.nn.Module) -> dict:
                 weight = _through_kernel(module, module.input_size)
                 for part, (w, b) in _split_fused(name, module, packed, weight, getattr(module, "bias", None)).items():
                     out[f"{part}.weight"] = w
-                    if b is not None:
-                        out[f"{part}.bias"] = b.detach().contiguous()
+                    if b is not None:  # vLLM's small-GEMM path may hold the bias in fp32
+                        out[f"{part}.bias"] = b.detach().to(module.params_dtype).contiguous()
             elif isinstance(module, ParallelLMHead):
                 heads[name] = _through_kernel(module, module.embedding_dim)[: module.org_vocab_size]
         for name, p in params.items():
@@ -201,6 +202,8 @@ def _split_fused(name: str, module, packed: dict, weight: torch.Tensor, bias) ->
         return {name: (weight, bias)}
     parts = [f"{prefix}.{p}" if prefix else p for p in packed[leaf]]
     sizes = list(module.output_sizes)
+    if len(parts) != len(sizes):  # a fused layer that HF also fuses (one name for all parts)
+        return {name: (weight, bias)}
     weights = [w.contiguous() for w in weight.split(sizes)]
     biases = bias.detach().split(sizes) if bias is not None else [None] * len(parts)
     return {p: (w, b) for p, w, b in zip(parts, weights, biases)}
@@ -227,4 +230,7 @@ def worker_broadcast_probe(worker, numel: int, dtype: str) -> float:
     from cluster.weight_sync import DTYPES, raw_broadcast
 
     engine = worker.weight_transfer_engine
+    if not isinstance(engine, GlooWeightTransferEngine):
+        raise RuntimeError(f"the raw-broadcast probe measures the {BACKEND} engine (vLLM on CPU), not "
+                           f"{type(engine).__name__}")
     return raw_broadcast(engine.group, numel, DTYPES[dtype], engine.rank, torch.device("cpu"))

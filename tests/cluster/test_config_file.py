@@ -235,20 +235,26 @@ def test_which_generator_and_truncation_go_together(changes, refused):
 @pytest.mark.parametrize("cluster, refused", [
     ({"generator_backend": "vllm", "vllm": {"tensor_parallel_size": 2}},
      "cluster.vllm.tensor_parallel_size 2 splits the model over GPUs; the generators run on CPU"),
-    ({"generator_backend": "vllm", "generator_gpus": 1, "vllm": {"tensor_parallel_size": 2}},
-     "cluster.vllm.tensor_parallel_size 2 needs cluster.generator_gpus >= 2"),
+    ({"generator_backend": "vllm", "generator_gpus": 2, "trainer_gpus": 1, "vllm": {"tensor_parallel_size": 2}},
+     "cluster.vllm.tensor_parallel_size 2: each of an engine's GPU workers would need a rank of its own"),
+    ({"generator_backend": "vllm", "generator_gpus": 1}, "cluster.generator_backend vllm with cluster.generator_gpus "
+                                                         "1.0 and cluster.trainer_gpus 0: vLLM on GPUs receives"),
+    ({"generator_gpus": 1}, "cluster.generator_backend auto with cluster.generator_gpus 1.0 and"),
     ({"generator_backend": "vllm", "vllm": {"enable_sleep_mode": True}},
      "cluster.vllm.enable_sleep_mode releases GPU memory; the generators run on CPU"),
     ({"vllm": {"gpu_memory_utilization": 1.5}}, "cluster.vllm.gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"vllm": {"cpu_kv_cache_gib": 0}}, "cluster.vllm.cpu_kv_cache_gib must be at least 1, got 0"),
     ({"vllm": {"max_model_len": 1}}, "cluster.vllm.max_model_len must be at least 2 tokens, got 1"),
-    ({"generator_backend": "vllm", "generator_gpus": 2, "vllm": {"tensor_parallel_size": 2,
-                                                                 "enable_sleep_mode": True}}, None),
+    ({"generator_backend": "vllm", "generator_gpus": 1, "trainer_gpus": 1, "vllm": {"enable_sleep_mode": True,
+                                                                                      "gpu_memory_utilization": 0.5}},
+     None),
+    ({"generator_backend": "hf", "generator_gpus": 1}, None),  # HF generators on GPUs take the trainers' gloo
     ({"generator_backend": "vllm", "vllm": {"max_model_len": 64, "cpu_kv_cache_gib": 2}}, None),
-], ids=["tp-on-cpu", "tp-over-gpus", "sleep-on-cpu", "gpu-share", "kv-cache", "max-len", "gpu-ok", "cpu-ok"])
+], ids=["tp-on-cpu", "tp-on-gpus", "vllm-gpus-cpu-trainers", "auto-gpus-cpu-trainers", "sleep-on-cpu", "gpu-share",
+        "kv-cache", "max-len", "gpu-ok", "hf-gpus-cpu-trainers", "cpu-ok"])
 def test_vllm_settings_that_cannot_apply_are_named_before_ray(cluster, refused):
     from cluster.job import rl_errors
 
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
-    errors = [e for e in rl_errors(job) if "cluster.vllm." in e]
+    errors = [e for e in rl_errors(job) if "cluster.vllm." in e or "receives weights over NCCL" in e]
     assert (errors == []) if refused is None else (len(errors) == 1 and refused in errors[0]), errors

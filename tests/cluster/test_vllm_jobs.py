@@ -31,7 +31,8 @@ def _run(args):
 def test_default_job_with_vllm_generator_workers_learns(tmp_path):
     """The default job with 2 vLLM generator workers in place of generation on the trainer ranks:
     weights go to vLLM after every step, and held-out greedy accuracy (greedy decoding by vLLM)
-    gains at least 15 points, as on the HF path (here: 0.602 -> 0.879 at 256 held-out problems)."""
+    gains at least 15 points, as on the HF path (0.602 -> 0.879 on the full job's 256 held-out
+    problems)."""
     summary = _run([DEFAULT, "--logging.out", str(tmp_path / "run"), "--cluster.generate-on-trainers", "False",
                     "--cluster.generator-backend", "vllm",
                     "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])

@@ -14,7 +14,7 @@ from cluster.groups import call, fan_out
 from cluster.setup import build_rl_cluster, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
 from primitives.batching import make_batch
-from primitives.data import make_prompt_source
+from primitives.data import PromptItem, make_prompt_source
 from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
@@ -56,6 +56,10 @@ def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
     assert vllm_cluster.sync_address.protocol == "torch"  # the trainer's bucketed gloo wire
 
 
+def _generate(cluster, prompts, gen=GenerationConfig(max_new_tokens=4, n=2)) -> list:
+    return gather([call(cluster.generators, 0, "generate", prompts, gen)], cluster.timeout_s)[0]
+
+
 def _rollout_versions(cluster, items) -> set:
     gen = GenerationConfig(max_new_tokens=3)
     return {r.policy_version for r in gather([call(cluster.generators, 0, "generate", items[:2], gen)],
@@ -76,6 +80,8 @@ def test_every_sync_leaves_vllm_with_the_trainer_weights_and_version(vllm_cluste
     assert _checksums(vllm_cluster, "generators")[0] == trainer[0]
     assert _rollout_versions(vllm_cluster, items) == {state.policy_version} == {2}
 
+    long_prompt = [PromptItem(0, "12+34=46. " * 20)]  # 200 tokens: whole KV blocks, which the prefix cache keeps
+    _generate(vllm_cluster, long_prompt)  # its KV, computed with the weights before the step, is cached now
     rollouts, tok = scored_rollouts(tiny_model_path)
     algo = grpo(kl_coef=0.0)
     batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
@@ -85,6 +91,11 @@ def test_every_sync_leaves_vllm_with_the_trainer_weights_and_version(vllm_cluste
     sync_weights(vllm_cluster, version=3)
     assert _checksums(vllm_cluster, "generators")[0] == moved
     assert _rollout_versions(vllm_cluster, items) == {3}
+    # the same long prompt after the sync: sampled with the new weights, prompt KV included (the
+    # sync resets the prefix cache; a stale cached prompt puts these logprobs far off the trainer's)
+    again = _generate(vllm_cluster, long_prompt)
+    trainer_logprobs = gather([call(vllm_cluster.trainers, 0, "logprobs", again, 1.0)], vllm_cluster.timeout_s)[0]
+    assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer_logprobs, again)) < PARITY
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -108,8 +119,6 @@ def test_a_call_larger_than_one_engine_step_completes(vllm_cluster):
     """256 distinct 30-token prompts, seeded samples: 7680 prompt tokens, over vLLM's 4096-token
     step. With chunked prefill a prompt split over two steps made vLLM rewind its CPU generator,
     and the engine died ("CPU Generator does not use offset")."""
-    from primitives.data import PromptItem
-
     many = [PromptItem(i, f"What is {1000 + i} plus {9000 - i}? It is ") for i in range(256)]
     gen = GenerationConfig(max_new_tokens=2, n=2)
     rollouts = gather([call(vllm_cluster.generators, 0, "generate", many, gen)], vllm_cluster.timeout_s)[0]
@@ -120,7 +129,6 @@ def test_tool_turns_through_vllm_are_masked(vllm_cluster, items):
     """The multi-turn loop on a vLLM generator (its turn generator): every turn calls the
     calculator, the tool's tokens are out of the loss and carry no logprob, and the trainer
     scores the policy's tokens as vLLM sampled them."""
-    from primitives.data import PromptItem
     from primitives.tools import ToolConfig, calculator_tool, create_tool_executor
     from tests.cluster.test_extension_points import always_calc, stop_after_tool
 
