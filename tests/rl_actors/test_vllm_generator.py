@@ -1,4 +1,5 @@
-"""A vLLM generator worker (vLLM's CPU build) beside 2 ZeRO-2 trainer ranks on a local Ray:
+"""A vLLM generator worker (vLLM's CPU build) and a policy-tracking reference worker beside 2 ZeRO-2
+trainer ranks on a local Ray:
 the weights it samples with equal the trainer's after every sync (read inside vLLM's worker,
 through its kernels), rollouts carry the synced version, and its behaviour logprobs agree
 with the trainer's at T = 1 and T = 0.7. vLLM must import here: a CI without it fails."""
@@ -15,6 +16,7 @@ from cluster.setup import build_rl_cluster, shutdown_cluster
 from primitives.algorithms import constant_schedule, grpo
 from primitives.batching import make_batch
 from primitives.data import PromptItem, make_prompt_source
+from primitives.kl import create_periodic_updater
 from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
@@ -35,8 +37,10 @@ def _spread_reward(rollout) -> float:
 @pytest.fixture(scope="module")
 def vllm_cluster(ray_local, tiny_model_path):
     cfg = ClusterConfig(generators=1, trainers=2, zero_stage=2, generator_backend="vllm", call_timeout_s=300)
+    # a reference worker that tracks the policy (reset at every sync) joins the same gloo group
     cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=16),
-                               _spread_reward, with_reference=False, bucket_mb=0.25)  # several buckets a sync
+                               _spread_reward, with_reference=True, ref_update_fn=create_periodic_updater(1),
+                               bucket_mb=0.25)  # several buckets a sync
     yield cluster
     shutdown_cluster(cluster)
 
@@ -78,6 +82,7 @@ def test_every_sync_leaves_vllm_with_the_trainer_weights_and_version(vllm_cluste
     trainer = _checksums(vllm_cluster, "trainers")
     assert trainer[0] == trainer[1] and trainer[0] != start
     assert _checksums(vllm_cluster, "generators")[0] == trainer[0]
+    assert _checksums(vllm_cluster, "reference")[0] == trainer[0]  # the tracking reference read the same broadcast
     assert _rollout_versions(vllm_cluster, items) == {state.policy_version} == {2}
 
     long_prompt = [PromptItem(0, "12+34=46. " * 20)]  # 200 tokens: whole KV blocks, which the prefix cache keeps
