@@ -70,6 +70,13 @@ def test_the_sampler_keeps_its_seeding_rule_on_the_models_device(tiny_model, tok
 
 def test_vllm_samples_in_its_own_processes_without_a_torch_generator():
     """vLLM seeds its own sampling (``SamplingParams.seed``): its engine asks for no torch
-    generator, so a vLLM actor makes none on its GPU."""
-    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: only the sampler rule is read
-    assert engine.sampler(3, 1, 0, ITEMS) is None
+    generator (so a vLLM actor makes none on its GPU), only the integer the HF sampler is seeded
+    with, and each request of a call gets a seed of its own (a GRPO group's rows differ)."""
+    from rl_actors.generator import rollout_sampler, sampler_key, vllm_seeds
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no engine started: only the sampler rule is read
+    seed = engine.sampler(3, 1, 0, ITEMS)
+    assert isinstance(seed, int) and seed == sampler_key(3, 1, 0, ITEMS)
+    assert rollout_sampler(3, 1, 0, ITEMS).initial_seed() == seed  # the HF engine's key, the same call
+    assert seed != engine.sampler(3, 1, 1, ITEMS) != engine.sampler(3, 2, 0, ITEMS)  # version and rank count
+    assert vllm_seeds(seed, 4) == [(seed + j) % 2 ** 31 for j in range(4)] and len(set(vllm_seeds(seed, 8))) == 8
