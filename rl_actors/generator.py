@@ -214,10 +214,9 @@ class VLLMEngine:
                        weight_transfer_config=WeightTransferConfig(backend="nccl" if self.on_gpu else BACKEND),
                        **device_kwargs)
         self.device = torch.device("cuda" if self.on_gpu else "cpu")
+        self.sleeps = settings.enable_sleep_mode and self.on_gpu  # the job check refuses sleep mode on CPU
         self.asleep = False
-        if settings.enable_sleep_mode and self.on_gpu:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        self._sleep()
 
     def _sampling_params(self, gen: GenerationConfig, seed: int):
         from vllm import SamplingParams
@@ -255,7 +254,7 @@ class VLLMEngine:
             self.asleep = False
 
     def _sleep(self) -> None:
-        if self.settings.enable_sleep_mode and self.on_gpu and not self.asleep:
+        if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
 

@@ -209,13 +209,6 @@ def _split_fused(name: str, module, packed: dict, weight: torch.Tensor, bias) ->
     return {p: (w, b) for p, w, b in zip(parts, weights, biases)}
 
 
-def worker_weights(worker) -> dict:
-    """``collective_rpc`` target: HF name -> numpy array of the worker's model (``model_weights``)."""
-    model = worker.model_runner.get_model()
-    return {n: t.detach().to("cpu").float().numpy() if t.dtype == torch.bfloat16 else t.detach().to("cpu").numpy()
-            for n, t in model_weights(model).items()}
-
-
 def worker_weight_checksums(worker) -> dict:
     """``collective_rpc`` target: HF name -> sha1 of the weight's bytes, as ``tensor_checksums``
     hashes a trainer's or an HF generator's parameters."""
