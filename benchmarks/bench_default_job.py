@@ -14,7 +14,7 @@ from common import ROOT, table
 
 def main():
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from cluster.cli import run as rayrl
+    from cluster.jobs.cli import run as rayrl
 
     out = tempfile.mkdtemp(prefix="bench-default-")
     config = os.path.join(ROOT, "examples", "configs", "default.yaml")

@@ -21,8 +21,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch (or vLLM OMP) threads per worker")
     args = p.parse_args()
     ray = start_local_ray()
-    from cluster.groups import split_evenly
-    from primitives.data import PromptItem
+    from cluster.ray_wing.groups import split_evenly
+    from primitives.io.data import PromptItem
     from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
     from rl_actors.generator import GeneratorWorker
 
@@ -30,7 +30,7 @@ def main():
     if args.model == "tiny":
         items = [PromptItem(i, f"{i % 50:02d}+{(7 * i) % 50:02d}=") for i in range(args.prompts)]
     else:
-        from primitives.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
+        from primitives.fixtures.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
 
         spec = ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0)
         items = chat_arithmetic_items(make_arithmetic_task(spec)[0])

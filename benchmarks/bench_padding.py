@@ -1,4 +1,4 @@
-"""Padded vs packed scoring of completions (sequence packing, primitives/packing.py), in one process.
+"""Padded vs packed scoring of completions (sequence packing, primitives/model/packing.py), in one process.
 
 Run:  flock /tmp/heavy.lock .venv/bin/python benchmarks/bench_padding.py [--repeats 5] [--threads 1]
       [--regime tiny|smollm2|both] [--completions sampled|uniform|both] [--device cpu|cuda]
@@ -35,9 +35,9 @@ from common import ROOT, median, table  # noqa: F401  (ROOT puts the checkout on
 
 def tiny_regime(rows: int, seed: int = 0):
     """(model, tokenizer, rollouts, micro_batch_size) with the default job's shapes."""
-    from primitives.generation import encode_prompts
-    from primitives.tasks import make_arithmetic_task
-    from primitives.tiny import build_char_tokenizer, build_tiny_model
+    from primitives.fixtures.tasks import make_arithmetic_task
+    from primitives.fixtures.tiny import build_char_tokenizer, build_tiny_model
+    from primitives.model.prompts import encode_prompts
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=seed)
@@ -52,9 +52,10 @@ def smollm2_regime(rows: int, random_weights: bool, completions: str, seed: int 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from primitives.generation import encode_prompts, generate_tokens
-    from primitives.pretrained import save_smollm2
-    from primitives.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
+    from primitives.fixtures.pretrained import save_smollm2
+    from primitives.fixtures.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
+    from primitives.model.generation import generate_tokens
+    from primitives.model.prompts import encode_prompts
     from primitives.types import GenerationConfig
 
     path = save_smollm2(os.path.expanduser(os.path.join(os.environ.get("RAYRL_MODEL_CACHE") or "~/.cache/rayrl",
@@ -94,7 +95,7 @@ VARIANTS = ("padded, full logits", "padded", "packed, prompts apart", "packed")
 
 def _set_variant(name: str):
     """Route ``completion_logprobs`` to one way of scoring (the library chooses by itself)."""
-    import primitives.logprobs as lp
+    import primitives.model.logprobs as lp
 
     lp.PACK_MIN_SHARE = 0.0 if name.startswith("packed") else float("inf")
     lp._takes_logits_to_keep = (lambda model: False) if name == "padded, full logits" else _TAKES
@@ -104,7 +105,7 @@ def _set_variant(name: str):
 
 def forward_tokens(model, batch, micro: int, variant: str) -> int:
     """Tokens the forward passes over ``batch`` run, in micro-batches of ``micro`` rows."""
-    from primitives.packing import plan_for
+    from primitives.model.packing import plan_for
 
     total = 0
     for s in range(0, batch.size, micro):
@@ -130,10 +131,10 @@ def _ms(fn, repeats: int, sync) -> float:
 def run_regime(name, model, tok, rollouts, micro, repeats, device, dtype):
     import torch
 
-    from primitives import algorithms as algos
-    from primitives.batching import make_batch
-    from primitives.logprobs import rollout_logprobs
-    from primitives.training import forward_backward, step_counts
+    from primitives.maths import algorithms as algos
+    from primitives.maths.batching import make_batch
+    from primitives.model.logprobs import rollout_logprobs
+    from primitives.model.training import forward_backward, step_counts
 
     model.to(device=device, dtype=getattr(torch, dtype))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -165,7 +166,7 @@ def run_regime(name, model, tok, rollouts, micro, repeats, device, dtype):
     print(table([[v, f"{real} / {t}", f"{fb:.1f}", f"{base[1] / fb:.2f}x", f"{ref:.1f}", f"{base[2] / ref:.2f}x"]
                  for v, (t, fb, ref) in results.items()],
                 ["variant", "tokens real / in forward", "fwd+bwd ms", "speed-up", "ref fwd ms", "speed-up"]))
-    from primitives.packing import padding_share
+    from primitives.model.packing import padding_share
 
     for share in (False, True):
         shares = [padding_share(batch.input_ids[s: s + micro], batch.attention_mask[s: s + micro], batch.prompt_len,
@@ -205,7 +206,7 @@ def main():
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    import primitives.logprobs as _lp
+    import primitives.model.logprobs as _lp
 
     _TAKES = _lp._takes_logits_to_keep
     _PLAN_FOR = _lp.plan_for

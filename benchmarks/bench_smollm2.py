@@ -19,7 +19,7 @@ from common import ROOT, table
 
 def main():
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from cluster.cli import run as rayrl
+    from cluster.jobs.cli import run as rayrl
 
     config = os.path.join(ROOT, "examples", "configs", "smollm2_arithmetic.yaml")
     summary = rayrl(["rl", config, *sys.argv[1:]])

@@ -21,14 +21,14 @@ def main():
     p.add_argument("--model", choices=("qwen100m", "smollm2"), default="qwen100m")
     args = p.parse_args()
     ray = start_local_ray()
-    from cluster.driver import gather, sync_weights
-    from cluster.groups import WorkerGroup, fan_out
-    from cluster.setup import RLCluster
-    from cluster.weight_sync import SyncAddress
-    from primitives.tiny import TinyModelSpec, save_tiny_model
+    from cluster.ray_wing.backend import sync_weights
+    from cluster.ray_wing.groups import WorkerGroup, fan_out, gather
+    from cluster.ray_wing.roles import RLCluster
+    from primitives.fixtures.tiny import TinyModelSpec, save_tiny_model
     from primitives.types import ModelConfig
     from rl_actors.generator import GeneratorWorker
     from rl_actors.trainer import TrainerConfig, TrainerWorker
+    from rl_actors.weight_sync import SyncAddress
 
     spec = TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=14, num_attention_heads=12,
                          num_key_value_heads=12, max_position_embeddings=512)

@@ -20,7 +20,7 @@ the ratios compare with. Each run is
         <--steps>] <overrides after --> <variant's extra args>
 
 with the variant's directory as working directory, so the driver imports that checkout's code
-and the actors get it too (cluster/setup.py puts its own checkout on their PYTHONPATH); this is
+and the actors get it too (cluster/ray_wing/roles.py puts its own checkout on their PYTHONPATH); this is
 checked before any run. To let drift hit every variant alike, for each seed and each job the
 variants' start-up runs go back to back, then their full runs.
 
@@ -140,7 +140,9 @@ def check_imports(python: str, path: str) -> dict:
     """Where a driver started in ``path`` imports the packages from, and the repo root its
     actors get; exits naming the checkout when any of them is outside ``path``."""
     probe = ("import json, importlib; mods = {m: importlib.import_module(m).__file__ for m in %r}; "
-             "import cluster.setup as s; mods['actors PYTHONPATH (REPO_ROOT)'] = getattr(s, 'REPO_ROOT', '?'); "
+             "import importlib.util as u; "  # where REPO_ROOT lives: cluster.ray_wing.roles, cluster.setup before it
+             "s = importlib.import_module('cluster.ray_wing.roles' if u.find_spec('cluster.ray_wing') else "
+             "'cluster.setup'); mods['actors PYTHONPATH (REPO_ROOT)'] = getattr(s, 'REPO_ROOT', '?'); "
              "print(json.dumps(mods))" % (PACKAGES,))
     proc = subprocess.run([python, "-c", probe], cwd=path, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -33,18 +33,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from primitives.algorithms import grpo  # noqa: E402
-from primitives.batching import make_batch  # noqa: E402
-from primitives.logprobs import rollout_logprobs  # noqa: E402
-from primitives.rewards import score_rollouts  # noqa: E402
-from primitives.tasks import (  # noqa: E402
+from primitives.env.rewards import score_rollouts  # noqa: E402
+from primitives.fixtures.tasks import (  # noqa: E402
     ArithmeticTaskSpec,
     arithmetic_reward,
     chat_arithmetic_items,
     chat_arithmetic_reward,
     make_arithmetic_task,
 )
-from primitives.training import train_on_batch  # noqa: E402
+from primitives.maths.algorithms import grpo  # noqa: E402
+from primitives.maths.batching import make_batch  # noqa: E402
+from primitives.model.logprobs import rollout_logprobs  # noqa: E402
+from primitives.model.training import train_on_batch  # noqa: E402
 from primitives.types import GenerationConfig, ModelConfig  # noqa: E402
 
 
@@ -66,14 +66,14 @@ def parse(argv=None):
 def model_dir(args, scratch: str) -> tuple:
     """``(directory, chat?)`` of the model to check."""
     if args.model == "tiny":
-        from primitives.tiny import TinyModelSpec, save_tiny_model
+        from primitives.fixtures.tiny import TinyModelSpec, save_tiny_model
 
         heads = max(2, args.hidden // 64)
         spec = TinyModelSpec(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
                              num_attention_heads=heads, num_key_value_heads=max(1, heads // 3))
         return save_tiny_model(os.path.join(scratch, "tiny"), spec, seed=0), False
     if args.model == "smollm2":
-        from primitives.pretrained import save_smollm2
+        from primitives.fixtures.pretrained import save_smollm2
 
         return save_smollm2(os.path.join(os.path.expanduser("~/.cache/rayrl"), "smollm2-135m-instruct")), True
     return os.path.abspath(args.model), True
@@ -81,8 +81,8 @@ def model_dir(args, scratch: str) -> tuple:
 
 def trainer_rank(path: str, lr: float):
     """A 1-rank ZeRO-2 trainer group on this process's device, hosting its generator."""
-    from cluster.weight_sync import free_port
     from rl_actors.trainer import TrainerConfig, TrainerWorker
+    from rl_actors.weight_sync import free_port
 
     cfg = TrainerConfig(zero_stage=2, lr=lr, micro_batch_size=16, max_grad_norm=1.0)
     trainer = TrainerWorker(ModelConfig(path), 0, 1, cfg, seed=0, num_threads=torch.get_num_threads(),

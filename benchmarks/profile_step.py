@@ -43,10 +43,10 @@ def main():
     import torch
 
     torch.set_num_threads(1)
-    from primitives.algorithms import grpo
-    from primitives.batching import make_batch
-    from primitives.tasks import arithmetic_reward, arithmetic_task
-    from primitives.tiny import save_tiny_model
+    from primitives.fixtures.tasks import arithmetic_reward, arithmetic_task
+    from primitives.fixtures.tiny import save_tiny_model
+    from primitives.maths.algorithms import grpo
+    from primitives.maths.batching import make_batch
     from primitives.types import GenerationConfig, ModelConfig
     from rl_actors.generator import GeneratorWorker
     from rl_actors.reference import RefLogprobWorker

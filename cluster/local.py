@@ -1,7 +1,7 @@
 """The local backend of the RL loop: everything in this process, plain torch, no Ray.
 
 ``train(LocalBackend(...), ...)`` is the notebook user's loop (the seeds' ``train(...)``):
-the same ``cluster.driver.train`` that drives a Ray cluster, over the same primitives. The
+the same ``cluster.loop.train.train`` that drives a Ray cluster, over the same primitives. The
 policy generates with the weights it trains (a Ray generator holds an exact copy, synced
 after every step), the reference is a frozen copy (or moved by ``ref_update_fn`` at each
 sync), rewards run here, and a critic (PPO) is a value model with its own optimizer. The
@@ -16,16 +16,19 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from primitives.algorithms import AlgorithmConfig
-from primitives.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
-from primitives.generation import generate_rollouts
+from cluster.loop.protocol import Held, StepResult, plan_parts
+from primitives.env.rewards import score_rollouts
+from primitives.env.tools import hf_turn_generator, multiturn_rollouts
 from primitives.hooks import check_arity
-from primitives.kl import apply_ref_state, create_reference_model, ref_state_from_model
-from primitives.logprobs import rollout_logprobs
-from primitives.rewards import score_rollouts
-from primitives.tools import hf_turn_generator, multiturn_rollouts
-from primitives.training import train_on_batch
-from primitives.types import GenerationConfig, ModelConfig, TrainState
+from primitives.io.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
+from primitives.maths.algorithms import AlgorithmConfig
+from primitives.maths.batching import planned_batch, rollout_metrics
+from primitives.maths.filters import kept_indices
+from primitives.maths.kl import apply_ref_state, create_reference_model, ref_state_from_model
+from primitives.model.generation import generate_rollouts
+from primitives.model.logprobs import rollout_logprobs
+from primitives.model.training import optim_step, sft_eval_loss, sft_forward_backward, train_on_batch
+from primitives.types import BatchPlan, GenerationConfig, ModelConfig, TrainState, planned_rollouts, summarize
 from rl_actors.common import load_causal_lm
 from rl_actors.deepspeed_rank import adamw
 from rl_actors.generator import rollout_sampler
@@ -51,6 +54,7 @@ class LocalBackend:
     """
 
     name = "local"
+    remote = False  # everything runs here: nothing has to pickle
 
     def __init__(self, model, reward_fn: Callable, aggregate_fn: Optional[Callable] = None,
                  shaping_fn: Optional[Callable] = None, with_reference: bool = False,
@@ -77,7 +81,7 @@ class LocalBackend:
         self.ref_state = ref_state_from_model(self.reference) if ref_update_fn is not None else None
         self.critic = self.critic_optimizer = None
         if critic is not None:
-            from primitives.value import value_model_from_policy, value_model_from_reward_model
+            from primitives.model.value import value_model_from_policy, value_model_from_reward_model
 
             self.critic = value_model_from_policy(self.policy) if critic == "policy" \
                 else value_model_from_reward_model(critic)
@@ -131,31 +135,62 @@ class LocalBackend:
         return self.reference_logprobs(self.score(done), temperature)
 
     def fetch(self, done: LocalRollouts) -> tuple:
-        return list(done.rollouts), dict(done.times)
+        part = (list(done.rollouts), None)  # one chunk, held here
+        return [Held(summarize(r), part, i) for i, r in enumerate(part[0])], dict(done.times)
 
-    def values(self, rollouts: Sequence) -> list:
-        from primitives.value import rollout_values
+    def select(self, rows: Sequence, filters: Sequence) -> list:
+        return [rows[k] for k in kept_indices(self.rollouts(rows), filters)]
+
+    def rollouts(self, rows: Sequence) -> list:
+        positions, parts = plan_parts(rows)
+        return planned_rollouts(BatchPlan(positions, self.pad_token_id), parts)
+
+    def values(self, plan: BatchPlan, parts: list) -> list:
+        from primitives.model.value import rollout_values
 
         if self.critic is None:
             raise ValueError("this LocalBackend has no critic; pass critic='policy' for an algorithm whose "
                              "advantage function reads values (PPO's GAE)")
-        return rollout_values(self.critic, rollouts, self.pad_token_id, self.trainer_config.micro_batch_size)
+        return rollout_values(self.critic, planned_rollouts(plan, parts), self.pad_token_id,
+                              self.trainer_config.micro_batch_size)
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch, algo: AlgorithmConfig, temperature: float, lr: Optional[float],
-                   critic: bool = False) -> tuple:
-        """One rollout batch: the policy's updates (and the critic's), as one rank reports them."""
+    def train_step(self, plan: BatchPlan, parts: list, values, algo: AlgorithmConfig, temperature: float,
+                   lr: Optional[float], with_critic: bool = False) -> StepResult:
+        """The planned batch: the policy's updates (and the critic's), as one rank reports them."""
         cfg, t0 = self.trainer_config, time.perf_counter()
+        batch = planned_batch(plan, parts, algo, values)
+        if batch is None:
+            return StepResult([], None, None)
         updates = train_on_batch(self.policy, self.optimizer, batch, algo, temperature, cfg.max_grad_norm,
                                  cfg.micro_batch_size, lr)
         critic_updates = None
-        if critic:  # the critic's updates (the policy's epochs and mini-batches), at the critic's lr
-            from primitives.value import train_values_on_batch
+        if with_critic:  # the critic's updates (the policy's epochs and mini-batches), at the critic's lr
+            from primitives.model.value import train_values_on_batch
 
             critic_updates = train_values_on_batch(self.critic, self.critic_optimizer, batch, algo,
                                                    cfg.max_grad_norm, cfg.micro_batch_size)
         self._busy["trainers"] += time.perf_counter() - t0
-        return [updates], (None if critic_updates is None else [critic_updates])
+        return StepResult([updates], None if critic_updates is None else [critic_updates],
+                          rollout_metrics(batch, plan.component_names))
+
+    def sft_step(self, arrays: tuple, lr: Optional[float]) -> list:
+        """One SFT optimizer step on the collated ``(input_ids, attention_mask, loss_mask)``, the
+        loss normalised by their target-token count (as one trainer rank reports it)."""
+        ids, attn, loss_mask = arrays
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = sft_forward_backward(self.policy, ids, attn, loss_mask, int(loss_mask[:, 1:].sum()),
+                                       self.trainer_config.micro_batch_size)
+        grad_norm = optim_step(self.policy, self.optimizer, self.trainer_config.max_grad_norm)
+        return [{**metrics, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}]
+
+    def sft_eval(self, arrays: tuple) -> list:
+        ids, attn, loss_mask = arrays
+        return [sft_eval_loss(self.policy, ids, attn, loss_mask, int(loss_mask[:, 1:].sum()),
+                              self.trainer_config.micro_batch_size)]
 
     def sync(self, version: int, step: int, kl: Optional[float]) -> dict:
         """The generator already holds the trained weights; a tracking reference moves."""
@@ -169,7 +204,7 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, state: TrainState) -> str:
-        """``policy/`` (``primitives.checkpoint.save_checkpoint``: HF weights, tokenizer,
+        """``policy/`` (``primitives.io.checkpoint.save_checkpoint``: HF weights, tokenizer,
         optimizer, RNG, ``TrainState``), ``reference/`` and ``critic/`` (with its optimizer),
         all in one atomic rename."""
         def write(tmp: str) -> None:
@@ -178,7 +213,7 @@ class LocalBackend:
             if self.reference is not None:
                 self.reference.save_pretrained(os.path.join(tmp, "reference"))
             if self.critic is not None:
-                from primitives.value import save_value_model
+                from primitives.model.value import save_value_model
 
                 save_value_model(self.critic, os.path.join(tmp, "critic"))
                 torch.save(self.critic_optimizer.state_dict(), os.path.join(tmp, "critic_optimizer.pt"))
@@ -198,7 +233,7 @@ class LocalBackend:
             if self.ref_state is not None:
                 self.ref_state = ref_state_from_model(self.reference, extra["ref_last_reset"])
         if self.critic is not None:
-            from primitives.value import load_value_model
+            from primitives.model.value import load_value_model
 
             self.critic.load_state_dict(load_value_model(os.path.join(path, "critic")).state_dict())
             self.critic_optimizer.load_state_dict(torch.load(os.path.join(path, "critic_optimizer.pt")))

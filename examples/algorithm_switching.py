@@ -4,7 +4,7 @@ Run:   python examples/algorithm_switching.py                     (by iteration,
        python examples/algorithm_switching.py --schedule metric   (when a metric passes a threshold)
        python examples/algorithm_switching.py --help              (all flags)
 
-An algorithm is a record of functions and numbers (``primitives.algorithms.AlgorithmConfig``)
+An algorithm is a record of functions and numbers (``primitives.maths.algorithms.AlgorithmConfig``)
 and a schedule is a function ``(iteration, last_metrics) -> AlgorithmConfig`` that the driver
 calls before every step, so a switch is a function, not a mode:
 
@@ -29,17 +29,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.driver import train  # noqa: E402
-from cluster.ray_backend import RayBackend  # noqa: E402
-from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
-from primitives.algorithms import dapo, grpo, metric_switch_schedule, online_dpo, piecewise_schedule  # noqa: E402
-from primitives.data import make_prompt_source  # noqa: E402
-from primitives.filters import dynamic_sampling_filter  # noqa: E402
-from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
-from primitives.rewards import parse_first_number  # noqa: E402
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
-from primitives.tiny import save_tiny_model  # noqa: E402
+from cluster.loop.train import train  # noqa: E402
+from cluster.ray_wing.backend import RayBackend  # noqa: E402
+from cluster.ray_wing.config import ClusterConfig  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from primitives.env.rewards import parse_first_number  # noqa: E402
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
+from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
+from primitives.io.data import make_prompt_source  # noqa: E402
+from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.maths.algorithms import dapo, grpo, metric_switch_schedule, online_dpo, piecewise_schedule  # noqa: E402
+from primitives.maths.filters import dynamic_sampling_filter  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 

@@ -31,17 +31,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.driver import train  # noqa: E402
-from cluster.ray_backend import RayBackend  # noqa: E402
-from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
-from primitives.algorithms import constant_schedule, grpo  # noqa: E402
-from primitives.data import make_prompt_source  # noqa: E402
-from primitives.kl import create_confidence_masked_kl, create_ema_updater, create_truncated_kl  # noqa: E402
-from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
-from primitives.rewards import regex_format_reward  # noqa: E402
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
-from primitives.tiny import save_tiny_model  # noqa: E402
+from cluster.loop.train import train  # noqa: E402
+from cluster.ray_wing.backend import RayBackend  # noqa: E402
+from cluster.ray_wing.config import ClusterConfig  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from primitives.env.rewards import regex_format_reward  # noqa: E402
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
+from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
+from primitives.io.data import make_prompt_source  # noqa: E402
+from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
+from primitives.maths.kl import create_confidence_masked_kl, create_ema_updater, create_truncated_kl  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 

@@ -3,7 +3,7 @@
 Run:   python examples/grpo_single_process.py          (under a minute on 2 cores)
        python examples/grpo_single_process.py --help   (all flags)
 
-The RL loop is ``cluster.driver.train``, the very loop the Ray job runs
+The RL loop is ``cluster.loop.train.train``, the very loop the Ray job runs
 (``rayrl rl examples/configs/default.yaml``: DeepSpeed trainer ranks that also generate and
 hold the reference, and a reward worker), here over ``cluster.local.LocalBackend``: everything in this process,
 plain torch, no Ray. Same seed and config, same metrics (DESIGN invariant 7).
@@ -32,16 +32,17 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.driver import evaluate_accuracy, train  # noqa: E402
 from cluster.local import LocalBackend  # noqa: E402
-from primitives.algorithms import constant_schedule, grpo  # noqa: E402
-from primitives.checkpoint import save_checkpoint  # noqa: E402
-from primitives.data import collate_sft, make_prompt_source, prepare_sft_text  # noqa: E402
-from primitives.evaluation import greedy_accuracy  # noqa: E402
-from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
-from primitives.tiny import save_tiny_model  # noqa: E402
-from primitives.training import optim_step, sft_forward_backward  # noqa: E402
+from cluster.loop.evaluate import evaluate_accuracy  # noqa: E402
+from cluster.loop.train import train  # noqa: E402
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
+from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
+from primitives.io.checkpoint import save_checkpoint  # noqa: E402
+from primitives.io.data import collate_sft, make_prompt_source, prepare_sft_text  # noqa: E402
+from primitives.io.evaluation import greedy_accuracy  # noqa: E402
+from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
+from primitives.model.training import optim_step, sft_forward_backward  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 
@@ -105,7 +106,7 @@ def sft_warmup(model, tokenizer, demos, args, logger) -> None:
 
 
 def grpo_train(model_path: str, train_items, args, logger, heldout) -> tuple:
-    """GRPO with ``cluster.driver.train`` over a ``LocalBackend`` started from ``model_path``;
+    """GRPO with ``cluster.loop.train.train`` over a ``LocalBackend`` started from ``model_path``;
     held-out greedy accuracy every ``--eval-every`` steps and after the last.
     Returns ``(metrics history, backend)``."""
     backend = LocalBackend(model_path, arithmetic_reward, with_reference=args.kl_coef > 0,

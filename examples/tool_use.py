@@ -13,7 +13,7 @@ What it shows (the seeds' "tool call tracking with multi-turn rollouts"):
 2. GRPO on Ray with ``tools=ToolConfig(executor, parse_xml_tool_calls, max_turns=3)``: the
    generators run each conversation turn by turn and execute the calls. The calculator
    walks the expression's syntax tree (never ``eval``); Python runs in a bubblewrap sandbox
-   (``primitives.sandbox``). Tool output tokens are part of the rollout but not of the loss
+   (``primitives.env.sandbox``). Tool output tokens are part of the rollout but not of the loss
    (loss mask 0, logprob 0): ``mismatch/max_abs_logp_diff`` ~ 0 shows that the trainers
    scored exactly the generator's policy tokens. Logged every step: ``tools/calls_per_rollout``,
    ``tools/success_rate``, ``tools/rollouts_with_calls``.
@@ -46,18 +46,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.driver import collect, train  # noqa: E402
-from cluster.ray_backend import RayBackend  # noqa: E402
-from cluster.setup import build_rl_cluster, shutdown_cluster  # noqa: E402
-from primitives.algorithms import constant_schedule, grpo  # noqa: E402
-from primitives.checkpoint import save_checkpoint  # noqa: E402
-from primitives.data import PromptItem, collate_sft, make_prompt_source, prepare_sft_chat  # noqa: E402
-from primitives.evaluation import write_jsonl_atomic  # noqa: E402
-from primitives.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
-from primitives.rewards import parse_first_number  # noqa: E402
-from primitives.tiny import IM_END, save_tiny_model  # noqa: E402
-from primitives.tools import (  # noqa: E402
+from cluster.loop.train import collect, train  # noqa: E402
+from cluster.ray_wing.backend import RayBackend  # noqa: E402
+from cluster.ray_wing.config import ClusterConfig  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from primitives.env.rewards import parse_first_number  # noqa: E402
+from primitives.env.tools import (  # noqa: E402
     SandboxUnavailable,
     ToolConfig,
     calculator_tool,
@@ -66,7 +60,13 @@ from primitives.tools import (  # noqa: E402
     python_tool,
     run_python_sandboxed,
 )
-from primitives.training import linear_warmup, optim_step, sft_forward_backward  # noqa: E402
+from primitives.fixtures.tiny import IM_END, save_tiny_model  # noqa: E402
+from primitives.io.checkpoint import save_checkpoint  # noqa: E402
+from primitives.io.data import PromptItem, collate_sft, make_prompt_source, prepare_sft_chat  # noqa: E402
+from primitives.io.evaluation import write_jsonl_atomic  # noqa: E402
+from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
+from primitives.model.training import linear_warmup, optim_step, sft_forward_backward  # noqa: E402
 from primitives.types import Conversation, GenerationConfig, Message, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 

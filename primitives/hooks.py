@@ -87,7 +87,7 @@ HOOK_SIGNATURES = {
     "aggregate_fn": "aggregate_fn(vector) -> float",
     "shaping_fn": "shaping_fn(rollout, reward) -> float",
     "ref_update_fn": "ref_update_fn(ref_state, policy_weights, step, kl) -> ref_state (kl: the step's kl/ref_k3, "
-                     "or None; e.g. primitives.kl.create_ema_updater(0.99))",
+                     "or None; e.g. primitives.maths.kl.create_ema_updater(0.99))",
     "prompt_source": "prompt_source(position, n) -> (items, position)",
     "algorithm_schedule": "algorithm_schedule(iteration, last_metrics) -> AlgorithmConfig",
     "logger": "logger(metrics)",

@@ -105,6 +105,50 @@ class Rollout(NamedTuple):
         return int(len(self.completion_ids))
 
 
+class RolloutSummary(NamedTuple):
+    """What the driver holds of a rollout while the rollout itself stays where it was scored
+    (DESIGN section 2: data moves by reference): O(1) numbers per rollout, no tokens."""
+
+    uid: str
+    group: str
+    policy_version: int
+    reward: Optional[float]
+    num_tokens: int  # completion tokens
+    has_ref: bool  # ref_logprobs are set
+    tool_calls: int = 0
+    tool_results: int = 0
+    tool_errors: int = 0
+
+
+def summarize(r: "Rollout") -> RolloutSummary:
+    return RolloutSummary(r.uid, r.group, int(r.policy_version), None if r.reward is None else float(r.reward),
+                          r.num_tokens, r.ref_logprobs is not None, len(r.tool_calls), len(r.tool_results),
+                          sum(bool(res.is_error) for res in r.tool_results))
+
+
+class BatchPlan(NamedTuple):
+    """A step's rollouts by reference and how to batch them. Every trainer (and critic) rank
+    receives the plan and the parts it names - each part a scored chunk of rollouts with, when
+    the reference scored beside the reward, that chunk's reference-logprob arrays - and builds
+    the same ``Batch`` from them (``primitives.maths.batching.planned_batch``)."""
+
+    rows: tuple  # ((part, index), ...): rollout ``index`` of part ``part``, in training order
+    pad_token_id: int
+    seed: int = 0  # the pair selector's seed (a pairwise loss)
+    budget: int = 0  # the generation budget (GenerationConfig.max_new_tokens)
+    component_names: Optional[tuple] = None  # reward component names for ``reward/<name>``
+
+
+def planned_rollouts(plan: "BatchPlan", parts: Sequence) -> list:
+    """The rollouts ``plan`` names, in its order, from ``parts`` (``[(rollouts, reference-logprob
+    arrays or None), ...]``); a part's arrays, when given, become its rollouts' ``ref_logprobs``."""
+    out = []
+    for p, i in plan.rows:
+        rollouts, arrays = parts[p]
+        out.append(rollouts[i] if arrays is None else rollouts[i]._replace(ref_logprobs=arrays[i]))
+    return out
+
+
 class BatchFields(NamedTuple):
     """The fields of a ``Batch`` (see there)."""
 

@@ -2,5 +2,5 @@
 
 One file per role: ``generator`` (GeneratorWorker), ``reference`` (RefLogprobWorker),
 ``reward`` (RewardWorker), ``trainer`` (TrainerWorker, one DeepSpeed rank). The classes are
-plain Python; ``cluster.groups`` wraps them with ``ray.remote`` and places them.
+plain Python; ``cluster.ray_wing.groups`` wraps them with ``ray.remote`` and places them.
 """

@@ -5,9 +5,22 @@ import contextlib
 import os
 import socket
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from primitives.types import ModelConfig
+
+# said by the job's config check (cluster.jobs) and by a trainer rank built with ZeRO-3 from Python
+GENERATE_ON_ZERO3 = ("cluster.generate_on_trainers needs cluster.zero_stage 1 or 2: under ZeRO-3 a rank holds only a "
+                     "shard of the weights it would generate with")
+
+
+def planned_inputs(num_parts: int, resolved: Sequence) -> tuple:
+    """``(parts, values)`` from the trailing arguments of a planned call (``BatchPlan``):
+    ``num_parts`` pairs - a chunk of scored rollouts and its reference-logprob arrays or None -
+    then the critic ranks' value shares, joined in rank order (None when there are none)."""
+    parts = [tuple(resolved[2 * i: 2 * i + 2]) for i in range(num_parts)]
+    shares = resolved[2 * num_parts:]
+    return parts, ([v for share in shares for v in share] if shares else None)
 
 
 def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch: bool = True) -> None:
@@ -35,7 +48,7 @@ def load_causal_lm(config: ModelConfig, role: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from primitives.logprobs import disable_dropout
+    from primitives.model.logprobs import disable_dropout
 
     check_model_path(config.model_name_or_path, role)
     if config.device == "auto":

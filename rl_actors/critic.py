@@ -1,6 +1,6 @@
 """CriticWorker: one rank of the PPO critic's DeepSpeed ZeRO-1/2/3 group (PPO only).
 
-The critic is a value model (``primitives.value.ValueModel``: the policy's backbone, or a
+The critic is a value model (``primitives.model.value.ValueModel``: the policy's backbone, or a
 reward model's, with a scalar head) trained by its own AdamW in its own DeepSpeed engine.
 Critic ranks rendezvous among themselves exactly as trainers do (rank 0's ``endpoint()``,
 then ``setup(ip, port)`` on every rank; the ``rl_actors.deepspeed_rank.DeepSpeedRank`` each
@@ -28,17 +28,18 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from primitives.algorithms import AlgorithmConfig
-from primitives.training import updates_of
-from primitives.types import Batch, ModelConfig
-from primitives.value import (
+from primitives.maths.algorithms import AlgorithmConfig
+from primitives.maths.batching import planned_batch
+from primitives.model.training import updates_of
+from primitives.model.value import (
     rollout_values,
     save_value_model,
     value_forward_backward,
     value_model_from_policy,
     value_model_from_reward_model,
 )
-from rl_actors.common import check_model_path
+from primitives.types import Batch, BatchPlan, ModelConfig, planned_rollouts
+from rl_actors.common import check_model_path, planned_inputs
 from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, micro_batch_count, passes, rendezvous_endpoint
 
 
@@ -124,13 +125,25 @@ class CriticWorker:
         return out
 
     # --------------------------------------------------------------- training
+    def values_planned(self, plan: BatchPlan, num_parts: int, *resolved) -> list:
+        """``values_share`` of the rollouts ``plan`` names (the parts follow it)."""
+        parts, _ = planned_inputs(num_parts, resolved)
+        return self.values_share(planned_rollouts(plan, parts))
+
+    def value_step_planned(self, plan: BatchPlan, algo: AlgorithmConfig, num_parts: int, *resolved) -> list:
+        """``value_step`` on the batch ``plan`` names, built here as the trainer ranks build it
+        (the parts, then every critic rank's value share); [] when it has nothing to train."""
+        parts, values = planned_inputs(num_parts, resolved)
+        batch = planned_batch(plan, parts, algo, values)
+        return [] if batch is None else self.value_step(batch, algo)
+
     def value_step(self, batch: Batch, algo: AlgorithmConfig, lr: Optional[float] = None) -> list:
         """Train the value model on ``batch`` (with ``values``, the rollout-time values, and
         ``returns`` from GAE): ``algo.ppo_epochs`` passes of ``algo.mini_batches`` updates,
         the same updates as the policy's, each on this rank's shard, the loss clipped by
         ``algo.value_clip``. Returns one metric dict per update, this rank's shares plus the
         reduced ``critic/grad_norm`` and ``critic/lr``
-        (``primitives.metrics.merge_rank_updates`` adds the ranks)."""
+        (``primitives.maths.metrics.merge_rank_updates`` adds the ranks)."""
         if batch.values is None or batch.returns is None:
             raise ValueError(f"critic {self.rank}: value_step needs batch.values and batch.returns (build the batch "
                              f"with make_batch(..., values=...) and an algorithm whose advantage_fn is GAE)")
@@ -154,7 +167,7 @@ class CriticWorker:
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> str:
         """The critic's DeepSpeed shards (optimizer included) and RNG under ``deepspeed/``, an
-        HF-style value model (``primitives.value.save_value_model``, with the tokenizer) under
+        HF-style value model (``primitives.model.value.save_value_model``, with the tokenizer) under
         ``hf/`` and ``critic.json``, atomically. All ranks call it together. To keep it with
         the policy's checkpoint, pass the finished directory to the trainer's
         ``save_checkpoint(..., extra_dirs={"critic": path})``."""

@@ -26,7 +26,7 @@ two share.
   (``pad_forwards``).
 * **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and its RNG
   state into one temporary directory that rank 0 moves into the checkpoint in a single
-  rename (``primitives.checkpoint.atomic_directory``); nothing is ever half-written.
+  rename (``primitives.io.checkpoint.atomic_directory``); nothing is ever half-written.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from primitives.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
+from primitives.io.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.types import ModelConfig
 from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
 
@@ -127,7 +127,7 @@ def rendezvous_endpoint() -> tuple:
     """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
     import ray
 
-    from cluster.weight_sync import free_port
+    from rl_actors.weight_sync import free_port
 
     ip = ray.util.get_node_ip_address()
     return ip, free_port(ip)

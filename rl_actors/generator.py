@@ -1,7 +1,7 @@
 """GeneratorWorker: prompts -> Rollouts with behaviour logprobs; receives weights.
 
 Two backends return the same ``Rollout``s:
-* ``HFEngine`` - the model's own forward with a KV cache (``primitives.generation``);
+* ``HFEngine`` - the model's own forward with a KV cache (``primitives.model.generation``);
   used on CPU and whenever vLLM is absent.
 * ``VLLMEngine`` - vLLM's ``LLM``, on a GPU (``auto`` picks it where vLLM is installed and
   a GPU is visible) or on the CPU (vLLM's CPU build, by name); weights arrive through vLLM's
@@ -17,7 +17,14 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from cluster.weight_sync import (
+from primitives.env.tools import ToolConfig, hf_turn_generator, multiturn_rollouts
+from primitives.model.generation import GenerationOutput, generate_rollouts, pack_rollout
+from primitives.model.logprobs import rollout_logprobs
+from primitives.model.prompts import encode_prompts
+from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
+from rl_actors.clock import BusyClock
+from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
+from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
@@ -25,12 +32,6 @@ from cluster.weight_sync import (
     init_sync_group,
     tensor_checksums,
 )
-from primitives.generation import GenerationOutput, encode_prompts, generate_rollouts, pack_rollout
-from primitives.logprobs import rollout_logprobs
-from primitives.tools import ToolConfig, hf_turn_generator, multiturn_rollouts
-from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
-from rl_actors.clock import BusyClock
-from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 
 
 def rollout_sampler(seed: int, rank: int, version: int, items: Sequence,
@@ -171,7 +172,7 @@ class VLLMEngine:
     is ``log_softmax(logits / T)``, what the HF engine and the trainer compute; with either,
     each logprob is the full one minus log(the kept mass), so the importance weight against
     the trainer would be that mass, not the policies' gap. The job check
-    (``cluster.job.behaviour_logprob_errors``) refuses that combination where the weight is
+    (``cluster.jobs.job.behaviour_logprob_errors``) refuses that combination where the weight is
     applied. Sampling happens in vLLM's own processes, one seed per request, derived from the
     same key as the HF engine's sampler (``rollout_sampler``).
 
@@ -413,7 +414,7 @@ class GeneratorWorker:
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
         """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
         and the baseline the bucketed sync is measured against)."""
-        from cluster.weight_sync import DTYPES, raw_broadcast
+        from rl_actors.weight_sync import DTYPES, raw_broadcast
 
         if isinstance(self.engine, VLLMEngine):
             return self.engine.broadcast_probe(numel, dtype)

@@ -11,7 +11,7 @@ sampling temperature, move by ``ref_update_fn``, load and save. Two kinds of act
   in the reward, the ranks score the rollouts first, as reference workers would).
 
 The reference is frozen by default. With a ``ref_update_fn`` (EMA, periodic reset, KL-bound
-reset - ``primitives.kl``) it moves at every RL step: ``ref_update_fn(ref_state,
+reset - ``primitives.maths.kl``) it moves at every RL step: ``ref_update_fn(ref_state,
 policy_weights, step, kl)``. A reference worker then joins the weight-sync group and receives
 the policy's weights; a trainer rank reads its own.
 """
@@ -22,11 +22,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from cluster.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
-from primitives.kl import RefState, apply_ref_state, ref_state_from_model
-from primitives.logprobs import rollout_logprobs
+from primitives.maths.kl import RefState, apply_ref_state, ref_state_from_model
+from primitives.model.logprobs import rollout_logprobs
 from primitives.types import Batch, ModelConfig
 from rl_actors.common import actor_info, describe_model, load_causal_lm, setup_process
+from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
 
 
 class Reference:
@@ -60,7 +60,7 @@ class Reference:
 
     def score_batch(self, batch: Batch, temperature: float, micro_batch_size: Optional[int] = None) -> Batch:
         """``batch`` with ``ref_logprobs`` set (0 off the loss mask), at ``temperature``."""
-        from primitives.training import with_logprobs
+        from primitives.model.training import with_logprobs
 
         return with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
 

@@ -4,15 +4,17 @@ Without a reward model it never imports torch (a second of CPU at every start-up
 machine): the rollouts arrive as numpy, and the built-in rewards are plain Python.
 
 A raising or non-finite reward function fails the step with the rollout uid and the
-function's name in the message (``primitives.rewards.RewardError``).
+function's name in the message (``primitives.env.rewards.RewardError``).
 """
 from __future__ import annotations
 
 import sys
 from typing import Callable, Optional, Sequence
 
-from primitives.rewards import create_rm_reward_fn, load_reward_model, score_rollouts
-from rl_actors.common import actor_info, setup_process
+from primitives.env.rewards import create_rm_reward_fn, load_reward_model, score_rollouts
+from primitives.maths.filters import kept_indices
+from primitives.types import BatchPlan, planned_rollouts, summarize
+from rl_actors.common import actor_info, planned_inputs, setup_process
 
 
 class RewardWorker:
@@ -42,3 +44,16 @@ class RewardWorker:
 
     def score(self, rollouts: Sequence) -> list:
         return score_rollouts(list(rollouts), self.reward_fn, self.aggregate_fn, self.shaping_fn)
+
+    def score_summarized(self, rollouts: Sequence) -> tuple:
+        """``(summaries, scored rollouts)``: the driver fetches the summaries and leaves the
+        rollouts in the object store (called with two returns)."""
+        scored = self.score(rollouts)
+        return [summarize(r) for r in scored], scored
+
+    def select(self, filters: Sequence[Callable], rows: tuple, num_parts: int, *resolved) -> list:
+        """Positions in ``rows`` (``BatchPlan`` rows over the parts that follow) of the rollouts
+        an algorithm's ``filters`` keep, in their order: the filters run here, beside the
+        rollouts, and only the positions go back to the driver."""
+        parts, _ = planned_inputs(num_parts, resolved)
+        return kept_indices(planned_rollouts(BatchPlan(rows, 0), parts), filters)

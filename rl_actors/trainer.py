@@ -32,20 +32,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from cluster.config import GENERATE_ON_ZERO3
-from cluster.weight_sync import DTYPES as DTYPES_BY_NAME
-from cluster.weight_sync import (
-    SyncAddress,
-    TensorMeta,
-    broadcast_buckets,
-    bucket_plan,
-    dtype_name,
-    init_sync_group,
-    tensor_checksums,
-)
-from primitives.algorithms import AlgorithmConfig
-from primitives.logprobs import rollout_logprobs
-from primitives.training import (
+from primitives.maths.algorithms import AlgorithmConfig
+from primitives.maths.batching import planned_batch, rollout_metrics
+from primitives.model.logprobs import rollout_logprobs
+from primitives.model.training import (
     forward_backward,
     pair_unit,
     sft_eval_loss,
@@ -53,9 +43,9 @@ from primitives.training import (
     updates_of,
     with_old_logprobs,
 )
-from primitives.types import Batch, ModelConfig
+from primitives.types import Batch, BatchPlan, ModelConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import load_causal_lm
+from rl_actors.common import GENERATE_ON_ZERO3, load_causal_lm, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -67,10 +57,20 @@ from rl_actors.deepspeed_rank import (
 )
 from rl_actors.generator import GeneratorWorker
 from rl_actors.reference import Reference
+from rl_actors.weight_sync import DTYPES as DTYPES_BY_NAME
+from rl_actors.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    bucket_plan,
+    dtype_name,
+    init_sync_group,
+    tensor_checksums,
+)
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
-# what the driver calls on a generator group (cluster.ray_backend, cluster.setup, cluster.driver)
+# what the driver calls on a generator group (cluster.ray_wing.backend, cluster.ray_wing.roles, cluster.loop.train)
 HOSTED_GENERATOR_METHODS = frozenset({"info", "pad_token_id", "generate", "generate_multiturn", "busy",
                                       "receive_weights", "weight_checksums", "logprobs"})
 
@@ -133,7 +133,7 @@ class TrainerWorker:
         """Train on ``batch``: ``algo.ppo_epochs`` passes of ``algo.mini_batches`` optimizer
         updates, each on this rank's shard of a mini-batch of the whole batch. ``temperature``
         is the sampling temperature the rollouts were drawn at. Returns one metric dict per
-        update, this rank's shares (``primitives.metrics.merge_rank_updates`` adds the ranks)."""
+        update, this rank's shares (``primitives.maths.metrics.merge_rank_updates`` adds the ranks)."""
         unit = pair_unit(algo)
         mbs = self.config.micro_batch_size
 
@@ -151,6 +151,18 @@ class TrainerWorker:
         with self.clock.working():
             return [self._update(shard, counts, algo, temperature, lr)
                     for shard, counts in updates_of(batch, algo, prepare)]
+
+    def train_planned(self, plan: BatchPlan, algo: AlgorithmConfig, temperature: float, lr: Optional[float],
+                      num_parts: int, *resolved) -> tuple:
+        """``train_step`` on the batch ``plan`` names, built here from the parts (and critic value
+        shares) that follow it (``rl_actors.common.planned_inputs``): every rank builds the same
+        batch and trains on its shard. Returns ``(updates, the batch's rollout_metrics)``, or
+        ``([], None)`` when the batch has nothing to train (no update is made)."""
+        parts, values = planned_inputs(num_parts, resolved)
+        batch = planned_batch(plan, parts, algo, values)
+        if batch is None:
+            return [], None
+        return self.train_step(batch, algo, temperature, lr), rollout_metrics(batch, plan.component_names)
 
     def busy(self) -> float:
         """Seconds spent in RL updates since the last call (the driver's ``idle/trainers``)."""
@@ -253,7 +265,7 @@ class TrainerWorker:
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
         """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
         and the baseline the bucketed sync is measured against)."""
-        from cluster.weight_sync import DTYPES, raw_broadcast
+        from rl_actors.weight_sync import DTYPES, raw_broadcast
 
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.ds.device)
 

@@ -4,7 +4,7 @@ vLLM builds the engine named by ``WeightTransferConfig(backend=...)`` inside eac
 worker processes, through ``WeightTransferEngineFactory``. vLLM calls the
 ``vllm.general_plugins`` entry points in every process it starts; ours (pyproject.toml) is
 ``register``, which adds this engine as ``rayrl_gloo``. The wire is the one every other
-receiver of the trainer's sync reads (``cluster.weight_sync.broadcast_buckets``): same-dtype
+receiver of the trainer's sync reads (``rl_actors.weight_sync.broadcast_buckets``): same-dtype
 buckets broadcast from rank 0 of a gloo group of our own, the bucket plan computed on both
 sides from the same metadata. So one sender on trainer rank 0 serves HF generator workers, a
 policy-tracking reference and vLLM alike.
@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from cluster.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group
+from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group
 
 BACKEND = "rayrl_gloo"
 PLUGIN = "rayrl_gloo"  # the entry point's name in pyproject.toml
@@ -56,7 +56,7 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One sync's parameters in the sender's order (HF names, ``cluster.weight_sync.DTYPES``
+    """One sync's parameters in the sender's order (HF names, ``rl_actors.weight_sync.DTYPES``
     keys, full shapes) and the bucket size both sides plan with."""
 
     names: list
@@ -212,7 +212,7 @@ def _split_fused(name: str, module, packed: dict, weight: torch.Tensor, bias) ->
 def worker_weight_checksums(worker) -> dict:
     """``collective_rpc`` target: HF name -> sha1 of the weight's bytes, as ``tensor_checksums``
     hashes a trainer's or an HF generator's parameters."""
-    from cluster.weight_sync import tensor_checksums
+    from rl_actors.weight_sync import tensor_checksums
 
     return tensor_checksums(model_weights(worker.model_runner.get_model()).items())
 
@@ -220,7 +220,7 @@ def worker_weight_checksums(worker) -> dict:
 def worker_broadcast_probe(worker, numel: int, dtype: str) -> float:
     """``collective_rpc`` target: seconds of one raw broadcast of ``numel`` elements in this
     worker's sync group (the baseline a weight sync into vLLM is measured against)."""
-    from cluster.weight_sync import DTYPES, raw_broadcast
+    from rl_actors.weight_sync import DTYPES, raw_broadcast
 
     engine = worker.weight_transfer_engine
     if not isinstance(engine, GlooWeightTransferEngine):

@@ -15,14 +15,14 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from primitives.tiny import build_char_tokenizer
+    from primitives.fixtures.tiny import build_char_tokenizer
 
     return build_char_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer):
-    from primitives.tiny import TinyModelSpec, build_tiny_model
+    from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
 
     model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
                              seed=1)
@@ -45,7 +45,7 @@ def ray_local():
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """The embedded tiny model saved in HF format (random init)."""
-    from primitives.tiny import save_tiny_model
+    from primitives.fixtures.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"), seed=0)
 
@@ -55,9 +55,9 @@ def scored_rollouts(path, num_prompts=4, n=4, seed=0):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from primitives.generation import generate_rollouts
-    from primitives.rewards import score_rollouts
-    from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+    from primitives.env.rewards import score_rollouts
+    from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+    from primitives.model.generation import generate_rollouts
     from primitives.types import GenerationConfig
 
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)

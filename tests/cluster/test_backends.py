@@ -4,16 +4,16 @@ metrics on the local backend (one process, plain torch, no Ray) and on a 1-gener
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import train
-from cluster.groups import fan_out, gather
 from cluster.local import LocalBackend
-from cluster.ray_backend import RayBackend
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
-from primitives.types import GenerationConfig
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.types import GenerationConfig, planned_rollouts
 from rl_actors.trainer import TrainerConfig
 from tests.rl_actors.test_cluster_sync import _kill_and_wait as kill_and_wait
 
@@ -61,8 +61,8 @@ def test_local_backend_resumes_exactly(tiny_model_path, tmp_path):
     """PPO with an EMA reference on the local backend: 3 steps straight equal 2 steps, save,
     a fresh backend loading the checkpoint, 1 more step (policy, optimizer, critic,
     reference and RNG all restored)."""
-    from primitives.algorithms import ppo
-    from primitives.kl import create_ema_updater
+    from primitives.maths.algorithms import ppo
+    from primitives.maths.kl import create_ema_updater
 
     def backend():
         return LocalBackend(tiny_model_path, spread_reward, with_reference=True, ref_update_fn=create_ema_updater(0.5),
@@ -94,7 +94,7 @@ PPO_STEPS = 3
 
 
 def _run_ppo(backend):
-    from primitives.algorithms import ppo
+    from primitives.maths.algorithms import ppo
 
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
     state = train(backend, make_prompt_source(items, seed=5), constant_schedule(ppo(kl_coef=0.05)), GEN, PPO_STEPS,
@@ -117,7 +117,7 @@ def test_ppo_critic_on_one_process_equals_two_trainer_and_two_critic_ranks(ray_l
     """PPO (GAE on the critic's values, k1 KL in the reward): the local backend (one policy, one
     value model) and a Ray cluster with 2 trainer ranks and 2 critic ranks log the same numbers,
     the critic's included."""
-    from cluster.setup import add_critics
+    from cluster.ray_wing.roles import add_critics
     from primitives.types import ModelConfig
 
     local = _run_ppo(LocalBackend(tiny_model_path, spread_reward, with_reference=True,
@@ -155,9 +155,9 @@ class RecordingLocal(LocalBackend):
         super().__init__(*args, **kwargs)
         self.trained_uids: list = []
 
-    def train_step(self, batch, *args, **kwargs):
-        self.trained_uids.append([r.uid for r in batch.rollouts])
-        return super().train_step(batch, *args, **kwargs)
+    def train_step(self, plan, parts, *args, **kwargs):
+        self.trained_uids.append([r.uid for r in planned_rollouts(plan, parts)])
+        return super().train_step(plan, parts, *args, **kwargs)
 
 
 def _assert_each_prompt_once(trained_uids: list, steps: int):
@@ -247,12 +247,13 @@ class KillingBackend(RayBackend):
         super().__init__(cluster)
         self.ray, self.kill_at, self.steps, self.trained_uids = ray, kill_at, 0, []
 
-    def train_step(self, batch, *args, **kwargs):
+    def train_step(self, plan, parts, *args, **kwargs):
         if self.steps == self.kill_at:
             kill_and_wait(self.ray, self.cluster.generators.actors[0])
         self.steps += 1
-        self.trained_uids.append([r.uid for r in batch.rollouts])
-        return super().train_step(batch, *args, **kwargs)
+        pulled = [tuple(None if x is None else self.ray.get(x) for x in part) for part in parts]
+        self.trained_uids.append([r.uid for r in planned_rollouts(plan, pulled)])
+        return super().train_step(plan, parts, *args, **kwargs)
 
 
 def test_async_generator_killed_mid_step_loses_and_repeats_nothing(ray_local, tiny_model_path):

@@ -1,4 +1,4 @@
-"""The config file and the command line (cluster/config.py, cluster/cli.py): YAML -> records,
+"""The config file and the command line (cluster/jobs/config.py, cluster/jobs/cli.py): YAML -> records,
 overrides, --help, --print-config, and errors that name the key, its line and the closest key."""
 import glob
 import os
@@ -8,8 +8,8 @@ from typing import get_type_hints
 
 import pytest
 
-from cluster.cli import parse
-from cluster.config import (
+from cluster.jobs.cli import parse
+from cluster.jobs.config import (
     JOBS,
     ConfigError,
     RLJob,
@@ -18,7 +18,7 @@ from cluster.config import (
     load_job_config,
     record_from_dict,
 )
-from primitives.rewards import RewardSpec
+from primitives.env.rewards import RewardSpec
 from tests.conftest import ROOT
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
@@ -188,8 +188,8 @@ def test_vllm_with_top_p_and_an_importance_weight_is_refused_before_ray(tmp_path
     """vLLM's behaviour logprobs are renormalised over the top-p / top-k set, the trainer's are of
     the full softmax(logits / T): with the importance weight applied (algorithm.is_level token, the
     default) the job stops before Ray starts, naming the fields and what would be right."""
-    import cluster.job as job_module
-    from cluster.cli import run
+    import cluster.jobs.job as job_module
+    from cluster.jobs.cli import run
 
     def start_ray_for(job, algo):
         raise AssertionError("Ray was started for a job its checks should have refused")
@@ -225,7 +225,7 @@ REFUSED = "with cluster.generator_backend"
 ], ids=["vllm-top_k", "vllm-both-sequence", "auto-gpus", "hf", "is_level-off", "online_dpo", "auto-cpu",
         "on-trainers", "vllm-untruncated"])
 def test_which_generator_and_truncation_go_together(changes, refused):
-    from cluster.job import rl_errors
+    from cluster.jobs.job import rl_errors
 
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, **changes})
     errors = [e for e in rl_errors(job) if REFUSED in e]
@@ -253,7 +253,7 @@ def test_which_generator_and_truncation_go_together(changes, refused):
 ], ids=["tp-on-cpu", "tp-on-gpus", "vllm-gpus-cpu-trainers", "auto-gpus-cpu-trainers", "sleep-on-cpu", "gpu-share",
         "kv-cache", "max-len", "gpu-ok", "hf-gpus-cpu-trainers", "cpu-ok"])
 def test_vllm_settings_that_cannot_apply_are_named_before_ray(cluster, refused):
-    from cluster.job import rl_errors
+    from cluster.jobs.job import rl_errors
 
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
     errors = [e for e in rl_errors(job) if "cluster.vllm." in e or "receives weights over NCCL" in e]

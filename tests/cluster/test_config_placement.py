@@ -3,23 +3,23 @@ import os
 
 import pytest
 
-from cluster.config import load_function
-from cluster.groups import split_evenly
-from cluster.placement import RoleSpec, check_fits, total_request
-from cluster.weight_sync import TensorMeta, bucket_plan
+from cluster.jobs.config import load_function
+from cluster.ray_wing.groups import split_evenly
+from cluster.ray_wing.placement import RoleSpec, check_fits, total_request
+from rl_actors.weight_sync import TensorMeta, bucket_plan
 
 
 def test_load_function_resolves_and_names_failures(tmp_path):
-    assert load_function("primitives.tasks:arithmetic_reward").__name__ == "arithmetic_reward"
+    assert load_function("primitives.fixtures.tasks:arithmetic_reward").__name__ == "arithmetic_reward"
     hook = tmp_path / "my_reward.py"
     hook.write_text("def reward(rollout):\n    return 1.0\n")
     assert load_function(f"{hook}:reward")(None) == 1.0
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
         load_function("no_such_module:f")
     with pytest.raises(ValueError, match="has no callable 'nope'"):
-        load_function("primitives.tasks:nope")
+        load_function("primitives.fixtures.tasks:nope")
     with pytest.raises(ValueError, match="module:function"):
-        load_function("primitives.tasks")
+        load_function("primitives.fixtures.tasks")
 
 
 def test_gpus_on_cpu_cluster_fail_fast_with_advice():
@@ -59,8 +59,8 @@ def test_split_evenly_and_bucket_plan():
     (["--algorithm.name", "gspo", "--algorithm.ppo-epochs", "0"], "algorithm.ppo_epochs must be at least 1"),
     (["--algorithm.name", "no_such_module:my_algorithm"], "cannot import 'no_such_module'"),
     (["--algorithm.overrides", "kl_fn", "k4"], "kl_fn: unknown name 'k4'"),
-    (["--algorithm.overrides", "kl_fn", "primitives.kl:kl_k1", "advantage_fn", "primitives.kl:kl_k2"],
-     "advantage_fn primitives.kl.kl_k2 fails on a small sample"),
+    (["--algorithm.overrides", "kl_fn", "primitives.maths.kl:kl_k1", "advantage_fn", "primitives.maths.kl:kl_k2"],
+     "advantage_fn primitives.maths.kl.kl_k2 fails on a small sample"),
     (["--algorithm.name", "online_dpo", "--algorithm.overrides", "pair_selector", "none"],
      "pair_selector: unknown name 'none'"),
     (["--algorithm.name", "ppo", "--cluster.critics", "0"], "cluster.critics must be at least 1"),
@@ -70,7 +70,7 @@ def test_bad_values_are_usage_errors_before_ray(argv, message, monkeypatch, tmp_
     the model is built and before the SFT stage."""
     import sys
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     with pytest.raises(SystemExit) as e:
@@ -80,9 +80,9 @@ def test_bad_values_are_usage_errors_before_ray(argv, message, monkeypatch, tmp_
 
 
 def test_resume_names_the_checkpoint_format(tmp_path):
-    from cluster.config import resume_errors
-    from primitives.checkpoint import save_checkpoint
-    from primitives.tiny import build_char_tokenizer, build_tiny_model
+    from cluster.jobs.config import resume_errors
+    from primitives.fixtures.tiny import build_char_tokenizer, build_tiny_model
+    from primitives.io.checkpoint import save_checkpoint
 
     tok = build_char_tokenizer()
     single = save_checkpoint(str(tmp_path / "single"), build_tiny_model(tok), tok)
@@ -98,9 +98,9 @@ def test_resume_names_the_checkpoint_format(tmp_path):
 def test_each_preset_keeps_its_own_kl_unless_given():
     """algorithm.name dapo used to inherit the default job's KL 0.01 without a reference worker
     and failed at its first RL step; now the preset's KL stands and a given KL adds the reference."""
-    from cluster.config import RLConfig
-    from cluster.job import algorithm_of as make_algorithm
-    from primitives.algorithms import uses_reference
+    from cluster.jobs.config import RLConfig
+    from cluster.jobs.job import algorithm_of as make_algorithm
+    from primitives.maths.algorithms import uses_reference
 
     algo = make_algorithm(RLConfig(kl_coef=0.01))
     assert (algo.name, algo.kl_coef, uses_reference(algo)) == ("grpo", 0.01, True)
@@ -121,7 +121,7 @@ def test_each_preset_keeps_its_own_kl_unless_given():
 
 
 def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):
-    from cluster.config import inside_submitted_job, resolve_output_dir
+    from cluster.jobs.config import inside_submitted_job, resolve_output_dir
 
     copy = "/tmp/ray/session_x/runtime_resources/working_dir_files/_ray_pkg_abc"
     job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}

@@ -10,20 +10,21 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import ClusterConfig
-from cluster.driver import evaluate, train
-from cluster.groups import call, fan_out, gather
-from cluster.ray_backend import RayBackend
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives import advantages as adv
-from primitives.algorithms import constant_schedule, grpo, metric_switch_schedule, online_dpo
-from primitives.data import PromptItem, make_prompt_source
+from cluster.loop.evaluate import evaluate
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import call, fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.env.tools import ToolCall, ToolConfig, calculator_tool, create_tool_executor
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
 from primitives.hooks import with_traits
-from primitives.kl import create_ema_updater
-from primitives.losses import token_mean
-from primitives.objectives import online_dpo_objective, policy_objective
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
-from primitives.tools import ToolCall, ToolConfig, calculator_tool, create_tool_executor
+from primitives.io.data import PromptItem, make_prompt_source
+from primitives.maths import advantages as adv
+from primitives.maths.algorithms import constant_schedule, grpo, metric_switch_schedule, online_dpo
+from primitives.maths.kl import create_ema_updater
+from primitives.maths.losses import token_mean
+from primitives.maths.objectives import online_dpo_objective, policy_objective
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -196,7 +197,7 @@ def test_filters_drop_groups_and_the_step_is_refilled(backend, items):
 
 def test_an_algorithm_a_schedule_turns_to_is_checked_before_its_step(backend, items):
     """PPO needs a critic this cluster lacks: the switch fails before the step collects anything."""
-    from primitives.algorithms import ppo
+    from primitives.maths.algorithms import ppo
 
     logged = []
     with pytest.raises(ValueError, match="'ppo'.*no critic"):
@@ -304,7 +305,7 @@ def test_wrong_signature_is_named_before_any_step(backend, items):
 
 
 def test_a_raising_loss_names_the_trainer_rank_the_rollouts_and_the_function(backend, items):
-    from cluster.groups import ActorFailure
+    from cluster.ray_wing.groups import ActorFailure
 
     with pytest.raises(ActorFailure) as e:
         run(backend, items, constant_schedule(grpo(kl_coef=0.0, loss_fn=failing_loss)))

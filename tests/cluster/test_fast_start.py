@@ -7,8 +7,8 @@ import sys
 import tempfile
 import time
 
-from cluster.job import startup_figures
-from cluster.setup import stage_seconds
+from cluster.jobs.job import startup_figures
+from cluster.ray_wing.roles import stage_seconds
 from rl_actors.common import environ
 from tests.conftest import ROOT
 
@@ -36,15 +36,15 @@ def test_environ_sets_values_inside_the_block_only(monkeypatch):
 
 ACTOR_ENV = """
 import json, os, sys
-from cluster.config import ClusterConfig
-from cluster.placement import RoleSpec
-from cluster.setup import start_ray
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.placement import RoleSpec
+from cluster.ray_wing.roles import start_ray
 import ray
 start_ray(ClusterConfig(), [RoleSpec("generator", 1, 1.0, 0.0)])
 names = ("TQDM_DISABLE", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
 seen = ray.get(ray.remote(lambda: {k: os.environ.get(k) for k in names}).remote())
-import cluster.groups  # importable in the worker: the checkout is on its path
-ok = ray.get(ray.remote(lambda: __import__("cluster.groups").__name__).remote())
+import cluster.ray_wing.groups  # importable in the worker: the checkout is on its path
+ok = ray.get(ray.remote(lambda: __import__("cluster.ray_wing.groups").__name__).remote())
 print("ENV", json.dumps({"actor": seen, "driver": {k: os.environ.get(k) for k in names}, "import": ok,
                          "runtime_env": ray.get_runtime_context().runtime_env}))
 ray.shutdown()
@@ -91,7 +91,7 @@ def test_deepspeed_on_cpu_skips_the_shared_memory_op_and_muon_compilation():
 
 
 def test_the_job_summary_reports_startup_seconds_by_stage(tmp_path):
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     summary = run(["rl", os.path.join(ROOT, "examples", "configs", "default.yaml"), "--sft.steps", "0",
                    "--algorithm.steps", "1", "--algorithm.prompts-per-step", "4", "--eval.enabled", "False",
@@ -111,8 +111,8 @@ REWARD_WITHOUT_TORCH = """
 import sys
 from ray import cloudpickle  # what Ray sends the actor
 import numpy as np
-from cluster.config import RLJob
-from primitives.rewards import build_reward
+from cluster.jobs.config import RLJob
+from primitives.env.rewards import build_reward
 from primitives.types import Rollout
 from rl_actors.reward import RewardWorker
 reward_fn, aggregate_fn, _ = build_reward(RLJob().rewards)  # the default job's exact_match
@@ -137,7 +137,7 @@ def test_the_process_start_is_read_to_a_clock_tick():
     time is in whole seconds, was up to 1 s early)."""
     spawned = time.time()
     proc = subprocess.run([sys.executable, "-c", "import time; first = time.time(); "
-                           "from cluster.job import process_start_time; print(first, process_start_time())"],
+                           "from cluster.jobs.job import process_start_time; print(first, process_start_time())"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, start = map(float, proc.stdout.split())

@@ -8,16 +8,16 @@ named config error."""
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig, DataConfig, RLConfig, RLJob
-from cluster.driver import gather, load_cluster_checkpoint, save_cluster_checkpoint, train
-from cluster.groups import ActorFailure, call, fan_out
-from cluster.job import rl_errors
-from cluster.ray_backend import RayBackend, sync_weights
-from cluster.setup import build_rl_cluster, join_weight_sync, role_specs, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source
-from primitives.kl import create_ema_updater
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from cluster.jobs.config import ClusterConfig, DataConfig, RLConfig, RLJob
+from cluster.jobs.job import rl_errors
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
+from cluster.ray_wing.groups import ActorFailure, call, fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, join_weight_sync, role_specs, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -36,7 +36,7 @@ def _items():
 
 def _train(cluster, steps: int, start=None):
     kwargs = {} if start is None else {"state": start}
-    return train(cluster, make_prompt_source(_items(), seed=1), constant_schedule(grpo(kl_coef=0.05)), GEN,
+    return train(RayBackend(cluster), make_prompt_source(_items(), seed=1), constant_schedule(grpo(kl_coef=0.05)), GEN,
                  num_steps=steps, prompts_per_step=4, lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
 
 
@@ -162,7 +162,7 @@ def test_what_cannot_work_with_generation_on_the_trainers_is_a_named_error(chang
 
 
 def test_a_trainer_built_from_python_refuses_to_host_a_generator_under_zero3(tiny_model_path):
-    from cluster.config import GENERATE_ON_ZERO3
+    from rl_actors.common import GENERATE_ON_ZERO3
     from rl_actors.trainer import TrainerWorker
 
     with pytest.raises(ValueError, match="trainer 0: cluster.generate_on_trainers needs cluster.zero_stage 1 or 2"):

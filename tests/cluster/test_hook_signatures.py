@@ -3,11 +3,11 @@ signature: a reference update given to the local backend or to a Ray cluster (be
 starts), and any other hook ``check_arity`` checks."""
 import pytest
 
-from cluster.config import ClusterConfig
 from cluster.local import LocalBackend
-from cluster.setup import build_rl_cluster
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.roles import build_rl_cluster
+from primitives.fixtures.tasks import arithmetic_reward
 from primitives.hooks import check_arity
-from primitives.tasks import arithmetic_reward
 from rl_actors.trainer import TrainerConfig
 
 REF_UPDATE = "the documented signature is ref_update_fn(ref_state, policy_weights, step, kl) -> ref_state"
@@ -50,4 +50,4 @@ def test_every_checked_hook_says_its_documented_signature():
     with pytest.raises(ValueError) as e:
         check_arity(lambda: 0, "my_hook", 1)
     assert "documented signature" not in str(e.value)
-    check_arity(lambda ref, policy, step, kl=None: ref, "ref_update_fn", None, {}, 0, None)  # primitives.kl's form
+    check_arity(lambda ref, policy, step, kl=None: ref, "ref_update_fn", None, {}, 0, None)  # the kl module's form

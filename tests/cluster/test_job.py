@@ -1,4 +1,4 @@
-"""The general jobs (cluster/job.py): every bad input fails in prepare, before Ray, naming the
+"""The general jobs (cluster/jobs/job.py): every bad input fails in prepare, before Ray, naming the
 culprit; the default job (examples/configs/default.yaml) lifts held-out accuracy; a job resumes
 from its checkpoint; the SFT job trains, evaluates, checkpoints and resumes exactly."""
 import glob
@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from cluster.config import CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
-from cluster.job import ConfigErrors, prepare_rl, run_sft
-from primitives.data import EvalData, FieldMap, PromptFormat, SFTFields
-from primitives.rewards import RewardSpec
+from cluster.jobs.config import CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
+from cluster.jobs.job import ConfigErrors, prepare_rl, run_sft
+from primitives.env.rewards import RewardSpec
+from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
 from primitives.types import ModelConfig
 from tests.conftest import ROOT
 
@@ -166,7 +166,7 @@ def test_an_error_found_while_ray_starts_leaves_no_ray_running(tmp_path, tiny_mo
     for the tokenizer is found then, and the job stops with its message and shuts Ray down."""
     import ray
 
-    import cluster.job as job_module
+    import cluster.jobs.job as job_module
 
     starts = []
     real = job_module.start_ray_for
@@ -185,7 +185,7 @@ def test_side_by_side_keeps_here_in_this_thread_and_work_beside():
     import threading
     import time
 
-    from cluster.job import side_by_side
+    from cluster.jobs.job import side_by_side
 
     seen = {}
 
@@ -216,7 +216,7 @@ def test_side_by_side_keeps_here_in_this_thread_and_work_beside():
 
 
 def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     with pytest.raises(SystemExit) as e:
         run(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0",
@@ -233,7 +233,7 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
 def test_a_bad_group_size_is_named_alone(tmp_path):
     """generation.group_size 0 is reported as itself, with what is valid - not as the rows it
     would leave each mini-batch."""
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     with pytest.raises(SystemExit) as e:
         run(["rl", DEFAULT, "--generation.group-size", "0", "--logging.out", str(tmp_path)])
@@ -249,7 +249,7 @@ def test_ppo_with_a_critic_learns_the_default_task(tmp_path):
     steps, the critic's value loss falls, and the final checkpoint holds the critic."""
     import ray
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     ray.shutdown()
     out = str(tmp_path / "ppo")
@@ -274,7 +274,7 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
     """The default job as `make run` runs it (shorter), through the command-line entry point."""
     import ray
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     ray.shutdown()
     out = str(tmp_path / "run")
@@ -312,9 +312,9 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
     # the final model, loaded in one process, has the greedy accuracy the job logged at the end
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from primitives.evaluation import greedy_accuracy
-    from primitives.rewards import exact_match
-    from primitives.tasks import arithmetic_task
+    from primitives.env.rewards import exact_match
+    from primitives.fixtures.tasks import arithmetic_task
+    from primitives.io.evaluation import greedy_accuracy
 
     hf = os.path.join(out, "final_model", "hf")
     heldout = arithmetic_task(seed=0, num_heldout=128).eval
@@ -327,7 +327,7 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
 def test_checkpoint_then_resume_from_the_command_line(tmp_path):
     import ray
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     out = str(tmp_path / "run")
     short = ["--sft.steps", "20", "--eval.enabled", "False", "--eval.final-pass-k", "0"]
@@ -392,9 +392,9 @@ def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_pat
     # the logged eval loss (2 ranks, merged shares) against one process on the final weights
     from transformers import AutoModelForCausalLM
 
-    from cluster.job import prepare_sft
-    from primitives.data import collate_sft
-    from primitives.training import sft_eval_loss
+    from cluster.jobs.job import prepare_sft
+    from primitives.io.data import collate_sft
+    from primitives.model.training import sft_eval_loss
 
     eval_samples = prepare_sft(_sft_job(tmp_path, tiny_model_path, "check", 6)).eval_samples
     model = AutoModelForCausalLM.from_pretrained(straight["hf_model"])
@@ -407,8 +407,8 @@ def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
     """data.task: path/file.py:function(seed, **task_kwargs) -> TaskData; its demonstrations
     feed the SFT stage; what it returns is checked."""
     (tmp_path / "my_task.py").write_text(
-        "from primitives.data import PromptItem\n"
-        "from primitives.tasks import TaskData\n"
+        "from primitives.io.data import PromptItem\n"
+        "from primitives.fixtures.tasks import TaskData\n"
         "def task(seed, n=4):\n"
         "    items = [PromptItem(i, f'{i}+{seed}=', str(i + seed)) for i in range(n)]\n"
         "    return TaskData(items[1:], items[:1], [{'prompt': '1+1=', 'completion': '2'}])\n"
@@ -420,7 +420,7 @@ def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
     inputs = prepare_rl(job)
     assert [it.prompt for it in inputs.train_items] == [f"{i}+5=" for i in range(1, 6)]
     assert [it.answer for it in inputs.eval_items] == ["5"] and len(inputs.sft_samples) == 1
-    with pytest.raises(ConfigErrors, match="returned list, not a primitives.tasks.TaskData"):
+    with pytest.raises(ConfigErrors, match="returned list, not a primitives.fixtures.tasks.TaskData"):
         prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:wrong")))
     with pytest.raises(ConfigErrors, match=r"data.task_kwargs \{'m': 1\} do not fit"):
         prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:task", task_kwargs={"m": 1})))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster.weight_sync import free_port
+from rl_actors.weight_sync import free_port
 from tests.conftest import ROOT
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -88,7 +88,7 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
     assert (summary["rl_steps"], summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (3, 2, 2, 2)
     assert os.path.isfile(os.path.join(out, "final_model", "hf", "model.safetensors"))
     # the resolved config, overrides applied, is saved beside the outputs
-    from cluster.config import RLJob, load_job_config
+    from cluster.jobs.config import RLJob, load_job_config
 
     saved = load_job_config(os.path.join(out, "config.yaml"), RLJob)
     assert saved.algorithm.steps == 3 and saved.data.task_kwargs == {"num_heldout": 16} and saved.logging.out == out

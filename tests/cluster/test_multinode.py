@@ -2,13 +2,14 @@
 is, training runs across nodes, and the generator pool scales on its own (1 and 3)."""
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import gather, sync_weights, train
-from cluster.groups import fan_out
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -45,7 +46,7 @@ def test_roles_land_on_their_nodes_and_train(two_nodes, tiny_model_path, generat
 
         items = make_arithmetic_task(ArithmeticTaskSpec(num_train=32, num_heldout=1))[0]
         sync_weights(rl, version=0)
-        state = train(rl, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.01)),
+        state = train(RayBackend(rl), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.01)),
                       GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=6,
                       lr_schedule=lambda s: 1e-3, progress=False)
         assert state.policy_version == 2 and len(state.metrics_history) == 2

@@ -2,9 +2,10 @@
 they were given: the policy's scheduled learning rate reaches the trainer ranks only; the
 critic ranks train at their own (``algorithm.critic_lr``, set when the group is built)."""
 
-from cluster.groups import WorkerGroup
-from cluster.ray_backend import RayBackend
-from cluster.setup import RLCluster
+from cluster.ray_wing.backend import RayBackend
+from cluster.ray_wing.groups import WorkerGroup
+from cluster.ray_wing.roles import RLCluster
+from primitives.types import BatchPlan
 
 
 class LrReporter:
@@ -14,11 +15,15 @@ class LrReporter:
     def __init__(self, own_lr: float):
         self.own_lr = own_lr
 
-    def train_step(self, batch, algo, temperature, lr=None):
-        return [{"lr": self.own_lr if lr is None else lr, "rows": len(batch)}]
+    def train_planned(self, plan, algo, temperature, lr, num_parts, *resolved):
+        return [{"lr": self.own_lr if lr is None else lr, "rows": len(plan.rows)}], {}
 
-    def value_step(self, batch, algo, lr=None):
-        return [{"critic/lr": self.own_lr if lr is None else lr, "rows": len(batch)}]
+    def value_step_planned(self, plan, algo, num_parts, *resolved):
+        return [{"critic/lr": self.own_lr, "rows": len(plan.rows)}]
+
+
+def _plan(rows: int) -> BatchPlan:
+    return BatchPlan(tuple((0, i) for i in range(rows)), pad_token_id=0)
 
 
 def _group(ray, role, own_lr, size):
@@ -31,8 +36,8 @@ def test_the_critic_trains_at_its_own_learning_rate(ray_local):
                         reference=None, sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0,
                         timeout_s=60, reference_tracks_policy=False, ray_address="",
                         critics=_group(ray_local, "critic", 3e-4, 2))
-    policy, critic = RayBackend(cluster).train_step([1, 2, 3], None, 1.0, lr=2e-6, critic=True)
+    policy, critic, _ = RayBackend(cluster).train_step(_plan(3), [], None, None, 1.0, lr=2e-6, with_critic=True)
     assert [u[0]["lr"] for u in policy] == [2e-6, 2e-6]  # the schedule's rate, on every rank
     assert [u[0]["critic/lr"] for u in critic] == [3e-4, 3e-4]  # the critic's own, not the policy's
     assert [u[0]["rows"] for u in policy + critic] == [3] * 4  # every rank gets the whole batch
-    assert RayBackend(cluster).train_step([1], None, 1.0, lr=None, critic=False)[1] is None
+    assert RayBackend(cluster).train_step(_plan(1), [], None, None, 1.0, lr=None, with_critic=False).critic is None

@@ -8,14 +8,20 @@ reference worker; checkpoints and the copy of the policy reach the trainers' cop
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import copy_policy_to_reference, gather, load_cluster_checkpoint, save_cluster_checkpoint, train
-from cluster.groups import fan_out
-from cluster.setup import build_rl_cluster, role_specs, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo, reinforce_pp
-from primitives.data import make_prompt_source
-from primitives.kl import create_ema_updater
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from cluster.loop.train import train
+from cluster.ray_wing.backend import (
+    RayBackend,
+    copy_policy_to_reference,
+    load_cluster_checkpoint,
+    save_cluster_checkpoint,
+)
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, role_specs, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo, reinforce_pp
+from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -30,7 +36,7 @@ def spread_reward(rollout) -> float:
 def _train(cluster, steps: int, start=None, algo=None):
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
     kwargs = {} if start is None else {"state": start}
-    return train(cluster, make_prompt_source(items, seed=1), constant_schedule(algo or grpo(kl_coef=0.05)),
+    return train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(algo or grpo(kl_coef=0.05)),
                  GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=steps, prompts_per_step=4,
                  lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
 

@@ -3,15 +3,21 @@ A policy-tracking reference has every rank in the weight-sync group; every rank 
 weights after each sync, after a copy of the policy and after a checkpoint is loaded."""
 import pytest
 
-from cluster.config import ClusterConfig, DataConfig, RLJob
-from cluster.driver import copy_policy_to_reference, gather, load_cluster_checkpoint, save_cluster_checkpoint, train
-from cluster.groups import fan_out
-from cluster.job import rl_errors
-from cluster.setup import build_rl_cluster, role_specs, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source
-from primitives.kl import create_ema_updater
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from cluster.jobs.config import ClusterConfig, DataConfig, RLJob
+from cluster.jobs.job import rl_errors
+from cluster.loop.train import train
+from cluster.ray_wing.backend import (
+    RayBackend,
+    copy_policy_to_reference,
+    load_cluster_checkpoint,
+    save_cluster_checkpoint,
+)
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, role_specs, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -28,7 +34,7 @@ def test_zero_reference_workers_is_a_config_error_naming_the_field(tmp_path):
     job = RLJob(data=DataConfig(task="arithmetic"), cluster=ClusterConfig(reference_workers=0))
     assert "cluster.reference_workers must be at least 1, got 0" in rl_errors(job)
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     with pytest.raises(SystemExit, match="cluster.reference_workers must be at least 1, got 0"):
         run(["rl", "--data.task", "arithmetic", "--cluster.reference-workers", "0", "--logging.out", str(tmp_path)])
@@ -57,7 +63,7 @@ def _checksums(group) -> list:
 def _train(cluster, steps: int, start=None):
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
     kwargs = {} if start is None else {"state": start}
-    return train(cluster, make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.05)),
+    return train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.05)),
                  GenerationConfig(max_new_tokens=4, n=4), num_steps=steps, prompts_per_step=4,
                  lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
 

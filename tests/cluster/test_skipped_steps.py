@@ -6,12 +6,12 @@ drew the tied prompts."""
 import pytest
 import torch
 
-from cluster.driver import train
 from cluster.local import LocalBackend
-from primitives.algorithms import constant_schedule, dapo, online_dpo
-from primitives.data import make_prompt_source
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
-from primitives.types import GenerationConfig, TrainState
+from cluster.loop.train import train
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, dapo, online_dpo
+from primitives.types import GenerationConfig, TrainState, planned_rollouts
 from rl_actors.trainer import TrainerConfig
 
 GEN = GenerationConfig(max_new_tokens=4, n=4, temperature=0.9)
@@ -39,9 +39,9 @@ class Recording(LocalBackend):
         self.drawn_groups.append([f"e{it.epoch}/i{it.index}" for it in items])
         return super().generate(items, gen, tools)
 
-    def train_step(self, batch, *args, **kwargs):
-        self.trained_uids.append([r.uid for r in batch.rollouts])
-        return super().train_step(batch, *args, **kwargs)
+    def train_step(self, plan, parts, *args, **kwargs):
+        self.trained_uids.append([r.uid for r in planned_rollouts(plan, parts)])
+        return super().train_step(plan, parts, *args, **kwargs)
 
     def weights(self) -> dict:
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
@@ -100,9 +100,9 @@ def test_the_skipped_step_on_ray_logs_what_it_logs_in_one_process(ray_local, tin
     too, and every step logs the one-process numbers (1e-5)."""
     import numpy as np
 
-    from cluster.config import ClusterConfig
-    from cluster.ray_backend import RayBackend
-    from cluster.setup import build_rl_cluster, shutdown_cluster
+    from cluster.ray_wing.backend import RayBackend
+    from cluster.ray_wing.config import ClusterConfig
+    from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
 
     _, local, _ = _run(tiny_model_path, online_dpo(), ITEMS, steps=3)
     cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
@@ -126,7 +126,7 @@ def test_a_pairwise_step_without_a_pair_is_no_batch():
     names the problem when asked to batch it."""
     import numpy as np
 
-    from primitives.batching import make_batch, trainable_batch
+    from primitives.maths.batching import make_batch, trainable_batch
     from primitives.types import Rollout
 
     def rollout(group, sample, reward):

@@ -13,9 +13,9 @@ from tests.conftest import ROOT
 
 PROBE = """
 import json, sys
-from cluster.config import ClusterConfig
-from cluster.placement import RoleSpec
-from cluster.setup import start_ray
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.placement import RoleSpec
+from cluster.ray_wing.roles import start_ray
 import ray
 address = start_ray(ClusterConfig(ray_address=sys.argv[1] or None), [RoleSpec("generator", 1, 1.0, 0.0)])
 print("JOINED", json.dumps({"address": address, "cpus": ray.cluster_resources().get("CPU")}))

@@ -14,7 +14,7 @@ DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
 def test_nine_rows_per_step_on_two_zero2_ranks_complete(tmp_path):
     import ray
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     out = str(tmp_path / "run")
     ray.shutdown()

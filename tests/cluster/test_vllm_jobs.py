@@ -18,7 +18,7 @@ OWN_DATA = os.path.join(ROOT, "examples", "configs", "own_data.yaml")
 def _run(args):
     import ray
 
-    from cluster.cli import run
+    from cluster.jobs.cli import run
 
     ray.shutdown()
     try:
@@ -46,9 +46,9 @@ def test_default_job_with_vllm_generator_workers_learns(tmp_path):
 def smollm2_engine_rollouts(ray_local):
     """Greedy rollouts of SmolLM2 by a vLLM generator worker on chat prompts, long enough to end
     their turns, with the HF model's logprobs of the same tokens."""
-    from cluster.job import resolve_model
-    from primitives.logprobs import rollout_logprobs
-    from primitives.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
+    from cluster.jobs.job import resolve_model
+    from primitives.fixtures.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
+    from primitives.model.logprobs import rollout_logprobs
     from primitives.types import GenerationConfig, ModelConfig
     from rl_actors.common import load_causal_lm
     from rl_actors.generator import GeneratorWorker

@@ -3,7 +3,14 @@ import multiprocessing as mp
 
 import torch
 
-from cluster.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, free_port, init_sync_group, tensor_checksums
+from rl_actors.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    free_port,
+    init_sync_group,
+    tensor_checksums,
+)
 
 META = [TensorMeta("w1", (3, 4), "float32"), TensorMeta("b1", (4,), "float32"),
         TensorMeta("emb", (7, 5), "bfloat16"), TensorMeta("w2", (50, 50), "float32")]

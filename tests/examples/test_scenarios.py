@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.loggers import read_jsonl_metrics
+from primitives.io.loggers import read_jsonl_metrics
 
 
 def run_example(name: str, tmp_path, *flags) -> tuple:
@@ -89,7 +89,7 @@ def test_tool_use_masks_tool_tokens_and_keeps_the_conversation(tmp_path):
     roles and the prompt item's metadata survives."""
     from transformers import AutoTokenizer
 
-    from primitives.tiny import IM_END, IM_START, SPECIAL_TOKENS
+    from primitives.fixtures.tiny import IM_END, IM_START, SPECIAL_TOKENS
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the warm-up runs in this process; 2 shared cores are slower with 2 threads
@@ -157,7 +157,7 @@ def test_truncated_kl_in_the_loss_and_an_ema_reference(tmp_path):
 def test_custom_pipeline_functions_by_their_effect(tmp_path):
     """The user's reward, advantage, loss and schedule, by hand on small cases, then each one's
     effect on what the Ray run logged."""
-    from primitives.advantages import AdvantageInputs
+    from primitives.maths.advantages import AdvantageInputs
     from primitives.types import Rollout
 
     pipeline = importlib.import_module("examples.custom_pipeline")

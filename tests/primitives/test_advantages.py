@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from primitives import advantages as A
+from primitives.maths import advantages as A
 
 # two interleaved groups: a = [1, 0, 0, 0], b = [1, 1, 0, 1]
 GROUPS = ["a", "b", "a", "b", "a", "b", "a", "b"]

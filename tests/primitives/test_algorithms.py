@@ -4,12 +4,12 @@ import functools
 import pytest
 import torch
 
-from primitives import advantages as adv
-from primitives import algorithms as A
-from primitives import losses as L
-from primitives.filters import all_pairs, dynamic_sampling_filter, top_bottom_pairs
-from primitives.kl import create_truncated_kl, kl_k1, kl_k3
-from primitives.objectives import gspo_policy_loss, online_dpo_objective, policy_objective, ppo_clip_policy_loss
+from primitives.maths import advantages as adv
+from primitives.maths import algorithms as A
+from primitives.maths import losses as L
+from primitives.maths.filters import all_pairs, dynamic_sampling_filter, top_bottom_pairs
+from primitives.maths.kl import create_truncated_kl, kl_k1, kl_k3
+from primitives.maths.objectives import gspo_policy_loss, online_dpo_objective, policy_objective, ppo_clip_policy_loss
 
 
 def test_presets_are_records_of_their_papers_functions():
@@ -67,7 +67,7 @@ def test_records_whose_functions_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="advantage_fn must be a function"):
         A.grpo(advantage_fn=3)
     with pytest.raises(ValueError, match="no callable 'nope'"):
-        A.grpo(kl_fn="primitives.kl:nope")
+        A.grpo(kl_fn="primitives.maths.kl:nope")
 
 
 @pytest.mark.parametrize("name", sorted(A.PRESETS))
@@ -153,7 +153,7 @@ def test_a_replaced_aggregation_reaches_the_loss():
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     a = torch.tensor([[1.0, 1.0, 0.0], [-2.0, 0.0, 0.0]])
-    from primitives.objectives import LossInputs
+    from primitives.maths.objectives import LossInputs
 
     x = LossInputs(logp=logp, old_logp=None, advantages=a, mask=mask, counts=L.LossCounts(3, 2))
     summed = A.grpo(kl_coef=0.0)._replace(aggregation=lambda loss, m, counts: (loss * m).sum())

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
-from primitives.loggers import (
+from primitives.fixtures.tiny import save_tiny_model
+from primitives.io.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
+from primitives.io.loggers import (
     console_logger,
     jsonl_logger,
     multi_logger,
@@ -17,7 +18,6 @@ from primitives.loggers import (
     read_jsonl_metrics,
     wandb_logger,
 )
-from primitives.tiny import save_tiny_model
 from primitives.types import DataPosition, TrainState
 
 
@@ -139,7 +139,7 @@ def test_atomic_directory_success_replaces_exactly(tmp_path):
 
 
 def test_atomic_file_keeps_the_old_file_when_writing_fails(tmp_path):
-    from primitives.checkpoint import atomic_file
+    from primitives.io.checkpoint import atomic_file
 
     path = tmp_path / "samples.jsonl"
     atomic_file(str(path), lambda f: f.write("old\n"))

@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from primitives.data import (
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task, needs_carry, sft_demonstrations
+from primitives.fixtures.tiny import CHAT_TEMPLATE, build_char_tokenizer
+from primitives.io.data import (
     EvalData,
     FieldMap,
     PromptFormat,
@@ -29,9 +31,7 @@ from primitives.data import (
     split_eval,
     take_prompts,
 )
-from primitives.generation import render_prompt
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task, needs_carry, sft_demonstrations
-from primitives.tiny import CHAT_TEMPLATE, build_char_tokenizer
+from primitives.model.prompts import render_prompt
 from primitives.types import Conversation, DataPosition, Message
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -42,7 +42,7 @@ def smol():
     """SmolLM2-135M-Instruct's BPE tokenizer and chat template, read from the embedded GGUF (a few s)."""
     from transformers import AutoTokenizer
 
-    from primitives.pretrained import smollm2_gguf
+    from primitives.fixtures.pretrained import smollm2_gguf
 
     directory, name = smollm2_gguf()
     return AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -323,8 +323,8 @@ def test_enable_thinking_reaches_templates_that_read_it(tmp_path):
     assert check_prompt_lengths([item], tok, 100, template_kwargs=kwargs).tolist() == [40]
     # the generator renders with the same variables (GenerationConfig.template_kwargs): its
     # rollouts' prompt ids are the think-block prompt, 40 tokens
-    from primitives.generation import generate_rollouts
-    from primitives.tiny import TinyModelSpec, build_tiny_model
+    from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
+    from primitives.model.generation import generate_rollouts
     from primitives.types import GenerationConfig
 
     model = build_tiny_model(tok, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1), 0)
@@ -337,7 +337,7 @@ def test_enable_thinking_reaches_templates_that_read_it(tmp_path):
 def test_tasks_a_job_names():
     """The default job's task is the arithmetic task with its imperfect demonstrations as
     prompt/completion rows; the chat task gives chat prompts and correct message demonstrations."""
-    from primitives.tasks import (
+    from primitives.fixtures.tasks import (
         CHAT_QUESTION,
         TASKS,
         ArithmeticTaskSpec,

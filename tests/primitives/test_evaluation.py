@@ -5,7 +5,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from primitives.evaluation import (
+from primitives.io.evaluation import (
     eval_metrics,
     mean_pass_at_k,
     pass_at_k,

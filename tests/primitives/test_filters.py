@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from primitives.filters import (
+from primitives.maths.filters import (
     all_pairs,
     by_group,
     create_random_pairs,

@@ -7,22 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.data import PromptItem
-from primitives.generation import (
+from primitives.env.rewards import mean_aggregator
+from primitives.io.data import PromptItem
+from primitives.model.generation import (
     GenerationOutput,
-    create_rollout,
-    create_rollouts,
-    encode_prompts,
     filter_logits,
     generate_rollouts,
     generate_tokens,
-    left_pad,
     pack_rollout,
-    position_ids_from_mask,
-    render_prompt,
 )
-from primitives.logprobs import completion_logprobs, pack_completions, rollout_logprobs, token_entropy
-from primitives.rewards import mean_aggregator
+from primitives.model.logprobs import completion_logprobs, rollout_logprobs, token_entropy
+from primitives.model.prompts import encode_prompts, render_prompt
+from primitives.model.rollouts import create_rollout, create_rollouts
+from primitives.padding import left_pad, pack_completions, position_ids_from_mask
 from primitives.types import Conversation, GenerationConfig, Message
 
 PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
@@ -82,7 +79,7 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_top_k_1(tiny_model, token
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_a_shared_prompt_prefills_once_with_the_same_samples(tiny_model, tokenizer, monkeypatch, temperature):
-    from primitives import generation
+    from primitives.model import generation
 
     # groups of 4 and 3 samples, a lone prompt, and a prompt that differs from another only by a
     # leading pad-id token (equal ids once left-padded, different masks: not the same prompt)
@@ -122,11 +119,11 @@ def _kept_set_logprobs(model, rollout, gen: GenerationConfig) -> np.ndarray:
 @pytest.mark.parametrize("truncation", [{"top_p": 0.5}, {"top_k": 3}], ids=["top_p", "top_k"])
 def test_truncated_sampling_keeps_full_distribution_logprobs(tiny_model, tokenizer, truncation):
     """With top-p 0.5 or top-k 3 the HF path's behaviour logprobs are of the full tempered
-    distribution, as the trainer recomputes them (``primitives.logprobs``): with the same weights
+    distribution, as the trainer recomputes them (``primitives.model.logprobs``): with the same weights
     the capped importance weight is 1 (to 1e-5), per token and per sequence. Renormalised over the
     kept set (vLLM's processed logprobs) they would be off by log(kept mass), here at least 0.1:
     the weight would be that mass."""
-    from primitives.losses import truncated_is_weights
+    from primitives.maths.losses import truncated_is_weights
 
     gen = GenerationConfig(max_new_tokens=8, n=4, temperature=0.7, **truncation)
     items = [PromptItem(i, p) for i, p in enumerate(PROMPTS[:2])]
@@ -219,7 +216,7 @@ def test_chat_template_with_tool_messages(tokenizer):
 
 
 def test_parse_thinking():
-    from primitives.rewards import parse_thinking
+    from primitives.env.rewards import parse_thinking
 
     assert parse_thinking("<think>carry the one</think> 42") == ("carry the one", "42", True)
     assert parse_thinking("<think>still thinking") == ("still thinking", "", False)
@@ -284,7 +281,7 @@ def test_create_rollout_vector_reward_and_shaping(tiny_model, tokenizer):
 
 
 def test_create_rollout_ref_logprobs(tiny_model, tokenizer):
-    from primitives.tiny import TinyModelSpec, build_tiny_model
+    from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
 
     gen_config = GenerationConfig(max_new_tokens=8, temperature=0.7, seed=2)
     r = create_rollout(tiny_model, tokenizer, "12+34=", gen_config, copy.deepcopy(tiny_model))

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from primitives import kl as K
+from primitives.maths import kl as K
 
 LOGP = torch.tensor([[-1.0, -2.0]])
 REF = torch.tensor([[-1.5, -1.0]])  # l = logp - ref = [0.5, -1.0]

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from primitives import losses as L
+from primitives.maths import losses as L
 
 
 def test_ppo_clip_higher_hand_values():

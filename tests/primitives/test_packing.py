@@ -1,4 +1,4 @@
-"""Sequence packing (primitives/packing.py): the plan worked out by hand, and packed scoring equal
+"""Sequence packing (primitives/model/packing.py): the plan worked out by hand, and packed scoring equal
 to padded scoring - logprobs, entropies, gradients, micro-batches, temperature, forward_backward -
 on the embedded tiny Qwen2 and on small random Llama, Qwen3 and Mistral models (fp32, 1e-5), with
 distinct prompts and with prompts shared by several rows (run once, under a tree mask)."""
@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from primitives import algorithms as algos
-from primitives import logprobs as lp
-from primitives import packing
-from primitives.batching import make_batch
-from primitives.logprobs import completion_logprobs, pack_completions, rollout_logprobs
-from primitives.packing import (
+from primitives.maths import algorithms as algos
+from primitives.maths.batching import make_batch
+from primitives.model import logprobs as lp
+from primitives.model import packing
+from primitives.model.logprobs import completion_logprobs, rollout_logprobs
+from primitives.model.packing import (
     first_fit_decreasing,
     key_cost,
     padding_share,
@@ -21,7 +21,8 @@ from primitives.packing import (
     supports_packing,
     tree_attention_mask,
 )
-from primitives.training import forward_backward, step_counts, with_old_logprobs
+from primitives.model.training import forward_backward, step_counts, with_old_logprobs
+from primitives.padding import pack_completions
 from primitives.types import Rollout
 
 ATOL = 1e-5
@@ -194,7 +195,7 @@ def test_row_capacity_by_hand(tokenizer):
     assert row_capacity(lengths, 0.001) == 50
     assert row_capacity(np.array([0, 0]), 0.01) == 1
     # the embedded tiny Qwen2: 2 * 4 heads * 32 / (2*128*128 + 2*128*64 + 3*128*384) = 256 / 196608
-    from primitives.tiny import build_tiny_model
+    from primitives.fixtures.tiny import build_tiny_model
 
     assert key_cost(build_tiny_model(tokenizer).config) == pytest.approx(1 / 768)
 

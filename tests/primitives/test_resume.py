@@ -4,14 +4,14 @@ position and RNG state; sampling uses the global RNG that the checkpoint restore
 import numpy as np
 import torch
 
-from primitives.algorithms import grpo
-from primitives.batching import make_batch
-from primitives.checkpoint import load_checkpoint, save_checkpoint
-from primitives.data import make_prompt_source
-from primitives.generation import generate_rollouts
-from primitives.rewards import score_rollouts
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
-from primitives.training import forward_backward, optim_step, step_counts
+from primitives.env.rewards import score_rollouts
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.io.checkpoint import load_checkpoint, save_checkpoint
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import grpo
+from primitives.maths.batching import make_batch
+from primitives.model.generation import generate_rollouts
+from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import DataPosition, GenerationConfig, TrainState
 
 

@@ -5,10 +5,10 @@ import threading
 import numpy as np
 import pytest
 
-from primitives import rewards as R
-from primitives.algorithms import AlgorithmConfig
-from primitives.batching import make_batch, rollout_metrics
-from primitives.rewards import RewardSpec, build_reward
+from primitives.env import rewards as R
+from primitives.env.rewards import RewardSpec, build_reward
+from primitives.maths.algorithms import AlgorithmConfig
+from primitives.maths.batching import make_batch, rollout_metrics
 from primitives.types import Rollout
 
 USER_MODULE = '''
@@ -199,7 +199,7 @@ def test_with_weights_one_per_reward():
     ([RewardSpec("http", kwargs={"url": "http://a", "retries": -1})], r"retries an int >= 0"),
     ([RewardSpec("nowhere_mod:score")], r"reward function 'nowhere_mod:score' cannot be loaded: .*"
                                         r"cannot import 'nowhere_mod'"),
-    ([RewardSpec("primitives.rewards:no_such_fn")], r"'primitives.rewards' has no callable 'no_such_fn'"),
+    ([RewardSpec("primitives.env.rewards:no_such_fn")], r"'primitives.env.rewards' has no callable 'no_such_fn'"),
     ([RewardSpec("exact_match"), RewardSpec("exact_match", kwargs={"parser": "boxed"})],
      r"two rewards are logged as exact_match; give each RewardSpec a distinct label="),
     ([RewardSpec("exact_match", label="mean")], r"reward label 'mean' cannot name a reward/<label> metric"),

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from primitives import rewards as R
-from primitives.tools import ToolResult
+from primitives.env import rewards as R
+from primitives.env.tools import ToolResult
 from primitives.types import Rollout
 
 
@@ -250,8 +250,13 @@ def test_http_reward_recovers_after_a_server_error():
 
 
 def test_last_number_parser_and_chat_arithmetic():
-    from primitives.rewards import parse_last_number
-    from primitives.tasks import ArithmeticTaskSpec, chat_arithmetic_items, chat_arithmetic_reward, make_arithmetic_task
+    from primitives.env.rewards import parse_last_number
+    from primitives.fixtures.tasks import (
+        ArithmeticTaskSpec,
+        chat_arithmetic_items,
+        chat_arithmetic_reward,
+        make_arithmetic_task,
+    )
     from primitives.types import Conversation, Rollout
 
     assert parse_last_number("23 + 48 = 71") == "71" and parse_last_number("no digits") is None

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from primitives import sandbox
-from primitives.sandbox import SandboxUnavailable, run_python_sandboxed
-from primitives.tools import ToolCall, create_tool_executor, python_tool
+from primitives.env import sandbox
+from primitives.env.sandbox import SandboxUnavailable, run_python_sandboxed
+from primitives.env.tools import ToolCall, create_tool_executor, python_tool
 
 REPO = Path(__file__).resolve().parents[2]
 ESCAPED = "ESC" + "APED"  # printed by code that got out; spelled apart in the code so tracebacks don't echo it

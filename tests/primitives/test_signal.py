@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from primitives import algorithms as algos
-from primitives.advantages import discounted_returns, gae_advantages
-from primitives.batching import collate, make_batch
-from primitives.losses import LossCounts, aggregate_loss, gspo_loss, truncated_is_weights
-from primitives.metrics import mean_over_updates, merge_metrics, merge_rank_updates, reduction
-from primitives.objectives import LossInputs, online_dpo_objective, policy_objective
-from primitives.training import forward_backward, sft_forward_backward, step_counts, train_on_batch
+from primitives.maths import algorithms as algos
+from primitives.maths.advantages import discounted_returns, gae_advantages
+from primitives.maths.batching import collate, make_batch
+from primitives.maths.losses import LossCounts, aggregate_loss, gspo_loss, truncated_is_weights
+from primitives.maths.metrics import mean_over_updates, merge_metrics, merge_rank_updates, reduction
+from primitives.maths.objectives import LossInputs, online_dpo_objective, policy_objective
+from primitives.model.training import forward_backward, sft_forward_backward, step_counts, train_on_batch
 from primitives.types import Rollout
 
 
@@ -309,7 +309,7 @@ def test_sft_eval_loss_hand_value_and_shares_add_up():
     """Held-out loss of two rows, no update: the mean NLL per target token. Row 0 targets
     p(1|0), p(2|1); row 1 targets p(0|2). Split over two 'ranks' with the global count, the
     shares add up to the whole (what the trainer group's merge relies on)."""
-    from primitives.training import sft_eval_loss
+    from primitives.model.training import sft_eval_loss
 
     table = [[0.0, 1.0, 2.0], [0.5, -1.0, 0.3], [1.0, 1.0, -2.0]]
     model = TableModel(table)
@@ -327,8 +327,8 @@ def test_sft_eval_loss_hand_value_and_shares_add_up():
 
 
 def test_dropout_is_off_in_every_logprob_forward(tokenizer):
-    from primitives.logprobs import completion_logprobs
-    from primitives.tiny import TinyModelSpec, build_tiny_model
+    from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
+    from primitives.model.logprobs import completion_logprobs
 
     model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2), 3)
     for module in model.modules():
@@ -436,7 +436,7 @@ def test_len_of_a_batch_is_its_rows():
 
 
 def test_staleness_metrics_and_stale_groups_by_hand():
-    from primitives.metrics import stale_groups, staleness_metrics
+    from primitives.maths.metrics import stale_groups, staleness_metrics
 
     # policy version 5; lags 0, 0, 1, 3, 3 (groups a, a, b, c, c)
     rollouts = [SimpleNamespace(group=g, policy_version=v) for g, v in

@@ -2,10 +2,8 @@
 import numpy as np
 import pytest
 
-from primitives import sandbox
-from primitives.data import PromptItem
-from primitives.generation import GenerationOutput
-from primitives.tools import (
+from primitives.env import sandbox
+from primitives.env.tools import (
     ToolCall,
     calculator_tool,
     create_tool_executor,
@@ -16,6 +14,8 @@ from primitives.tools import (
     run_python_sandboxed,
     safe_calculate,
 )
+from primitives.io.data import PromptItem
+from primitives.model.generation import GenerationOutput
 
 
 def test_xml_parser():
@@ -190,7 +190,7 @@ def test_multiturn_stops_without_tool_calls(tokenizer):
 def test_multiturn_with_real_model(tiny_model, tokenizer):
     import torch
 
-    from primitives.tools import hf_turn_generator
+    from primitives.env.tools import hf_turn_generator
     from primitives.types import GenerationConfig
 
     gen = hf_turn_generator(tiny_model, tokenizer, GenerationConfig(max_new_tokens=8, seed=0),
@@ -198,7 +198,7 @@ def test_multiturn_with_real_model(tiny_model, tokenizer):
     r = multiturn_rollout(PromptItem(0, "2+2?"), tokenizer, gen, tool_executor=create_tool_executor({}))
     assert len(r.completion_ids) == len(r.loss_mask) >= 1
     # the behaviour logprobs of policy tokens are what a trainer recomputes on the whole sequence
-    from primitives.logprobs import rollout_logprobs
+    from primitives.model.logprobs import rollout_logprobs
 
     again = rollout_logprobs(tiny_model, [r], tokenizer.pad_token_id)[0]
     policy = r.loss_mask == 1

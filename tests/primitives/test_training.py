@@ -4,14 +4,14 @@ import copy
 import pytest
 import torch
 
-from primitives import algorithms as algos
-from primitives.batching import make_batch
-from primitives.data import PromptItem
-from primitives.generation import generate_rollouts
-from primitives.logprobs import completion_logprobs
-from primitives.rewards import score_rollouts
-from primitives.tiny import TinyModelSpec, build_tiny_model
-from primitives.training import forward_backward, minibatches, step_counts, train_on_batch
+from primitives.env.rewards import score_rollouts
+from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
+from primitives.io.data import PromptItem
+from primitives.maths import algorithms as algos
+from primitives.maths.batching import make_batch
+from primitives.model.generation import generate_rollouts
+from primitives.model.logprobs import completion_logprobs
+from primitives.model.training import forward_backward, minibatches, step_counts, train_on_batch
 from primitives.types import GenerationConfig
 
 

@@ -7,12 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from primitives.advantages import gae_advantages
-from primitives.logprobs import pack_completions
-from primitives.losses import LossCounts
-from primitives.training import optim_step
-from primitives.types import Batch, Rollout
-from primitives.value import (
+from primitives.maths.advantages import gae_advantages
+from primitives.maths.losses import LossCounts
+from primitives.model.training import optim_step
+from primitives.model.value import (
     ValueModel,
     completion_values,
     load_value_model,
@@ -22,6 +20,8 @@ from primitives.value import (
     value_model_from_policy,
     value_model_from_reward_model,
 )
+from primitives.padding import pack_completions
+from primitives.types import Batch, Rollout
 
 
 def _rollout(i, prompt_ids, completion_ids, reward=0.0):

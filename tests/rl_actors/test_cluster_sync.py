@@ -3,15 +3,17 @@ invariants after a sync (exact weights on every generator, logprob parity)."""
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import evaluate_accuracy, gather, sync_weights, train, train_sft
-from cluster.groups import ActorFailure, call, fan_out
-from cluster.ray_backend import RayBackend
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source, prepare_sft_text
-from primitives.kl import create_periodic_updater
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
+from cluster.loop.evaluate import evaluate_accuracy
+from cluster.loop.sft import train_sft
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import ActorFailure, call, fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
+from primitives.io.data import make_prompt_source, prepare_sft_text
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.maths.kl import create_periodic_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -34,10 +36,11 @@ def trained(rl_cluster, tiny_model_path):
     spec = ArithmeticTaskSpec(num_train=64, num_heldout=16)
     items, heldout = make_arithmetic_task(spec)
     samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
-    sft = train_sft(rl_cluster, samples, num_steps=3, batch_size=16, lr_schedule=lambda s: 1e-3, progress=False)
+    sft = train_sft(RayBackend(rl_cluster), samples, num_steps=3, batch_size=16, lr_schedule=lambda s: 1e-3,
+                    progress=False)
     sync_weights(rl_cluster, version=0)
     logged = []
-    state = train(rl_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
+    state = train(RayBackend(rl_cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
                   GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=4,
                   lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False,
                   eval_fn=lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, 4)}, eval_every=2)
@@ -80,8 +83,8 @@ def test_generator_logprobs_equal_trainer_logprobs(rl_cluster, trained):
 
 def test_multiturn_generation_on_a_generator(rl_cluster, trained):
     """The tool loop runs inside a generator actor; tool-output tokens stay out of the loss."""
-    from primitives.data import PromptItem
-    from primitives.tools import ToolConfig, calculator_tool, create_tool_executor, parse_xml_tool_calls
+    from primitives.env.tools import ToolConfig, calculator_tool, create_tool_executor, parse_xml_tool_calls
+    from primitives.io.data import PromptItem
 
     items = [PromptItem(0, "What is 12*3? Use the calculator.", answer="36")]
     gen = GenerationConfig(max_new_tokens=6, n=2, stop=("</tool_call>",))
@@ -100,7 +103,7 @@ def test_multiturn_generation_on_a_generator(rl_cluster, trained):
 
 
 def test_reference_copy_goes_by_ref(rl_cluster, trained):
-    from cluster.driver import copy_policy_to_reference
+    from cluster.ray_wing.backend import copy_policy_to_reference
 
     copy_policy_to_reference(rl_cluster)
     trainer = gather(fan_out(rl_cluster.trainers, "weight_checksums"), rl_cluster.timeout_s)[0]
@@ -110,8 +113,8 @@ def test_reference_copy_goes_by_ref(rl_cluster, trained):
 def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_cluster, trained):
     """DAPO on the cluster: groups whose rewards are all equal are dropped and more prompts are
     drawn until the step has its quota of informative groups (or the rounds run out)."""
-    from cluster.groups import WorkerGroup
-    from primitives.algorithms import dapo
+    from cluster.ray_wing.groups import WorkerGroup
+    from primitives.maths.algorithms import dapo
     from rl_actors.reward import RewardWorker
 
     def parity_reward(rollout):  # even prompts: all 0 (flat group); odd prompts: 0/1 by sample index
@@ -129,7 +132,7 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
         return got, nxt
 
     logged = []
-    train(cluster, recording_source, constant_schedule(dapo(overlong_buffer_frac=0.5)),
+    train(RayBackend(cluster), recording_source, constant_schedule(dapo(overlong_buffer_frac=0.5)),
           GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
           lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
     m = logged[0]
@@ -151,7 +154,7 @@ def test_raising_reward_names_rollout_and_function(ray_local, rl_cluster, traine
     items = trained[3][:1]
     rollouts = gather([call(rl_cluster.generators, 0, "generate", items, GenerationConfig(max_new_tokens=3))], 60)[0]
     worker = ray_local.remote(RewardWorker).remote(broken_reward)
-    from cluster.groups import Call
+    from cluster.ray_wing.groups import Call
     with pytest.raises(ActorFailure) as e:
         gather([Call(worker.score.remote(rollouts), "reward", 3, "score")], 60)
     assert "reward 3 failed in score" in str(e.value)
@@ -162,7 +165,7 @@ def test_raising_reward_names_rollout_and_function(ray_local, rl_cluster, traine
 def test_stuck_actor_is_a_bounded_wait(ray_local):
     import time
 
-    from cluster.groups import Call
+    from cluster.ray_wing.groups import Call
     from rl_actors.reward import RewardWorker
 
     def slow_reward(rollout):
@@ -179,7 +182,7 @@ def test_stuck_actor_is_a_bounded_wait(ray_local):
 
 
 def test_missing_model_path_names_role(ray_local):
-    from cluster.groups import Call
+    from cluster.ray_wing.groups import Call
     from primitives.types import ModelConfig
     from rl_actors.generator import GeneratorWorker
 

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.algorithms import ppo
-from primitives.batching import make_batch
-from primitives.metrics import merge_rank_updates
-from primitives.training import optim_step, step_counts
-from primitives.types import ModelConfig
-from primitives.value import (
+from primitives.maths.algorithms import ppo
+from primitives.maths.batching import make_batch
+from primitives.maths.metrics import merge_rank_updates
+from primitives.model.training import optim_step, step_counts
+from primitives.model.value import (
     load_value_model,
     rollout_values,
     value_forward_backward,
     value_model_from_policy,
 )
+from primitives.types import ModelConfig
 from rl_actors.critic import CriticWorker, concat_value_shares
 from rl_actors.trainer import TrainerConfig
 from tests.conftest import scored_rollouts

@@ -1,4 +1,4 @@
-"""``cluster.driver.evaluate`` on Ray: k samples per item drawn on the generators, scored on the
+"""``cluster.loop.train.evaluate`` on Ray: k samples per item drawn on the generators, scored on the
 reward worker; the returned metrics are ``eval_metrics`` of exactly what the JSONL holds."""
 import json
 from collections import Counter
@@ -6,11 +6,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import evaluate
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.evaluation import eval_metrics
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from cluster.loop.evaluate import evaluate
+from cluster.ray_wing.backend import RayBackend
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.evaluation import eval_metrics
 from primitives.types import GenerationConfig, Rollout
 from rl_actors.trainer import TrainerConfig
 
@@ -46,7 +47,7 @@ def from_records(records) -> list:
 def test_evaluate_returns_eval_metrics_of_the_written_samples(cluster, items, tmp_path):
     path = tmp_path / "samples" / "step_5.jsonl"
     gen = GenerationConfig(max_new_tokens=4, temperature=1.0, n=1)  # n is replaced by k
-    metrics = evaluate(cluster, items, gen, k=K, samples_path=str(path), step=5)
+    metrics = evaluate(RayBackend(cluster), items, gen, k=K, samples_path=str(path), step=5)
     records = [json.loads(line) for line in open(path)]
     assert len(records) == K * len(items)
     assert Counter(r["group"] for r in records) == {f"e0/i{it.index}": K for it in items}
@@ -71,12 +72,12 @@ def test_evaluate_returns_eval_metrics_of_the_written_samples(cluster, items, tm
 def test_greedy_k1_is_the_share_of_correct_samples_and_pass_at_k_needs_a_temperature(cluster, items, tmp_path):
     greedy = GenerationConfig(max_new_tokens=4, temperature=0.0)
     path = tmp_path / "greedy.jsonl"
-    m = evaluate(cluster, items, greedy, k=1, samples_path=str(path))
+    m = evaluate(RayBackend(cluster), items, greedy, k=1, samples_path=str(path))
     records = [json.loads(line) for line in open(path)]
     assert len(records) == len(items)
     assert m["eval/accuracy"] == sum(r["reward"] >= 1.0 for r in records) / len(items)
     assert m["eval/pass@1"] == m["eval/accuracy"]
     with pytest.raises(ValueError, match="needs temperature > 0"):
-        evaluate(cluster, items, greedy, k=2)
+        evaluate(RayBackend(cluster), items, greedy, k=2)
     with pytest.raises(ValueError, match="no evaluation items"):
-        evaluate(cluster, [], greedy, k=1)
+        evaluate(RayBackend(cluster), [], greedy, k=1)

@@ -5,22 +5,23 @@ reference, train, weight sync - with generator and trainer logprobs equal to < 1
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import collect, copy_policy_to_reference, gather, sync_weights, train, train_sft
-from cluster.groups import fan_out
-from cluster.ray_backend import RayBackend
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source, prepare_sft_chat
-from primitives.pretrained import save_smollm2
-from primitives.rewards import vector_reward_fn, weighted_sum_aggregator
-from primitives.tasks import (
+from cluster.loop.sft import train_sft
+from cluster.loop.train import collect, train
+from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.env.rewards import vector_reward_fn, weighted_sum_aggregator
+from primitives.fixtures.pretrained import save_smollm2
+from primitives.fixtures.tasks import (
     ArithmeticTaskSpec,
     chat_arithmetic_items,
     chat_arithmetic_reward,
     chat_demonstration,
     make_arithmetic_task,
 )
+from primitives.io.data import make_prompt_source, prepare_sft_chat
+from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -69,13 +70,14 @@ def run(ray_local, smollm2, items):
                                aggregate_fn=weighted_sum_aggregator([1.0, 0.5]))
     try:
         samples = [prepare_sft_chat(tok, chat_demonstration(it)) for it in items[:8]]
-        sft = train_sft(cluster, samples, num_steps=1, batch_size=8, lr_schedule=lambda s: 1e-5, progress=False)
+        sft = train_sft(RayBackend(cluster), samples, num_steps=1, batch_size=8, lr_schedule=lambda s: 1e-5,
+                        progress=False)
         sync_weights(cluster, version=0)
         copy_policy_to_reference(cluster)
         gather(fan_out(cluster.trainers, "reset_optimizer", 1e-5), cluster.timeout_s)  # as the default job does
         logged = []
-        train(cluster, make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.01)), GEN, num_steps=2,
-              prompts_per_step=3, lr_schedule=lambda s: 1e-5, logger=logged.append, progress=False,
+        train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.01)), GEN,
+              num_steps=2, prompts_per_step=3, lr_schedule=lambda s: 1e-5, logger=logged.append, progress=False,
               component_names=("correct", "finished"))
         yield cluster, sft, logged
     finally:

@@ -4,13 +4,14 @@ reference worker)."""
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import gather, load_cluster_checkpoint, save_cluster_checkpoint, sync_weights, train
-from cluster.groups import fan_out
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig, TrainState
 from rl_actors.trainer import TrainerConfig
 
@@ -28,7 +29,7 @@ def _cluster(path):
 
 
 def _train(cluster, state, until):
-    return train(cluster, make_prompt_source(ITEMS, seed=4), constant_schedule(grpo(kl_coef=0.05)),
+    return train(RayBackend(cluster), make_prompt_source(ITEMS, seed=4), constant_schedule(grpo(kl_coef=0.05)),
                  GenerationConfig(max_new_tokens=4, n=3), num_steps=until, prompts_per_step=4,
                  lr_schedule=lambda s: 1e-3, state=state, progress=False)
 

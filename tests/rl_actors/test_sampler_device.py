@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 import rl_actors.generator as generator_module
-from primitives.data import PromptItem
-from primitives.generation import generate_rollouts
-from primitives.tools import ToolConfig
+from primitives.env.tools import ToolConfig
+from primitives.io.data import PromptItem
+from primitives.model.generation import generate_rollouts
 from primitives.types import GenerationConfig
 from rl_actors.clock import BusyClock
 from rl_actors.generator import GeneratorWorker, VLLMEngine, rollout_sampler

@@ -5,15 +5,16 @@ logprobs; the generator / trainer gap is measured every step and is fp32-small o
 import numpy as np
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.driver import collect, gather, sync_weights, train, train_sft
-from cluster.groups import fan_out
-from cluster.ray_backend import RayBackend
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.data import make_prompt_source, prepare_sft_text
-from primitives.rewards import kl_penalty_shaping
-from primitives.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
+from cluster.loop.sft import train_sft
+from cluster.loop.train import collect, train
+from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.env.rewards import kl_penalty_shaping
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
+from primitives.io.data import make_prompt_source, prepare_sft_text
+from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig, ModelConfig
 from rl_actors.trainer import TrainerConfig
 
@@ -35,12 +36,12 @@ def _one_step_each(path, trainers: int):
     spec = ArithmeticTaskSpec(num_train=32, num_heldout=1)
     items = make_arithmetic_task(spec)[0]
     rl, sft = [], []
-    train(cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
+    train(RayBackend(cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
           GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=1, prompts_per_step=4,
           lr_schedule=lambda s: 1e-2, logger=rl.append, progress=False)
     tok = AutoTokenizer.from_pretrained(path)
     samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
-    train_sft(cluster, samples, num_steps=1, batch_size=16, lr_schedule=lambda s: 1e-3, logger=sft.append,
+    train_sft(RayBackend(cluster), samples, num_steps=1, batch_size=16, lr_schedule=lambda s: 1e-3, logger=sft.append,
               progress=False)
     sync_weights(cluster, version=2)
     return cluster, rl[0], sft[0], items
@@ -101,7 +102,7 @@ def test_kl_to_an_identical_reference_is_zero_at_t07(first_step):
 def test_generator_reference_and_trainer_score_at_the_sampling_temperature(cluster, first_step, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from primitives.logprobs import rollout_logprobs
+    from primitives.model.logprobs import rollout_logprobs
 
     _, items = first_step
     rollouts, _ = collect(RayBackend(cluster), items[:4], GenerationConfig(max_new_tokens=4, n=2, temperature=T),
@@ -124,6 +125,6 @@ def test_generator_reference_and_trainer_score_at_the_sampling_temperature(clust
 
 def test_rl_refuses_a_non_positive_temperature_before_any_work(cluster):
     with pytest.raises(ValueError, match="temperature > 0"):
-        train(cluster, lambda position, n: (_ for _ in ()).throw(AssertionError("no prompt may be drawn")),
+        train(RayBackend(cluster), lambda position, n: (_ for _ in ()).throw(AssertionError("no prompt may be drawn")),
               constant_schedule(grpo()), GenerationConfig(temperature=0.0, n=4), num_steps=1, prompts_per_step=1,
               lr_schedule=lambda s: 1e-3, progress=False)

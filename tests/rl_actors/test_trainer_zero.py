@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.algorithms import dapo, grpo
-from primitives.batching import make_batch
-from primitives.training import forward_backward, optim_step, step_counts
+from primitives.maths.algorithms import dapo, grpo
+from primitives.maths.batching import make_batch
+from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
 from tests.conftest import scored_rollouts
@@ -108,7 +108,7 @@ KEYS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/entropy", "policy/clip_fr
 
 def _logged(ray, path, batch, algo, world):
     """What the driver logs for ``batch`` on a ``world``-rank trainer group (its merge function)."""
-    from primitives.metrics import merge_rank_updates
+    from primitives.maths.metrics import merge_rank_updates
 
     remote = ray.remote(num_cpus=1)(TrainerWorker)
     cfg = TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=3, max_grad_norm=1.0)

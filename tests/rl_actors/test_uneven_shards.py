@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.algorithms import grpo, online_dpo, ppo
-from primitives.batching import make_batch
-from primitives.metrics import merge_rank_updates
-from primitives.training import optim_step, sft_eval_loss, sft_forward_backward, step_counts, train_on_batch
+from primitives.maths.algorithms import grpo, online_dpo, ppo
+from primitives.maths.batching import make_batch
+from primitives.maths.metrics import merge_rank_updates
+from primitives.model.training import optim_step, sft_eval_loss, sft_forward_backward, step_counts, train_on_batch
+from primitives.model.value import rollout_values, value_forward_backward, value_model_from_policy
 from primitives.types import ModelConfig
-from primitives.value import rollout_values, value_forward_backward, value_model_from_policy
 from rl_actors.critic import CriticWorker, concat_value_shares
 from rl_actors.deepspeed_rank import largest_shard, passes
 from rl_actors.trainer import TrainerConfig, TrainerWorker

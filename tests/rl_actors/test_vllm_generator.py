@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
 
-from cluster.config import ClusterConfig
-from cluster.driver import gather, sync_weights, train
-from cluster.groups import call, fan_out
-from cluster.setup import build_rl_cluster, shutdown_cluster
-from primitives.algorithms import constant_schedule, grpo
-from primitives.batching import make_batch
-from primitives.data import PromptItem, make_prompt_source
-from primitives.kl import create_periodic_updater
-from primitives.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from cluster.loop.train import train
+from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import call, fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import PromptItem, make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.maths.batching import make_batch
+from primitives.maths.kl import create_periodic_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.conftest import scored_rollouts
@@ -76,7 +77,7 @@ def test_every_sync_leaves_vllm_with_the_trainer_weights_and_version(vllm_cluste
     the comparison can fail), and the next sync brings it level and stamps the next version."""
     start = _checksums(vllm_cluster, "trainers")[0]
     assert _checksums(vllm_cluster, "generators")[0] == start
-    state = train(vllm_cluster, make_prompt_source(items), constant_schedule(grpo(kl_coef=0.0)),
+    state = train(RayBackend(vllm_cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.0)),
                   GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=2,
                   lr_schedule=lambda s: 1e-3, progress=False)
     trainer = _checksums(vllm_cluster, "trainers")
@@ -134,7 +135,7 @@ def test_tool_turns_through_vllm_are_masked(vllm_cluster, items):
     """The multi-turn loop on a vLLM generator (its turn generator): every turn calls the
     calculator, the tool's tokens are out of the loss and carry no logprob, and the trainer
     scores the policy's tokens as vLLM sampled them."""
-    from primitives.tools import ToolConfig, calculator_tool, create_tool_executor
+    from primitives.env.tools import ToolConfig, calculator_tool, create_tool_executor
     from tests.cluster.test_extension_points import always_calc, stop_after_tool
 
     sync_weights(vllm_cluster, version=11)
@@ -158,7 +159,7 @@ def test_asynchronous_rl_with_a_vllm_generator(vllm_cluster, items):
     trained; every prompt is trained once; after the run vLLM holds the trainer's weights."""
     sync_weights(vllm_cluster, version=0)  # a run that starts at version 0 (earlier tests stamped others)
     logged = []
-    state = train(vllm_cluster, make_prompt_source(items[:12]), constant_schedule(grpo(kl_coef=0.0)),
+    state = train(RayBackend(vllm_cluster), make_prompt_source(items[:12]), constant_schedule(grpo(kl_coef=0.0)),
                   GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
                   lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_staleness=1)
     assert state.iteration == 3
@@ -173,7 +174,7 @@ def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_lo
     bundle, joins the weight sync and receives the current weights, and step 1 is generated
     again from the same prompts: every step trains all its rows, no prompt twice, and the
     replacement holds the trainer's weights. (Runs last: it replaces the module's generator.)"""
-    from cluster.ray_backend import RayBackend
+    from cluster.ray_wing.backend import RayBackend
     from tests.rl_actors.test_cluster_sync import _kill_and_wait
 
     sync_weights(vllm_cluster, version=0)

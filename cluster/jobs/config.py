@@ -1,0 +1,344 @@
+"""Job configuration: one YAML file mirrors small records, one per concern, every field documented.
+
+``rayrl rl job.yaml`` reads an ``RLJob``, ``rayrl sft job.yaml`` an ``SFTJob``. The file is
+checked against the records (an unknown key is an error naming it, its line and the closest
+valid key; a value of the wrong type names its field), then tyro derives the command line
+from the same records, so every field can be overridden (``--algorithm.lr 1e-5``) and
+``--help`` documents each one with the file's values as defaults. Each field's inline comment
+is its documentation. Hooks named ``module:function`` and every other check that needs no Ray
+run in ``cluster/jobs/job.py`` before Ray starts.
+"""
+from __future__ import annotations
+
+import os
+import types
+from typing import NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
+
+from cluster.ray_wing.config import ClusterConfig
+from primitives.env.rewards import RewardSpec
+from primitives.hooks import (
+    did_you_mean,
+    load_function,  # noqa: F401 (the job's hooks resolve here, before Ray starts)
+)
+from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
+from primitives.types import ModelConfig
+
+Scalar = Union[bool, int, float, str]  # a value of a config dict (task or reward arguments)
+
+
+
+class DataConfig(NamedTuple):
+    task: Optional[str] = None  # a generated task instead of a file: arithmetic, chat_arithmetic or module:function
+    task_kwargs: Optional[dict[str, Scalar]] = None  # the task's arguments (e.g. num_heldout: 256)
+    path: Optional[str] = None  # prompt file (.jsonl, .json, .csv, .parquet) or a local HF datasets directory
+    split: str = "train"  # split of a datasets directory, or name part of the files of a directory
+    fields: FieldMap = FieldMap()  # which record fields hold the prompt (or chat messages) and the answer
+    format: PromptFormat = PromptFormat()  # chat template or raw text; system prompt; enable_thinking
+    eval_set: EvalData = EvalData()  # eval prompts: a file (path) or a held-out share or count (size)
+    shuffle: bool = True  # a seeded new order each epoch
+    max_prompt_tokens: int = 1024  # longest prompt, in tokens as rendered; longer ones are an error
+
+
+class RLConfig(NamedTuple):
+    name: str = "grpo"  # preset (grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, ppo, online_dpo) or module:function
+    steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
+    prompts_per_step: int = 32  # prompts per RL step
+    lr: float = 3e-4  # RL learning rate
+    warmup: int = 0  # linear warm-up steps of the RL learning rate
+    kl_coef: Optional[float] = None  # KL coefficient (None: the preset's own); > 0 adds a reference worker
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer updates per pass (the rollout batch split into this many parts)
+    is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
+    is_cap: float = 2.0  # cap of the truncated importance weight
+    max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step
+    max_staleness: int = 0  # asynchronous RL: generate up to this many steps ahead of training (0: synchronous)
+    critic_lr: Optional[float] = None  # the critic's learning rate (PPO; None: algorithm.lr)
+    critic_init: str = "policy"  # the value model's start: policy (after any SFT stage) or a reward model directory
+    # other AlgorithmConfig fields, e.g. {clip_eps_high: 0.28, kl_fn: k2, advantage_fn: my.module:fn}
+    overrides: Optional[dict[str, Scalar]] = None
+
+
+class SamplingConfig(NamedTuple):
+    group_size: int = 8  # completions per prompt (G)
+    max_new_tokens: int = 5  # completion length limit, in tokens
+    temperature: float = 1.0  # sampling temperature (> 0); the trainer and reference score at the same one
+    top_p: float = 1.0  # nucleus sampling (1: off)
+    top_k: int = 0  # top-k sampling (0: off)
+    stop: tuple[str, ...] = ()  # stop strings; a completion ends after the first one (eos always ends it)
+
+
+class SFTConfig(NamedTuple):
+    steps: int = 0  # SFT optimizer steps (in an RL job: an SFT stage first; 0: none)
+    batch: int = 64  # samples per step (all ranks together)
+    lr: float = 1e-5  # peak learning rate
+    warmup: int = 0  # linear warm-up steps of the learning rate
+    path: Optional[str] = None  # SFT data file or directory; None in an RL job: the task's demonstrations
+    split: str = "train"  # split of a datasets directory
+    fields: SFTFields = SFTFields()  # chat messages, or prompt and completion fields
+    format: PromptFormat = PromptFormat()  # chat: the model's chat template, loss on assistant tokens only
+    max_len: Optional[int] = None  # truncate samples to this many tokens
+    eval_set: EvalData = EvalData()  # eval loss on a file (path) or a held-out share or count (size); neither: off
+    eval_every: int = 100  # eval loss every N steps (and at the end) when an eval set is given
+
+
+class EvalConfig(NamedTuple):
+    enabled: bool = True  # evaluate on the eval prompts (data.eval_set, or the task's own)
+    every: int = 20  # evaluate every N RL steps and at the end (0: only before and after RL)
+    k: int = 1  # samples per eval prompt; pass@k is reported (k > 1 needs temperature > 0)
+    temperature: float = 0.0  # 0: greedy
+    threshold: float = 1.0  # a sample is correct when its reward is at least this (accuracy, pass@k)
+    max_items: Optional[int] = None  # evaluate on the first N eval prompts only (None: all)
+    final_pass_k: int = 4  # at the end, pass@k with this many samples at the sampling temperature (0: off)
+
+
+class CheckpointConfig(NamedTuple):
+    every: int = 0  # checkpoint every N steps into <out>/checkpoints/step_N (0: only the final model)
+    resume: Optional[str] = None  # a checkpoint directory written by this job: continue exactly from it
+
+
+class LoggingConfig(NamedTuple):
+    out: str = "runs/rl"  # output directory; inside `ray job submit` a relative path goes under $RAYRL_OUTPUT_ROOT
+    console_every: int = 10  # a console line every N steps
+    wandb_project: Optional[str] = None  # also log to Weights & Biases under this project
+
+
+class RLJob(NamedTuple):
+    """rayrl rl: optional SFT stage, then RL with verifiable or learned rewards, on Ray."""
+
+    model: ModelConfig = ModelConfig("tiny")  # model_name_or_path: tiny, smollm2 (both embedded) or an HF directory
+    data: DataConfig = DataConfig()  # a task or a prompt file (one of them is required)
+    rewards: tuple[RewardSpec, ...] = (RewardSpec("exact_match"),)  # built-in or module:function, weighted
+    algorithm: RLConfig = RLConfig()
+    generation: SamplingConfig = SamplingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    seed: int = 0  # seeds the model, the data order, sampling and the SFT draws
+
+
+class SFTJob(NamedTuple):
+    """rayrl sft: supervised fine-tuning on chat messages or prompt/completion pairs, on Ray."""
+
+    model: ModelConfig = ModelConfig("tiny")  # model_name_or_path: tiny, smollm2 (both embedded) or an HF directory
+    sft: SFTConfig = SFTConfig(steps=100)
+    cluster: ClusterConfig = ClusterConfig(generators=0, reward_workers=0)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig(out="runs/sft")
+    seed: int = 0  # seeds the model and the SFT draws
+
+
+JOBS = {"rl": RLJob, "sft": SFTJob}
+
+
+# ----------------------------------------------------------------------------- YAML -> records
+
+class ConfigError(ValueError):
+    """A config file or value that does not fit the records; the message names the key."""
+
+
+def _is_record(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields")
+
+
+def _optional_inner(tp):
+    """``X`` of ``Optional[X]``, or None when ``tp`` is not optional."""
+    if get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else Union[tuple(rest)]
+    return None
+
+
+def _where(key: str, lines: dict, source: str) -> str:
+    line = lines.get(key)
+    return f"{source}:{line}: {key}" if line else f"{source}: {key}"
+
+
+def _check_scalar(value, tp, key: str, where: str):
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (bool, int, float, str) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _convert(value, tp, key: str, lines: dict, source: str, base=None):
+    """``value`` (parsed YAML) as type ``tp``, checked; errors name ``key`` and its line. A
+    mapping for a record fills ``base`` (the job's default of that section), else the record's."""
+    where = _where(key, lines, source)
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return None if value is None else _convert(value, inner, key, lines, source, base)
+    if value is None:
+        raise ConfigError(f"{where}: may not be empty (null)")
+    if _is_record(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields ({', '.join(tp._fields)}), "
+                              f"got {value!r}")
+        return record_from_dict(tp, value, key + ".", lines, source, base)
+    origin = get_origin(tp)
+    if origin is tuple:
+        elem = get_args(tp)[0]
+        items = value if isinstance(value, list) else None
+        if items is None:
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_convert(v, elem, f"{key}.{i}", lines, source) for i, v in enumerate(items))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        for k, v in value.items():
+            if not isinstance(v, (bool, int, float, str)):
+                raise ConfigError(f"{_where(f'{key}.{k}', lines, source)}: expected a number, string or boolean, "
+                                  f"got {v!r}")
+        return {str(k): v for k, v in value.items()}
+    if get_origin(tp) in (Union, types.UnionType):  # of scalars, e.g. a share (float) or a count (int)
+        allowed = get_args(tp)
+        if isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{where}: expected {' or '.join(a.__name__ for a in allowed)}, got {value!r}")
+    return _check_scalar(value, tp, key, where)
+
+
+def record_from_dict(record, values: dict, prefix: str = "", lines: Optional[dict] = None, source: str = "config",
+                     base=None):
+    """``record`` built from a nested dict over ``base`` (default: the record's own defaults),
+    section by section; an unknown key raises ``ConfigError`` naming it (with its line in
+    ``source``) and the closest valid key."""
+    lines = lines or {}
+    hints = get_type_hints(record)
+    for key in values:
+        if key not in record._fields:
+            hint = did_you_mean(key, record._fields) or f"; valid keys: {', '.join(record._fields)}"
+            raise ConfigError(f"{_where(prefix + str(key), lines, source)}: unknown key{hint}")
+    defaults = base._asdict() if base is not None else record._field_defaults
+    fields = {}
+    for name in record._fields:
+        if name in values:
+            sub = defaults.get(name)
+            fields[name] = _convert(values[name], hints[name], prefix + name, lines, source,
+                                    sub if _is_record(type(sub)) else None)
+        elif name in defaults:
+            fields[name] = defaults[name]
+        else:
+            raise ConfigError(f"{_where(prefix.rstrip('.') or record.__name__, lines, source)}: "
+                              f"missing required key '{name}'")
+    return record(**fields)
+
+
+def _key_lines(node, prefix: str = "") -> dict:
+    """``"a.b.0.c" -> line`` (1-based) for every key and list item of a composed YAML node."""
+    import yaml
+
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}{k.value}"
+            lines[key] = k.start_mark.line + 1
+            lines.update(_key_lines(v, key + "."))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            lines[f"{prefix}{i}"] = v.start_mark.line + 1
+            lines.update(_key_lines(v, f"{prefix}{i}."))
+    return lines
+
+
+def load_job_config(path: Optional[str], job_type=RLJob):
+    """The job record of a YAML file (``None``: the record's defaults); every error names the file."""
+    import yaml
+
+    if path is None:
+        return job_type()
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path) as f:
+            text = f.read()
+        node = yaml.compose(text)
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(job_type._fields)}), got {values!r}")
+    return record_from_dict(job_type, values, "", _key_lines(node), path)
+
+
+def record_to_dict(record) -> dict:
+    """A record as plain nested dicts and lists (YAML- and JSON-ready)."""
+    def plain(v):
+        if _is_record(type(v)):
+            return {k: plain(x) for k, x in v._asdict().items()}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(record)
+
+
+def dump_config(record) -> str:
+    """YAML text that ``load_job_config`` reads back to ``record``."""
+    import yaml
+
+    return yaml.safe_dump(record_to_dict(record), sort_keys=False)
+
+
+def parse_overrides(job_type, default, args, prog: str, description: str):
+    """``default`` with the command-line overrides ``args`` applied (tyro, from the records)."""
+    import tyro
+
+    return tyro.cli(job_type, default=default, args=list(args), prog=prog, description=description,
+                    config=(tyro.conf.FlagConversionOff,))
+
+
+# ----------------------------------------------------------------------------- output paths
+
+OUTPUT_ROOT_ENV = "RAYRL_OUTPUT_ROOT"  # where relative output paths of a submitted job go
+DEFAULT_OUTPUT_ROOT = "~/rayrl"
+
+
+def inside_submitted_job(environ=os.environ, cwd: Optional[str] = None) -> bool:
+    """Whether this driver runs from ``ray job submit``: its working directory is then Ray's
+    temporary copy of the job's ``--working-dir``, which vanishes with the Ray session."""
+    here = cwd if cwd is not None else os.getcwd()
+    return bool(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")) or f"{os.sep}working_dir_files{os.sep}" in here + os.sep
+
+
+def resolve_output_dir(path: str, environ=os.environ, cwd: Optional[str] = None) -> str:
+    """The absolute directory a job writes to. An absolute ``path`` is used as given. A relative
+    one is relative to the current directory - except inside a submitted job, where that is
+    Ray's temporary copy of the checkout: there it goes under ``$RAYRL_OUTPUT_ROOT`` (a shared
+    volume on a multi-node cluster), else under ``~/rayrl`` on the node that runs the driver.
+    ``~`` is expanded; the root must be absolute, and a relative path may not leave it."""
+    path = os.path.expanduser(path)
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    if not inside_submitted_job(environ, cwd):
+        return os.path.normpath(os.path.join(cwd if cwd is not None else os.getcwd(), path))
+    root = os.path.expanduser(environ.get(OUTPUT_ROOT_ENV) or DEFAULT_OUTPUT_ROOT)
+    if not os.path.isabs(root):
+        raise ValueError(f"${OUTPUT_ROOT_ENV}={root!r} must be an absolute path: relative to a submitted job's "
+                         "working directory it would land in Ray's temporary copy of the checkout")
+    resolved = os.path.normpath(os.path.join(root, path))
+    if os.path.relpath(resolved, os.path.normpath(root)).startswith(os.pardir):
+        raise ValueError(f"output path {path!r} leaves ${OUTPUT_ROOT_ENV} ({root}); give an absolute path instead")
+    return resolved
+
+
+def resume_errors(path: str) -> list:
+    """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not."""
+    if not os.path.isfile(os.path.join(path, "train_state.json")):
+        return [f"checkpoint.resume {path}: not a checkpoint directory (no train_state.json)"]
+    if not os.path.isdir(os.path.join(path, "deepspeed")):
+        kind = ("a single-process checkpoint (primitives.io.checkpoint.save_checkpoint: optimizer.pt, rng.pt)"
+                if os.path.isfile(os.path.join(path, "rng.pt")) else "not a cluster checkpoint")
+        return [f"checkpoint.resume {path}: {kind}; a job resumes from a cluster checkpoint written by "
+                "checkpoint.every (deepspeed/, train_state.json)"]
+    return []

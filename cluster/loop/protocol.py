@@ -1,0 +1,101 @@
+"""The backend protocol: what the loops (``cluster.loop.train``, ``cluster.loop.sft``) call, and
+what each call returns. Two backends implement it - ``cluster.ray_wing.backend.RayBackend``
+(actors on a Ray cluster) and ``cluster.local.LocalBackend`` (one process, plain torch) - and
+the loops name neither.
+
+Data moves by reference. ``fetch`` gives the loop ``Held`` rollouts - a summary (group,
+version, reward, length) and a handle of the chunk the rollout is in - never the tokens; the
+loop decides which rollouts a step trains on (a ``primitives.types.BatchPlan``) and the
+backend's trainer ranks build the batch from the chunks themselves.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
+
+from primitives.types import BatchPlan, GenerationConfig, RolloutSummary, TrainState
+
+
+class ActorFailure(RuntimeError):
+    """An actor died, raised, or did not answer in time; the message names role and rank."""
+
+    def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False):
+        super().__init__(message)
+        self.role, self.rank, self.died = role, rank, died
+
+    @property
+    def replaceable(self) -> bool:
+        """A dead generator or reward worker can be replaced and its step retried; a raising
+        user function (a bug) or a trainer/reference failure cannot."""
+        return self.died and self.role in ("generator", "reward")
+
+
+class Held(NamedTuple):
+    """A rollout the backend holds: its summary, and where it is (rollout ``index`` of the
+    chunk ``part``, a handle only the backend reads)."""
+
+    summary: RolloutSummary
+    part: Any
+    index: int
+
+    @property
+    def group(self) -> str:
+        return self.summary.group
+
+    @property
+    def policy_version(self) -> int:
+        return self.summary.policy_version
+
+
+class StepResult(NamedTuple):
+    """What a train step reports: each trainer rank's updates (and each critic rank's), and the
+    trained batch's statistics (``primitives.maths.batching.rollout_metrics``); ``batch_metrics``
+    is None when the plan had nothing to train (a pairwise loss that found no pair)."""
+
+    policy: list  # per rank: [update metrics, ...]
+    critic: Optional[list]
+    batch_metrics: Optional[dict]
+
+
+def plan_parts(rows: Sequence[Held]) -> tuple:
+    """``(rows as (part, index), parts)``: the distinct chunks the rows are in, in first-seen
+    order, and each row's position in them (a ``BatchPlan``'s ``rows``)."""
+    parts, where, out = [], {}, []
+    for h in rows:
+        key = id(h.part)
+        if key not in where:
+            where[key] = len(parts)
+            parts.append(h.part)
+        out.append((where[key], h.index))
+    return tuple(out), parts
+
+
+class Backend(Protocol):
+    """The operations of an RL or SFT run. ``pending`` values are the backend's own handles of
+    work in flight (``generate`` -> ``reference_logprobs`` / ``score`` -> ``fetch``)."""
+
+    pad_token_id: int
+    restarts: int  # actors replaced so far
+    has_reference: bool
+    has_critic: bool
+    reference_in_train_step: bool  # the trainer ranks score their own shards' reference logprobs
+    reward_needs_reference: bool  # the shaping function reads ref_logprobs (KL in the reward)
+    remote: bool  # functions travel to other processes (they must pickle)
+
+    def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> Any: ...
+    def reference_logprobs(self, pending: Any, temperature: float) -> Any: ...
+    def score(self, pending: Any) -> Any: ...
+    def score_and_reference(self, pending: Any, temperature: float) -> Any: ...
+    def fetch(self, pending: Any) -> tuple: ...  # (list[Held], {"time/<phase>": seconds})
+    def select(self, rows: Sequence[Held], filters: Sequence) -> list: ...  # the Held rows the filters keep
+    def rollouts(self, rows: Sequence[Held]) -> list: ...  # the full rollouts (evaluation writes them out)
+    def values(self, plan: BatchPlan, parts: list) -> Any: ...  # the critic's values of the plan's rows
+    def train_step(self, plan: BatchPlan, parts: list, values: Any, algo, temperature: float,
+                   lr: Optional[float], with_critic: bool) -> StepResult: ...
+    def sync(self, version: int, step: int, kl: Optional[float]) -> dict: ...
+    def sft_step(self, arrays: tuple, lr: Optional[float]) -> list: ...  # per rank metrics
+    def sft_eval(self, arrays: tuple) -> list: ...  # per rank metrics
+    def save(self, path: str, state: TrainState) -> str: ...
+    def load(self, path: str) -> TrainState: ...
+    def busy(self) -> dict: ...
+    def recover(self, failure: ActorFailure, since: int, send_weights: bool = True) -> None: ...
+    def settle(self, pending: Sequence) -> None: ...

@@ -1,0 +1,322 @@
+"""The RL loop (DESIGN section 4): ``train`` over any backend of ``cluster.loop.protocol``.
+
+Orchestration only: no maths, no model code, no Ray. Each step draws prompts, has the backend
+generate, score and (when the algorithm needs them) add reference logprobs, keeps what the
+algorithm's filters keep, and hands the trainer ranks a ``BatchPlan``: which rollouts, by
+reference. The loop itself holds only the rollouts' summaries. Each phase is timed
+(``time/generate``, ``time/ref``, ``time/reward``, ``time/train``, ``time/sync``).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from tqdm import tqdm
+
+from cluster.loop.protocol import ActorFailure, plan_parts
+from primitives.hooks import call_hook, check_arity
+from primitives.io.loggers import noop_logger
+from primitives.maths.algorithms import check_schedule, needs_values, uses_reference
+from primitives.maths.filters import by_group
+from primitives.maths.metrics import (
+    merge_metrics,
+    merge_rank_updates,
+    stale_groups,
+    staleness_metrics,
+    tool_metrics,
+)
+from primitives.types import BatchPlan, GenerationConfig, TrainState, group_id
+
+
+class Collection(NamedTuple):
+    """Prompts drawn for a step whose rollouts are in flight on the backend (not trained yet)."""
+
+    items: list  # the prompt items
+    position: object  # the prompt source's position after them
+    handle: object  # the backend's handle of the rollouts (generate -> reference, reward)
+    restarts: int  # backend.restarts when dispatched (an actor replaced later failed it)
+    with_ref: bool  # reference logprobs were asked for
+
+
+def needs_reference(backend, algo) -> bool:
+    """Whether the step's rollouts are collected with reference logprobs. A reference on the
+    trainer ranks scores each rank's shard inside the train step instead, unless they are
+    needed before the batch is made: KL in the reward (the advantage or the shaping function
+    reads them)."""
+    if not backend.has_reference:
+        return False
+    if backend.reference_in_train_step:
+        return bool(algo.kl_in_reward and algo.kl_coef) or backend.reward_needs_reference
+    return uses_reference(algo) or backend.reward_needs_reference
+
+
+def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,
+             tools=None) -> Collection:
+    """Start generating ``items`` (then rewards and, with ``with_ref``, reference logprobs) on
+    the backend without waiting. Reference logprobs and rewards run side by side unless the
+    shaping function reads reference logprobs (KL in the reward); then the reference comes
+    first. Logprobs are scored at the sampling temperature."""
+    handle = backend.generate(items, gen, tools)
+    if with_ref and backend.reward_needs_reference:
+        handle = backend.score(backend.reference_logprobs(handle, gen.temperature))
+    elif with_ref:
+        handle = backend.score_and_reference(handle, gen.temperature)
+    else:
+        handle = backend.score(handle)
+    return Collection(list(items), position, handle, backend.restarts, with_ref)
+
+
+def fetch_collection(backend, coll: Collection, gen: GenerationConfig, tools=None) -> tuple:
+    """``(rollouts, times)`` of a dispatched collection. If an actor it ran on died, the actor
+    is replaced (unless that happened since the dispatch) and the same prompts are generated
+    again by the current policy, so nothing is lost and nothing is used twice."""
+    while True:
+        try:
+            return backend.fetch(coll.handle)
+        except ActorFailure as failure:
+            backend.recover(failure, since=coll.restarts)
+            coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, tools)
+
+
+def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
+    """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for."""
+    coll = dispatch(backend, items, None, gen, with_ref, tools)
+    return fetch_collection(backend, coll, gen, tools)
+
+
+def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,
+                   with_ref: bool, tools=None, max_attempts: int = 3) -> tuple:
+    """``(rollouts, times, regenerated)`` of a collection, each within ``max_staleness`` of
+    ``version`` and with reference logprobs when ``with_ref``: the prompts of groups older
+    than the bound (or lacking reference logprobs the algorithm now needs) are generated
+    again, in their places, never trained on stale; ``regenerated`` counts the rollouts
+    replaced."""
+    rollouts, times = fetch_collection(backend, coll, gen, tools)
+    regenerated = 0
+    for attempt in range(max_attempts + 1):
+        redo = stale_groups(rollouts, version, max_staleness)
+        if with_ref and any(not r.summary.has_ref for r in rollouts):
+            redo |= {r.group for r in rollouts if not r.summary.has_ref}
+        if not redo:
+            return rollouts, times, regenerated
+        if attempt == max_attempts:
+            break
+        items = [it for it in coll.items if group_id(it.epoch, it.index) in redo]
+        again, t = fetch_collection(backend, dispatch(backend, items, coll.position, gen, with_ref, tools), gen, tools)
+        times, regenerated = merge_metrics([times, t]), regenerated + sum(r.group in redo for r in rollouts)
+        # each regenerated group in the place of the stale one (groups stay contiguous)
+        fresh = by_group(again)
+        rollouts = [r for group, old in by_group(rollouts).items() for r in (fresh.get(group, []) if group in redo
+                                                                             else old)]
+    raise RuntimeError(f"rollouts of {sorted(redo)[:3]}... are still more than {max_staleness} policy versions "
+                       f"behind {version} after {max_attempts} regenerations: a generator is not receiving weights")
+
+
+def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, gen: GenerationConfig,
+                     prompts_per_step: int, max_rounds: int, tools=None, queue: Optional[deque] = None,
+                     max_staleness: int = 0):
+    """One step's rollouts, from the collections in flight (``queue``, oldest first; drawn and
+    dispatched now when it is empty). When the algorithm's filters drop groups (DAPO's
+    dynamic sampling drops groups whose rewards are all equal), the next collection in flight
+    is taken, or more prompts are drawn, up to ``max_rounds`` extra rounds, until the step has
+    ``prompts_per_step`` groups; when every round's groups were dropped, the step has no
+    rollouts (``train`` skips its update). Prompts are consumed in the order drawn, so the data
+    position after the step says exactly what was trained (or dropped)."""
+    queue = deque() if queue is None else queue
+    with_ref, version = needs_reference(backend, algo), state.policy_version
+    position, kept, times, rounds, drawn, regenerated = state.data_position, [], {}, 0, 0, 0
+    while True:
+        if not queue:
+            want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
+            items, after = call_hook(prompt_source, "prompt_source", position, want)
+            queue.append(dispatch(backend, items, after, gen, with_ref, tools))
+        coll = queue.popleft()
+        rollouts, t, redone = fresh_rollouts(backend, coll, gen, version, max_staleness, with_ref, tools)
+        position, drawn, regenerated = coll.position, drawn + len(coll.items), regenerated + redone
+        times = merge_metrics([times, t])
+        kept += backend.select(rollouts, algo.filters) if algo.filters else rollouts
+        if not algo.filters or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
+            break
+        rounds += 1
+    extra = {"data/prompts_drawn": float(drawn), "data/resample_rounds": float(rounds),
+             "staleness/regenerated": float(regenerated), **staleness_metrics(kept, version)}
+    return kept, position, {**times, **extra}
+
+
+# what a step with nothing to train logs in place of its update (no rows, no optimizer step)
+SKIPPED_UPDATE = {"batch/rows": 0.0, "batch/loss_tokens": 0.0, "policy/updates": 0.0}
+
+
+def train_and_sync(backend, rows: Sequence, plan_args: dict, algo, temperature: float, lr: float, version: int,
+                   step: int, queue: deque) -> Optional[dict]:
+    """One update on the step's ``rows`` (``Held``; the policy's, and the critic's when the
+    algorithm reads values), then the weights sent to the generators as ``version``; the
+    metrics of both and of the trained batch. None when the batch had nothing to train (a
+    pairwise loss found no pair): no update happened and nothing is sent."""
+    t0 = time.perf_counter()
+    with_critic = needs_values(algo)
+    positions, parts = plan_parts(rows)
+    plan = BatchPlan(positions, backend.pad_token_id, **plan_args)
+    values = backend.values(plan, parts) if with_critic else None
+    result = backend.train_step(plan, parts, values, algo, temperature, lr, with_critic)
+    if result.batch_metrics is None:
+        return None
+    metrics = {"time/train": time.perf_counter() - t0}
+    trained, _ = merge_rank_updates(result.policy)
+    if result.critic is not None:
+        critic, _ = merge_rank_updates(result.critic)
+        trained.update({k: v for k, v in critic.items() if k.startswith("critic/")})
+    if queue:  # a generator that died under the collections in flight is replaced before the sync
+        backend.settle(list(queue))
+    metrics.update(backend.sync(version, step, trained.get("kl/ref_k3")))
+    return {**metrics, **trained, **result.batch_metrics}
+
+
+def check_algorithm_for(backend, algo) -> None:
+    """``algo`` fits this backend: its functions take their arguments and give the documented
+    results on a sample, it has the critic and reference it needs, and on Ray every function
+    it carries (filters included) can be pickled. Named errors, before a step of ``algo``."""
+    from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable, validate_algorithm
+
+    check_algorithm_functions(validate_algorithm(algo))
+    if needs_values(algo) and not backend.has_critic:
+        raise ValueError(f"algorithm '{algo.name}': its advantage function reads critic values (GAE), but the "
+                         f"{backend.name} backend has no critic")
+    if uses_reference(algo) and not backend.has_reference:
+        raise ValueError(f"algorithm '{algo.name}' needs reference logprobs (kl_coef={algo.kl_coef}, or a loss "
+                         f"that reads them), but the {backend.name} backend has no reference model")
+    if backend.remote:
+        check_algorithm_picklable(algo)
+
+
+def _seen(algo, checked: set) -> bool:
+    """Whether ``algo`` was checked before (and remember it); a record holding something
+    unhashable is checked every time."""
+    try:
+        if algo in checked:
+            return True
+        checked.add(algo)
+    except TypeError:
+        pass
+    return False
+
+
+def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
+                      eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
+    """Every hook of ``train`` takes its documented arguments, and on Ray the ones that travel
+    to actors can be pickled: named errors before the first step. Returns the schedule's
+    first algorithm, checked (one a schedule turns to later is checked when it appears)."""
+    from primitives.hooks import check_picklable
+
+    first = check_schedule(algorithm_schedule)
+    check_algorithm_for(backend, first)
+    check_arity(prompt_source, "prompt_source", None, 1)
+    check_arity(logger, "logger", {})
+    if eval_fn is not None:
+        check_arity(eval_fn, "eval_fn", backend, TrainState())
+    if checkpoint_fn is not None:
+        check_arity(checkpoint_fn, "checkpoint_fn", backend, TrainState())
+    if tools is not None:
+        check_arity(tools.executor, "tools.executor", None)
+        for fn, what, args in ((tools.parser, "tools.parser", ("",)), (tools.stop_condition, "tools.stop_condition",
+                                                                       (None,))):
+            if fn is not None:
+                check_arity(fn, what, *args)
+        if backend.remote:
+            check_picklable(tools, "tools (parser, executor, stop condition)")
+    return first
+
+
+def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: GenerationConfig, num_steps: int,
+          prompts_per_step: int, lr_schedule: Callable[[int], float], state: TrainState = TrainState(),
+          logger: Callable = noop_logger, eval_fn: Optional[Callable] = None, eval_every: int = 0,
+          checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0, max_resample_rounds: int = 4,
+          progress: bool = True, component_names: Optional[Sequence[str]] = None, tools=None,
+          max_staleness: int = 0) -> TrainState:
+    """The RL loop: prompts -> rollouts (generate, reference, reward) -> (values) -> batch ->
+    train -> sync, on ``backend`` (``cluster.loop.protocol``: a ``RayBackend`` or a ``LocalBackend``).
+
+    * ``prompt_source(position, n) -> (items, position)`` draws the prompts.
+    * ``algorithm_schedule(iteration, last_metrics) -> AlgorithmConfig`` is evaluated every
+      step (``last_metrics``: the previous step's logged metrics, {} at the first), so
+      switching algorithm or KL coefficient mid-run - at an iteration or on a metric - is a
+      function. An algorithm whose advantage reads values trains the critic too.
+    * ``tools`` (a ``primitives.env.tools.ToolConfig``) makes rollouts multi-turn tool use.
+    * ``eval_fn(backend, state) -> dict`` and ``checkpoint_fn(backend, state)`` run every
+      ``eval_every`` / ``checkpoint_every`` steps; ``logger(metrics)`` after every step.
+    * On Ray, a generator or reward worker that dies is replaced and the step's prompts are
+      collected again, so no prompt is lost or trained twice.
+    * ``component_names`` (``build_reward``'s labels) name the logged ``reward/<name>``.
+    * A step with nothing to train - the filters kept no group, or a pairwise loss found no
+      pair (every group's rewards tied) - skips its update: the weights, the optimizer and the
+      policy version stay, its prompts count as consumed, and it logs ``policy/updates`` 0
+      and ``batch/rows`` 0 (no ``reward/*``: those describe the trained batch).
+    * ``max_staleness`` > 0 is asynchronous RL: the prompts of the next ``max_staleness``
+      steps are generated (and scored) while this step trains, so a rollout is trained by a
+      policy up to that many versions newer than its generator's. Rollouts are consumed oldest
+      first; one older than the bound is generated again, never trained on. The generator's
+      logprobs enter the loss through the capped importance weight (``algo.is_cap``). 0 is
+      the synchronous loop. Logged: ``staleness/*``, ``mismatch/*``, ``idle/generators``
+      and ``idle/trainers`` (the share of the step each role sat idle).
+
+    Returns the final ``TrainState`` (its ``metrics_history`` holds every step's metrics).
+    On Ray, ``backend.cluster`` is the cluster afterwards (it changes when an actor is replaced).
+    """
+    if gen.temperature <= 0:
+        raise ValueError(f"RL sampling needs temperature > 0, got {gen.temperature}: logprobs are of "
+                         "softmax(logits / T), and T = 0 (greedy) samples nothing to learn from")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 (0: synchronous), got {max_staleness}")
+    checked: set = set()  # algorithms already checked against this backend (records are hashable)
+    _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
+    queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
+    backend.busy()  # start the idle clocks
+    t_clock = time.perf_counter()
+    bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
+    for it in bar:
+        t_step = time.perf_counter()
+        last = state.metrics_history[-1] if state.metrics_history else {}
+        algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
+        if not _seen(algo, checked):
+            check_algorithm_for(backend, algo)
+        rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
+                                                       max_resample_rounds, tools, queue, max_staleness)
+        # with filters (dynamic sampling) a step may need more prompts than one collection: those
+        # steps draw what they need when they need it, so a step never takes a second collection
+        ahead = 0 if algo.filters else min(max_staleness, num_steps - it - 1)
+        while len(queue) < ahead:  # the next steps' prompts, generated while this step trains
+            items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
+                                     prompts_per_step)
+            queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo), tools))
+        metrics["recovery/actor_restarts"] = float(backend.restarts)
+        plan_args = {"seed": state.rng_seed + it, "budget": gen.max_new_tokens,
+                     "component_names": None if component_names is None else tuple(component_names)}
+        trained = train_and_sync(backend, rollouts, plan_args, algo, gen.temperature, lr_schedule(it),
+                                 state.policy_version + 1, it + 1, queue) if rollouts else None
+        updated = trained is not None
+        if not updated:  # nothing to train (every group tied): no update, no sync, the weights stay
+            trained = dict(SKIPPED_UPDATE)
+        version = state.policy_version + int(updated)
+        busy, now = backend.busy(), time.perf_counter()
+        metrics.update({f"idle/{role}": max(0.0, 1.0 - seconds / (now - t_clock)) for role, seconds in busy.items()})
+        t_clock = now
+        metrics.update({**trained, "step": it, "algorithm": algo.name, "time/step": time.perf_counter() - t_step})
+        if tools is not None:
+            metrics.update(tool_metrics([r.summary for r in rollouts]))
+        state = state._replace(iteration=it + 1, global_step=state.global_step + int(updated),
+                               policy_version=version, data_position=position)
+        evaluated = eval_fn is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == num_steps)
+        if evaluated:
+            metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
+        state = state._replace(metrics_history=state.metrics_history + (metrics,))
+        call_hook(logger, "logger", metrics)
+        if "reward/mean" in metrics:  # a skipped step has no trained batch to describe
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        saved = checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0
+        if saved:
+            call_hook(checkpoint_fn, "checkpoint_fn", backend, state)
+        if evaluated or saved:  # neither counts in the next step's idle shares
+            backend.busy()
+            t_clock = time.perf_counter()
+    return state

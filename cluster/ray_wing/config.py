@@ -1,0 +1,37 @@
+"""The Ray wing's settings: how many actors of each role, where they run, what they get (the
+``cluster`` section of a job's YAML file; each field's inline comment is its documentation)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from primitives.types import VLLMConfig
+
+
+class ClusterConfig(NamedTuple):
+    generators: int = 2  # generator workers (scaled independently of the trainers)
+    trainers: int = 2  # trainer ranks (one DeepSpeed ZeRO data-parallel group)
+    reward_workers: int = 1  # reward workers
+    reference_workers: int = 1  # reference workers when a step needs reference logprobs (scaled like the generators)
+    reference_on_trainers: bool = False  # no reference workers: each trainer rank scores its own shard with its copy
+    generate_on_trainers: bool = False  # no generator workers: trainer ranks generate with their module (ZeRO-1/2)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3)
+    generator_cpus: float = 1.0  # CPUs per generator
+    generator_gpus: float = 0.0  # GPUs per generator
+    trainer_cpus: float = 1.0  # CPUs per trainer rank
+    trainer_gpus: float = 0.0  # GPUs per trainer rank
+    reference_cpus: float = 1.0  # CPUs per reference worker
+    reference_gpus: float = 0.0  # GPUs per reference worker
+    reward_cpus: float = 1.0  # CPUs per reward worker
+    placement: str = "PACK"  # placement of each role's actors: PACK or SPREAD across nodes
+    generator_backend: str = "auto"  # auto (vLLM if installed and a GPU is visible, else HF), hf or vllm (also on CPU)
+    vllm: VLLMConfig = VLLMConfig()  # the vLLM engine's settings (generator workers running vLLM)
+    pin_roles: bool = False  # pin generators to generator_node and trainers to trainer_node nodes (k8s/ groups)
+    threads_per_actor: int = 1  # torch threads in each actor
+    ray_address: Optional[str] = None  # Ray address to join (default: RAY_ADDRESS, else a local Ray)
+    local_cpus: Optional[int] = None  # logical CPUs of a local Ray (default: enough for all actors)
+    call_timeout_s: float = 600.0  # bound on every wait for actors; a dead or stuck actor fails the job
+    sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
+    micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
+    critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
+    critic_cpus: float = 1.0  # CPUs per critic rank
+    critic_gpus: Optional[float] = None  # GPUs per critic rank (None: as many as a trainer rank)

@@ -1,0 +1,129 @@
+"""Create N actors of a role in its placement group; fan calls out and get refs back.
+
+Calls return ``Call``s (a ref and who computes it) without blocking; ``gather`` is the one
+place that waits - always with a bound - and turns a dead, raising or silent actor into
+an ``ActorFailure`` that names its role and rank. The driver decides when to gather.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+from cluster.loop.protocol import ActorFailure
+from cluster.ray_wing.placement import RoleSpec
+
+
+class WorkerGroup(NamedTuple):
+    """``role``'s actors. A group with a ``host_method`` is a role hosted inside another group's
+    actors (generation on the trainer ranks): ``method(*args)`` on it is the call
+    ``host_method(method, *args)`` on the host, its failures name the host's role, and killing
+    it is left to the hosting group."""
+
+    role: str
+    actors: tuple
+    placement_group: Any = None
+    host_method: str = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+
+class Call(NamedTuple):
+    ref: Any  # ray.ObjectRef
+    role: str
+    rank: int
+    method: str
+
+
+def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_args: Callable[[int], tuple]):
+    """One actor of ``actor_cls`` built with ``make_args(rank)``, pinned to bundle ``rank``."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    args, kwargs = make_args(rank)
+    options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
+                   max_restarts=0, max_concurrency=1,
+                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, rank))
+    return ray.remote(actor_cls).options(**options).remote(*args, **kwargs)
+
+
+def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable[[int], tuple]) -> WorkerGroup:
+    """``spec.count`` actors of ``actor_cls``; rank r is built with ``make_args(r)`` and
+    pinned to bundle r of the placement group."""
+    actors = [create_actor(actor_cls, spec, placement_group, r, make_args) for r in range(spec.count)]
+    return WorkerGroup(spec.name, tuple(actors), placement_group)
+
+
+def call(group: WorkerGroup, rank: int, method: str, *args, **kwargs) -> Call:
+    if group.host_method:
+        ref = getattr(group.actors[rank], group.host_method).remote(method, *args, **kwargs)
+        return Call(ref, group.role, rank, f"{group.host_method}.{method}")
+    return Call(getattr(group.actors[rank], method).remote(*args, **kwargs), group.role, rank, method)
+
+
+def call_split(group: WorkerGroup, rank: int, method: str, *args) -> tuple:
+    """``(Call of the first result, ref of the second)`` of a method that returns two values
+    (a summary the driver fetches, and data it leaves in the object store)."""
+    first, second = getattr(group.actors[rank], method).options(num_returns=2).remote(*args)
+    return Call(first, group.role, rank, method), second
+
+
+def fan_out(group: WorkerGroup, method: str, *args, **kwargs) -> list:
+    """The same call on every actor of the group."""
+    return [call(group, r, method, *args, **kwargs) for r in range(group.size)]
+
+
+def fan_out_each(group: WorkerGroup, method: str, per_rank_args: Sequence[tuple]) -> list:
+    """Actor r gets ``*per_rank_args[r]``; ranks with no arguments (None) are skipped."""
+    return [call(group, r, method, *a) for r, a in enumerate(per_rank_args) if a is not None]
+
+
+def split_evenly(items: Sequence, parts: int) -> list:
+    """Contiguous, near-equal chunks (sizes differ by at most one; some may be empty)."""
+    n = len(items)
+    return [list(items[(n * i) // parts: (n * (i + 1)) // parts]) for i in range(parts)]
+
+
+def kill_group(group: WorkerGroup) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if group.host_method:
+        return  # hosted inside another group's actors
+    for actor in group.actors:
+        ray.kill(actor, no_restart=True)
+    if group.placement_group is not None:
+        remove_placement_group(group.placement_group)
+
+
+def gather(calls: Sequence[Call], timeout_s: float) -> list:
+    """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    refs = [c.ref for c in calls]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [c for c in calls if c.ref in set(pending)]
+        names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
+        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
+                           f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank)
+    out = []
+    for c in calls:
+        try:
+            out.append(ray.get(c.ref, timeout=timeout_s))
+        except RayActorError as e:
+            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}", c.role, c.rank, True) from e
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
+        except GetTimeoutError as e:
+            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s",
+                               c.role, c.rank) from e
+    return out
+
+
+def _cause(error: Exception) -> str:
+    """The most specific error line in a Ray actor failure (e.g. the constructor's exception)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if "Error: " in ln or "Exception: " in ln]
+    return lines[-1] if lines else error.__class__.__name__

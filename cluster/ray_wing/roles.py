@@ -1,0 +1,301 @@
+"""Start or join Ray, check the cluster can hold the job, place and create every role.
+
+``build_rl_cluster`` returns an ``RLCluster`` record that the driver functions take.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import Call, WorkerGroup, call, create_actor, create_group, fan_out, gather, kill_group
+from cluster.ray_wing.placement import (
+    RoleSpec,
+    check_fits,
+    cluster_resources,
+    create_placement_group,
+    create_placement_groups,
+)
+from primitives.types import ModelConfig
+from rl_actors.common import environ
+from rl_actors.trainer import TrainerConfig
+from rl_actors.weight_sync import SyncAddress
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# custom resources that k8s/ worker groups advertise; cluster.pin_roles places each role there
+NODE_GROUP_PINS = {"generator": {"generator_node": 0.01}, "reward": {"generator_node": 0.01},
+                   "trainer": {"trainer_node": 0.01}, "reference": {"trainer_node": 0.01},
+                   "critic": {"trainer_node": 0.01}}
+
+
+class RLCluster(NamedTuple):
+    generators: Optional[WorkerGroup]  # None in an SFT job (the trainer group alone)
+    trainers: WorkerGroup
+    rewards: Optional[WorkerGroup]
+    reference: Optional[WorkerGroup]  # None when no step needs reference logprobs
+    sync_address: SyncAddress
+    weight_meta: tuple  # TensorMeta of the policy, as the trainers hold it
+    pad_token_id: int
+    bucket_bytes: int
+    timeout_s: float
+    reference_tracks_policy: bool  # the reference joins every weight sync
+    ray_address: str
+    factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
+    reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
+    critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
+    startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
+    reference_on_trainers: bool = False  # every trainer rank holds the reference and scores its own shard
+    generate_on_trainers: bool = False  # ``generators`` is a view of the trainer ranks, generating with their module
+    generator_engine: str = "hf"  # the engine the generators run: hf or vllm
+
+
+def stage_seconds(marks: Sequence[tuple]) -> dict:
+    """``{stage: seconds}`` from ``[(first mark, t0), (stage, t1), ...]`` (``time.time()``
+    values in order): each stage lasts from the mark before it to its own."""
+    return {name: round(t - before, 3) for (_, before), (name, t) in zip(marks, marks[1:])}
+
+
+def role_specs(cfg: ClusterConfig, with_reference: bool, node_resources: Optional[dict] = None,
+               with_critic: bool = False) -> list:
+    """The RoleSpec of each role; ``node_resources`` maps a role to custom resources that pin
+    it to matching nodes (e.g. {"generator": {"generator_node": 0.01}})."""
+    extra = node_resources or {}
+    strategy = cfg.placement
+    roles = []
+    if not cfg.generate_on_trainers:
+        roles.append(RoleSpec("generator", cfg.generators, cfg.generator_cpus, cfg.generator_gpus,
+                              extra.get("generator"), strategy))
+    roles += [RoleSpec("trainer", cfg.trainers, cfg.trainer_cpus, cfg.trainer_gpus, extra.get("trainer"), strategy),
+              RoleSpec("reward", cfg.reward_workers, cfg.reward_cpus, 0.0, extra.get("reward"), strategy)]
+    if with_reference and not cfg.reference_on_trainers:
+        roles.append(RoleSpec("reference", cfg.reference_workers, cfg.reference_cpus, cfg.reference_gpus,
+                              extra.get("reference"), strategy))
+    if with_critic:
+        roles.append(critic_spec(cfg, extra))
+    return roles
+
+
+def critic_spec(cfg: ClusterConfig, node_resources: Optional[dict] = None) -> RoleSpec:
+    gpus = cfg.trainer_gpus if cfg.critic_gpus is None else cfg.critic_gpus
+    return RoleSpec("critic", cfg.critics, cfg.critic_cpus, gpus, (node_resources or {}).get("critic"), cfg.placement)
+
+
+def start_ray(cfg: ClusterConfig, roles) -> str:
+    """Join ``cluster.ray_address`` / ``RAY_ADDRESS`` if given, else start a local Ray on loopback."""
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address and "ray" not in sys.modules:
+        # read by Ray at import time: a local Ray then binds 127.0.0.1, not the machine's address
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        # inside `ray job submit`: the job's runtime env (its --working-dir) already reaches every actor
+        ray.init(address=address or "auto", log_to_driver=True)
+    elif address:
+        # a script joining a cluster: ship this checkout to the actors on other nodes
+        ray.init(address=address, log_to_driver=True, runtime_env={
+            "working_dir": REPO_ROOT, "excludes": [".venv/", ".git/", "runs/", "*.pt", "*.safetensors"],
+            "env_vars": env_vars})
+    else:
+        needed = sum(r.num_cpus * r.count for r in roles)
+        num_cpus = cfg.local_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
+        env_vars["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+        # "local": always a new Ray of our own. With no address, Ray would otherwise join the cluster
+        # named in /tmp/ray/ray_current_cluster, which a killed `ray start` leaves behind, and then
+        # refuse num_cpus ("When connecting to an existing cluster, num_cpus ... must not be provided").
+        # The actors' variables reach them as the environment of the Ray processes started here, not
+        # as a runtime_env: actors then take the worker processes Ray starts ahead (one per CPU)
+        # instead of starting their own through the runtime-env agent (seconds on a small machine)
+        with environ(env_vars):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return ray.get_runtime_context().gcs_address
+
+
+def check_cluster_hooks(reward_fn: Callable, aggregate_fn: Optional[Callable], shaping_fn: Optional[Callable],
+                        ref_update_fn: Optional[Callable]) -> None:
+    """The functions the actors are built with take their documented arguments and can be
+    pickled (they travel to the reward and reference workers by value): named errors before
+    Ray starts."""
+    from primitives.hooks import check_arity, check_picklable
+
+    hooks = [(reward_fn, "reward_fn", (None,)), (aggregate_fn, "aggregate_fn", ([0.0],)),
+             (shaping_fn, "shaping_fn", (None, 0.0)), (ref_update_fn, "ref_update_fn", (None, {}, 0, None))]
+    for fn, what, args in hooks:
+        if fn is not None:
+            check_arity(fn, what, *args)
+            check_picklable(fn, what)
+
+
+def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
+                     with_reference: bool, ref_update_fn: Optional[Callable] = None, aggregate_fn=None,
+                     shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
+                     node_resources: Optional[dict] = None, reserve_critics: bool = False) -> RLCluster:
+    """Check resources, place each role, create and set up every actor, wire weight sync.
+
+    ``model`` (a ``ModelConfig``, or a bare path for the defaults) reaches every actor as given:
+    dtype, device, ``trust_remote_code`` and attention implementation. The trainers keep fp32
+    master weights whatever the dtype (DeepSpeed casts to bf16 on GPU). ``reserve_critics``
+    counts a critic group (``add_critics``, later) in the resources a local Ray starts with
+    and checks up front."""
+    from rl_actors.generator import GeneratorWorker
+    from rl_actors.reference import RefLogprobWorker
+    from rl_actors.reward import RewardWorker
+    from rl_actors.trainer import TrainerWorker
+
+    marks = [("start", time.time())]
+    check_cluster_hooks(reward_fn, aggregate_fn, shaping_fn, ref_update_fn)
+    if node_resources is None and cfg.pin_roles:
+        node_resources = NODE_GROUP_PINS
+    reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
+    with_reference = with_reference or reward_needs_reference
+    on_trainers = with_reference and cfg.reference_on_trainers
+    roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
+    address = start_ray(cfg, roles)
+    check_fits(roles, *cluster_resources())
+    marks.append(("ray_init", time.time()))
+    spec = {r.name: r for r in roles}
+    model = model if isinstance(model, ModelConfig) else ModelConfig(model)
+    threads = cfg.threads_per_actor
+    wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
+
+    # every placement group and actor first; then each role starts up at once: the trainers build
+    # their DeepSpeed engines while the generators, reward workers and reference load
+    pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
+    gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads, cfg.vllm), {})  # noqa: E731
+    reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
+    hosted = cfg.generate_on_trainers
+    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
+                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads, on_trainers,
+                                        ref_update_fn if on_trainers else None, hosted), {}))
+    # generation on the trainer ranks: the trainers' actors, through their ``generator`` method;
+    # a failure names the trainer, which is not replaceable
+    generators = WorkerGroup("trainer", trainers.actors, host_method="generator") if hosted \
+        else create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
+    rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
+    reference = create_group(RefLogprobWorker, spec["reference"], pgs["reference"],
+                             lambda r: ((model, r, ref_update_fn, None, threads), {})) if "reference" in spec else None
+    factories = {"reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
+                                                  r, reward_args)}
+    if not hosted:
+        factories["generator"] = lambda r: create_actor(GeneratorWorker, spec["generator"],
+                                                        generators.placement_group, r, gen_args)
+    marks.append(("actors_created", time.time()))
+    master = wait([call(trainers, 0, "endpoint")])[0]
+    setups = fan_out(trainers, "setup", *master)  # waited for below, after the other roles
+    others = ([] if hosted else [generators]) + [rewards] + ([reference] if reference else [])
+    infos = wait([c for g in others for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
+    marks.append(("actors_loaded", time.time()))
+    tracks = with_reference and ref_update_fn is not None
+    backends = {"hf"} if hosted else {info["backend"] for info in infos[: generators.size]}
+    if len(backends) > 1:
+        raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
+    receiver_gpus = cfg.reference_gpus if hosted else cfg.generator_gpus  # who joins the broadcast
+    backend = "nccl" if cfg.trainer_gpus and receiver_gpus else "gloo"
+    # vLLM on GPUs receives through its own NCCL engine; everything else (vLLM on CPU included)
+    # reads the trainer's bucketed broadcast
+    protocol = "vllm" if backends == {"vllm"} and backend == "nccl" else "torch"
+    if protocol == "vllm" and tracks and reference is not None:
+        raise ValueError("a policy-tracking reference worker cannot join vLLM's NCCL weight-transfer group; use a "
+                         "fixed reference (no ref_update_fn), cluster.reference_on_trainers or "
+                         "cluster.generator_backend: hf")
+    wait(setups)  # first: a hosted generator exists once its trainer is set up
+    pad_id = wait([call(generators, 0, "pad_token_id")])[0]
+    meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
+    marks.append(("trainer_setup", time.time()))
+    cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend, protocol), meta,
+                        pad_id, int(bucket_mb * 2 ** 20),
+                        cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
+                        reference_on_trainers=on_trainers, generate_on_trainers=hosted,
+                        generator_engine=next(iter(backends)))
+    cluster = join_weight_sync(cluster)
+    marks.append(("weight_sync", time.time()))
+    return cluster._replace(startup=stage_seconds(marks))
+
+
+def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerConfig, seed: int = 0) -> RLCluster:
+    """The trainer group alone (an SFT job): no generators, reward workers or reference."""
+    from rl_actors.trainer import TrainerWorker
+
+    pins = NODE_GROUP_PINS if cfg.pin_roles else None
+    roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
+    address = start_ray(cfg, roles)
+    check_fits(roles, *cluster_resources())
+    trainers = create_group(TrainerWorker, roles[0], create_placement_group(roles[0]),
+                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, cfg.threads_per_actor), {}))
+    master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
+    gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
+    pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
+    return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo", "torch"), (), pad_id, 0,
+                     cfg.call_timeout_s, False, address)
+
+
+def join_weight_sync(cluster: RLCluster) -> RLCluster:
+    """(Re)build the weight-sync group on a fresh port: trainer rank 0 (sync rank 0), every
+    generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
+    generator on the trainers reads the policy where it is). Called at start-up and after a
+    generator is replaced. With nobody to send to, there is no group (world size 1)."""
+    gens = 0 if cluster.generate_on_trainers else cluster.generators.size
+    refs = cluster.reference.size if cluster.reference_tracks_policy and cluster.reference is not None else 0
+    if gens + refs == 0:
+        return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))
+    host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
+    sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
+    joins = fan_out(cluster.trainers, "init_weight_sync", sync)
+    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i, cluster.bucket_bytes) for i in range(gens)]
+    joins += [call(cluster.reference, r, "init_weight_sync", sync, 1 + gens + r) for r in range(refs)]
+    gather(joins, cluster.timeout_s)
+    return cluster._replace(sync_address=sync)
+
+
+def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
+    """A new actor of ``role`` in the dead one's bundle; generators rejoin weight sync (the
+    caller then sends the current weights)."""
+    import ray
+
+    if not cluster.factories or role not in cluster.factories:
+        raise ValueError(f"no way to replace a {role}: only generators and reward workers are replaceable")
+    field = {"generator": "generators", "reward": "rewards"}[role]
+    group = getattr(cluster, field)
+    try:
+        ray.kill(group.actors[rank], no_restart=True)
+    except Exception:  # already gone
+        pass
+    actor = cluster.factories[role](rank)
+    gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
+    actors = list(group.actors)
+    actors[rank] = actor
+    cluster = cluster._replace(**{field: group._replace(actors=tuple(actors))})
+    return join_weight_sync(cluster) if role == "generator" else cluster
+
+
+def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, critic_cfg: TrainerConfig,
+                init: str = "policy", seed: int = 0) -> RLCluster:
+    """A critic group (``cfg.critics`` DeepSpeed ranks) for an algorithm with a value model:
+    initialised from ``model`` (the policy as it stands: after an SFT stage, its saved copy)
+    or from a reward model directory (``init``). Its ranks rendezvous among themselves."""
+    from rl_actors.critic import CriticWorker
+
+    if cluster.critics is not None:
+        raise ValueError("the cluster already has critics")
+    import ray
+
+    spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
+    free = ray.available_resources()  # what the other roles left (build_rl_cluster(reserve_critics=True))
+    check_fits([spec], free, [free])
+    critics = create_group(CriticWorker, spec, create_placement_group(spec),
+                           lambda r: ((model, r, cfg.critics, critic_cfg, seed, cfg.threads_per_actor, init), {}))
+    master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]
+    gather(fan_out(critics, "setup", *master), cluster.timeout_s)
+    return cluster._replace(critics=critics)
+
+
+def shutdown_cluster(cluster: RLCluster) -> None:
+    for group in (cluster.generators, cluster.trainers, cluster.rewards, cluster.reference, cluster.critics):
+        if group is not None:
+            kill_group(group)

@@ -1,0 +1,234 @@
+"""Batched sampling from a Hugging Face causal LM with per-token behaviour logprobs.
+
+Why our own decode loop over ``model(...)`` with a KV cache rather than ``model.generate``:
+the behaviour logprob of each token must be exactly what the trainer recomputes
+(``log_softmax(logits / temperature)``, the same position ids from the same attention
+mask), sampling must be seedable per call, and stop strings are checked per row.
+
+Layout: prompts are left-padded; position ids are ``cumsum(attention_mask) - 1`` so a
+padded prompt sees the same positions as an unpadded one (DESIGN section 9, pitfall).
+
+Behaviour logprobs are of the full tempered distribution ``softmax(logits / T)``, also with
+top-k / top-p: tokens are drawn from the truncated, renormalised distribution, but their
+logprobs are not renormalised over the kept set. They mean what the trainer recomputes
+(``primitives.model.logprobs``), so with the same weights the importance weight is 1 and it
+measures only the gap between the policies (DESIGN sections 6-7). vLLM's processed logprobs
+are renormalised over the kept set; ``cluster.jobs.job`` refuses vLLM with top-k / top-p where
+the importance weight is applied.
+
+The sampling generator lives on the model's device (``torch.multinomial`` draws on the
+device of the probabilities, and refuses a generator on another one).
+
+Prompts are rendered by ``primitives.model.prompts``; ``primitives.model.rollouts`` takes one
+prompt end to end in one process (``create_rollout``) for notebooks.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from primitives.model.prompts import encode_prompts
+from primitives.padding import left_pad, position_ids_from_mask
+from primitives.types import GenerationConfig, Rollout, group_id, make_uid
+
+
+class GenerationOutput(NamedTuple):
+    completion_ids: np.ndarray  # (T,) int64, eos included when produced
+    logprobs: np.ndarray  # (T,) float32 log_softmax(logits / temperature) of each token (no top-k/top-p renormalising)
+    finish_reason: str  # "stop" | "length"
+    text: str  # decoded completion, special tokens removed
+
+
+# Rows with the same prompt prefill it once (``_prefill``); False prefills every row.
+SHARE_PREFILL = True
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. (B, V) -> (B, V)"""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, config: GenerationConfig, generator=None):
+    """Pick the next token of each row; returns ``(tokens (B,), logprobs (B,))``.
+
+    The logprob is under ``log_softmax(logits / temperature)`` without the top-k/top-p
+    truncation, the same quantity the trainer recomputes (temperature 0 counts as 1): the
+    token is drawn from the truncated distribution, its logprob is of the full one (not
+    ``log_softmax`` of the filtered logits, which would differ by log(the kept mass)).
+    ``generator`` must be on the device of ``logits``.
+    """
+    temperature = config.temperature if config.temperature > 0 else 1.0
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if config.temperature <= 0:
+        tokens = logits.argmax(-1)
+    else:
+        probs = filter_logits(logits.float() / temperature, config.top_k, config.top_p).softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def check_sampler_device(generator: Optional[torch.Generator], device: torch.device,
+                         config: GenerationConfig) -> None:
+    """A sampling generator on another device than the model is refused before any forward,
+    naming both: ``torch.multinomial`` draws on the probabilities' device."""
+    if generator is None or config.temperature <= 0 or generator.device.type == device.type:
+        return
+    raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}: "
+                     f"torch.multinomial draws on the model's device; build the generator there, "
+                     f"torch.Generator(device={str(device)!r})")
+
+
+def _stop_cut(tokenizer, ids: list, stops: Sequence[str]) -> Optional[int]:
+    """Number of tokens to keep if a stop string has been produced, else None."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if not any(s in text for s in stops):
+        return None
+    for k in range(1, len(ids) + 1):  # shortest prefix that contains a stop string
+        if any(s in tokenizer.decode(ids[:k], skip_special_tokens=True) for s in stops):
+            return k
+    return len(ids)
+
+
+@torch.no_grad()
+def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: GenerationConfig,
+                    generator: Optional[torch.Generator] = None) -> list:
+    """Sample one completion for each prompt row (no expansion by ``config.n``).
+
+    Returns a ``GenerationOutput`` per row. A row ends at eos ("stop"), after the first
+    stop string it produces ("stop", the stop string kept), or at ``max_new_tokens`` ("length").
+    ``generator`` (when sampling, ``temperature > 0``) must be on the model's device.
+    """
+    if not len(prompt_ids):
+        raise ValueError("generate_tokens: no prompts")
+    if config.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {config.max_new_tokens}")
+    device = next(model.parameters()).device
+    check_sampler_device(generator, device, config)
+    ids_np, mask_np = left_pad(prompt_ids, tokenizer.pad_token_id)
+    ids, mask = torch.from_numpy(ids_np).to(device), torch.from_numpy(mask_np).to(device)
+    B, eos = ids.shape[0], tokenizer.eos_token_id
+    out_tokens = torch.full((B, config.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+    out_logp = torch.zeros((B, config.max_new_tokens), dtype=torch.float32)
+    lengths = torch.zeros(B, dtype=torch.long)
+    reasons = ["length"] * B
+    active = torch.ones(B, dtype=torch.bool)
+    stop_ids = torch.tensor(([] if eos is None else [eos]) + list(config.stop_token_ids), dtype=torch.long)
+
+    was_training = model.training
+    model.eval()
+    past, step_ids, positions = None, None, position_ids_from_mask(mask)
+    for t in range(config.max_new_tokens):
+        if t == 0:
+            past, logits = _prefill(model, np.concatenate([ids_np, mask_np], 1), ids, mask, positions)
+        else:
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :]
+        tokens, logp = sample_next(logits, config, generator)
+        tokens, logp = tokens.cpu(), logp.cpu()
+        out_tokens[active, t], out_logp[active, t], lengths[active] = tokens[active], logp[active], t + 1
+        stopped = active & torch.isin(tokens, stop_ids)
+        for i in torch.nonzero(stopped).flatten().tolist():
+            reasons[i] = "stop"
+        active &= ~stopped
+        if config.stop:
+            for i in torch.nonzero(active).flatten().tolist():
+                keep = _stop_cut(tokenizer, out_tokens[i, : t + 1].tolist(), config.stop)
+                if keep is not None:
+                    active[i], reasons[i], lengths[i] = False, "stop", keep
+        if not active.any():
+            break
+        feed = torch.where(active, tokens, torch.full_like(tokens, tokenizer.pad_token_id))
+        step_ids = feed[:, None].to(device)
+        mask = torch.cat([mask, active[:, None].long().to(device)], dim=1)
+        positions = positions[:, -1:] + 1
+    model.train(was_training)
+
+    results = []
+    for i in range(B):
+        n = int(lengths[i])
+        comp = out_tokens[i, :n].numpy().astype(np.int64)
+        results.append(GenerationOutput(comp, out_logp[i, :n].numpy().astype(np.float32), reasons[i],
+                                        tokenizer.decode(comp.tolist(), skip_special_tokens=True)))
+    return results
+
+
+def _prefill(model, rows_np: np.ndarray, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    """The prompts' forward: ``(kv cache, last logits (B, V))``. Rows with the same prompt
+    (``rows_np``: ids and mask side by side, equal for equal prompts; a
+    group's n samples) run it once and share the cache, copied to each row (``reorder_cache``
+    with repeated indices, as beam search reorders it), so a group of 8 prefills 1/8 of the
+    tokens. The rows' logits are the same numbers either way, up to the last bits a kernel
+    chosen for another batch size may change (on CPU the samples are the same: tested)."""
+    unique, first, inverse = np.unique(rows_np, axis=0, return_index=True, return_inverse=True)
+    if SHARE_PREFILL and len(unique) < len(rows_np) and _has_cache_class(model):
+        keep = torch.from_numpy(first).to(ids.device)
+        out = model(input_ids=ids[keep], attention_mask=mask[keep], position_ids=positions[keep], use_cache=True)
+        rows = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
+        out.past_key_values.reorder_cache(rows)
+        return out.past_key_values, out.logits[:, -1, :][rows]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return out.past_key_values, out.logits[:, -1, :]
+
+
+def _has_cache_class(model) -> bool:
+    """A transformers model: its forward returns a ``Cache``, which ``reorder_cache`` copies rows of."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfig,
+                      policy_version: int = 0, generator: Optional[torch.Generator] = None,
+                      batch_size: Optional[int] = None) -> list:
+    """``config.n`` rollouts per prompt item (a ``PromptItem``), grouped by prompt.
+
+    ``batch_size`` caps the rows decoded together. Uids are ``e{epoch}/i{index}/s{k}``.
+    """
+    if not items:
+        raise ValueError("generate_rollouts: no prompt items")
+    if config.n < 1:
+        raise ValueError(f"GenerationConfig.n must be >= 1, got {config.n}")
+    prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items], config.template_kwargs)
+    rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
+    step = batch_size or len(rows)
+    rollouts = []
+    for start in range(0, len(rows), step):
+        chunk = rows[start: start + step]
+        outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
+        for (it, ids, k), o in zip(chunk, outs):
+            rollouts.append(pack_rollout(it, ids, o, k, policy_version))
+    return rollouts
+
+
+def pack_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sample: int = 0,
+                 policy_version: int = 0) -> Rollout:
+    """A single-turn ``Rollout`` from a prompt item and one generation output."""
+    return Rollout(
+        uid=make_uid(item.epoch, item.index, sample), group=group_id(item.epoch, item.index),
+        prompt=item.prompt, prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
+        completion_ids=output.completion_ids,
+        loss_mask=np.ones(len(output.completion_ids), dtype=np.float32),
+        logprobs=output.logprobs, policy_version=policy_version,
+        finish_reason=output.finish_reason, text=output.text, answer=item.answer,
+        metadata=dict(item.metadata) if item.metadata else None,
+    )
+
+
+# ----------------------------------------------------------------------------- one process

@@ -1,0 +1,210 @@
+"""One training step on a model that some backend owns (plain torch here, DeepSpeed in a
+Ray trainer): ``forward_backward`` then ``optim_step``, as in a Tinker-style backend.
+
+``backward`` is passed in (``loss.backward`` by default, ``engine.backward`` under
+DeepSpeed), so the same functions serve one process and a sharded trainer group.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from primitives.hooks import call_hook
+from primitives.maths.algorithms import AlgorithmConfig, pairwise
+from primitives.maths.losses import LossCounts, sft_loss
+from primitives.maths.metrics import merge_metrics
+from primitives.maths.objectives import LossInputs
+from primitives.model.logprobs import completion_logprobs, sequence_logprobs
+from primitives.types import Batch
+
+
+def step_counts(batch: Batch) -> LossCounts:
+    """Global denominators of one optimizer update's (whole, unsharded) batch. The length
+    normaliser is the generation budget the batch carries, not its padded width."""
+    return LossCounts(num_tokens=batch.num_loss_tokens, num_sequences=batch.num_loss_sequences,
+                      max_len=batch.budget, num_rows=batch.size)
+
+
+def _default_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _tensor(a, device):
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def pair_unit(algo: AlgorithmConfig) -> int:
+    """Rows that must stay together when a batch is split: 2 keeps (chosen, rejected) pairs whole."""
+    return 2 if pairwise(algo) else 1
+
+
+def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCounts,
+                     micro_batch_size: Optional[int] = None, temperature: float = 1.0,
+                     backward: Callable = _default_backward, loss_scale: float = 1.0, where: str = "") -> dict:
+    """Accumulate gradients of the RL loss over ``batch`` in micro-batches.
+
+    Each micro-batch's loss is already divided by the step's global counts, so the
+    accumulated gradient is the gradient of the whole step's loss. ``loss_scale``
+    compensates a backend that averages gradients over ranks (DeepSpeed: world size).
+    ``temperature`` is the sampling temperature: logprobs are of ``softmax(logits / T)``.
+    The loss is ``algo.loss_fn(LossInputs, algo) -> (loss, metrics)``; if it raises, the error
+    names it and ``where`` (the trainer's role and rank).
+    Returns the micro-batches' metrics merged (``primitives.maths.metrics.merge_metrics``).
+    Each micro-batch is scored packed, without its padding, where that saves work
+    (``primitives.model.logprobs.use_packing``); the loss sees the same (B, T) layout either way.
+    """
+    if batch.size == 0:
+        raise ValueError("forward_backward: empty batch")
+    device = next(model.parameters()).device
+    step = micro_batch_size or batch.size
+    if pair_unit(algo) == 2 and step % 2:
+        step += 1  # keep (chosen, rejected) pairs in one micro-batch
+    parts = []
+    model.train()
+    for s in range(0, batch.size, step):
+        mb = batch.select(range(s, min(s + step, batch.size)))
+        logp, entropy = completion_logprobs(model, _tensor(mb.input_ids, device), _tensor(mb.attention_mask, device),
+                                            mb.prompt_len, temperature, with_entropy=True)
+        inputs = LossInputs(logp=logp, old_logp=_tensor(mb.old_logprobs, device),
+                            advantages=_tensor(mb.advantages, device), mask=_tensor(mb.loss_mask, device),
+                            counts=counts, behaviour_logp=_tensor(mb.behaviour_logprobs, device),
+                            ref_logp=_tensor(mb.ref_logprobs, device), entropy=entropy)
+        loss, m = call_hook(algo.loss_fn, "loss_fn", inputs, algo,
+                            where=f"{where}, rollouts {mb.rollouts[0].uid}..{mb.rollouts[-1].uid}".lstrip(", "))
+        backward(loss * loss_scale)
+        parts.append(m)
+    return merge_metrics(parts)
+
+
+@torch.no_grad()
+def with_logprobs(model, batch: Batch, field: str = "old_logprobs", temperature: float = 1.0,
+                  micro_batch_size: Optional[int] = None) -> Batch:
+    """``batch`` with ``field`` set to the model's logprobs of its completion tokens (0 off the
+    loss mask), no gradients: ``old_logprobs`` (the clip ratio's denominator when the batch
+    gets several optimizer updates) or ``ref_logprobs`` (a reference held by a trainer rank)."""
+    if batch.size == 0:
+        return batch
+    device = next(model.parameters()).device
+    logp, _ = completion_logprobs(model, _tensor(batch.input_ids, device), _tensor(batch.attention_mask, device),
+                                  batch.prompt_len, temperature, micro_batch_size)
+    return batch._replace(**{field: (logp.float().cpu().numpy() * batch.loss_mask).astype(np.float32)})
+
+
+def with_old_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: Optional[int] = None) -> Batch:
+    """``batch`` with ``old_logprobs`` set to the model's current logprobs (0 off the loss mask)."""
+    return with_logprobs(model, batch, "old_logprobs", temperature, micro_batch_size)
+
+
+def minibatches(batch: Batch, algo: AlgorithmConfig) -> list:
+    """``algo.mini_batches`` contiguous parts of ``batch`` (whole units), in order."""
+    unit = pair_unit(algo)
+    if batch.size % unit:
+        raise ValueError(f"batch of {batch.size} rows is not a whole number of units of {unit}")
+    units = batch.size // unit
+    if algo.mini_batches > units:
+        raise ValueError(f"mini_batches={algo.mini_batches} is more than the batch's {units} "
+                         f"{'pairs' if unit == 2 else 'rows'}")
+    bounds = [unit * (units * k // algo.mini_batches) for k in range(algo.mini_batches + 1)]
+    return [batch.select(range(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def updates_of(batch: Batch, algo: AlgorithmConfig, prepare: Callable[[Batch, bool], Batch]) -> list:
+    """The optimizer updates of one rollout batch, in order: ``(part, counts)`` pairs.
+
+    ``algo.ppo_epochs`` passes over ``algo.mini_batches`` contiguous mini-batches, in the same
+    order each pass (groups stay together). ``counts`` are each mini-batch's global counts.
+    ``prepare(mini_batch, fix_old)`` runs once per mini-batch before any update - a trainer
+    rank takes its shard there - and must set ``old_logprobs`` when ``fix_old`` is true (the
+    policy moves within the batch, so the clip ratio's denominator is fixed first). A
+    mini-batch with no loss tokens (all rows masked) is skipped: Adam would still move the
+    weights on its zero gradient.
+    """
+    parts = minibatches(batch, algo)
+    fix_old = algo.ppo_epochs * algo.mini_batches > 1
+    prepared = [prepare(part, fix_old) for part in parts]
+    counts = [step_counts(part) for part in parts]
+    order = [k for _ in range(algo.ppo_epochs) for k in range(len(parts))]
+    return [(prepared[k], counts[k]) for k in order if counts[k].num_tokens > 0]
+
+
+def train_on_batch(model, optimizer, batch: Batch, algo: AlgorithmConfig, temperature: float = 1.0,
+                   max_grad_norm: Optional[float] = 1.0, micro_batch_size: Optional[int] = None,
+                   lr: Optional[float] = None) -> list:
+    """One rollout batch in one process: the updates of ``updates_of``, each a
+    ``forward_backward`` and an ``optim_step``. With a single update the old logprobs are
+    ``logp.detach()``. Returns one metric dict per update; ``primitives.maths.metrics.mean_over_updates``
+    summarises them. ``lr`` (if given) is set on every parameter group first."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    def prepare(part: Batch, fix_old: bool) -> Batch:
+        return with_old_logprobs(model, part, temperature, micro_batch_size) if fix_old else part
+
+    updates = []
+    for part, counts in updates_of(batch, algo, prepare):
+        m = forward_backward(model, part, algo, counts, micro_batch_size, temperature)
+        m["grad_norm"] = optim_step(model, optimizer, max_grad_norm)
+        m["lr"] = float(optimizer.param_groups[0]["lr"])
+        updates.append(m)
+    return updates
+
+
+def optim_step(model, optimizer, max_grad_norm: Optional[float] = 1.0, scheduler=None) -> float:
+    """Clip gradients, step, zero; returns the pre-clip gradient norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.norm(torch.stack([p.grad.detach().norm() for p in params])) if params else torch.tensor(0.0)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def _sft_micro_losses(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                      num_tokens: int, micro_batch_size: Optional[int]):
+    """Each micro-batch's masked NLL share: its target tokens' NLL divided by ``num_tokens``."""
+    device = next(model.parameters()).device
+    step = micro_batch_size or len(input_ids)
+    for s in range(0, len(input_ids), step):
+        ids = torch.from_numpy(input_ids[s: s + step]).to(device)
+        attn = torch.from_numpy(attention_mask[s: s + step]).to(device)
+        lm = torch.from_numpy(loss_mask[s: s + step]).to(device)
+        logp = sequence_logprobs(model, ids, attn, lm)
+        yield sft_loss(logp, lm[:, 1:], num_tokens)
+
+
+def sft_forward_backward(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                         num_tokens: int, micro_batch_size: Optional[int] = None,
+                         backward: Callable = _default_backward, loss_scale: float = 1.0) -> dict:
+    """Masked NLL over right-padded SFT samples (loss on ``loss_mask`` targets), accumulated."""
+    total = 0.0
+    model.train()
+    for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens, micro_batch_size):
+        backward(loss * loss_scale)
+        total += float(loss.detach())
+    return {"loss/sft": total, "sft/tokens": float(loss_mask[:, 1:].sum())}
+
+
+@torch.no_grad()
+def sft_eval_loss(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                  num_tokens: int, micro_batch_size: Optional[int] = None) -> dict:
+    """This part's share of the held-out masked NLL (``eval/loss_sft``; shares of all parts add
+    up to the mean NLL per target token when ``num_tokens`` is the global target count)."""
+    model.eval()
+    total = sum(float(loss) for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens,
+                                                          micro_batch_size))
+    return {"eval/loss_sft": total, "eval/sft_tokens": float(loss_mask[:, 1:].sum())}
+
+
+def linear_warmup(base_lr: float, warmup_steps: int):
+    """``lr_schedule(step)``: linear ramp to ``base_lr`` over ``warmup_steps``, then constant."""
+    def lr_schedule(step: int) -> float:
+        return base_lr * min(1.0, (step + 1) / max(warmup_steps, 1))
+
+    return lr_schedule
