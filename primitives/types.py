@@ -231,17 +231,6 @@ class Batch(BatchFields):
         return int((self.loss_mask.sum(1) > 0).sum())
 
 
-class TrainingStats(NamedTuple):
-    """What one optimizer step reports (scalars; summed over micro-batches / ranks)."""
-
-    loss: float
-    grad_norm: float
-    learning_rate: float
-    num_tokens: int
-    num_sequences: int
-    metrics: Optional[dict] = None  # namespaced scalars: loss/policy, policy/clip_frac, ...
-
-
 class DataPosition(NamedTuple):
     """Where a prompt source stands: epoch and offset into that epoch's order."""
 
@@ -253,7 +242,8 @@ class TrainState(NamedTuple):
     """Everything the loop needs to resume exactly (weights and optimizer live in checkpoints)."""
 
     iteration: int = 0
-    global_step: int = 0  # optimizer steps taken
+    global_step: int = 0  # RL steps that updated the weights (a skipped step does not count; one update is
+    #                     algo.ppo_epochs x algo.mini_batches optimizer steps)
     policy_version: int = 0  # bumped by every weight sync
     data_position: DataPosition = DataPosition()
     rng_seed: int = 0

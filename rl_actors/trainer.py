@@ -57,14 +57,15 @@ from rl_actors.deepspeed_rank import (
 )
 from rl_actors.generator import GeneratorWorker
 from rl_actors.reference import Reference
-from rl_actors.weight_sync import DTYPES as DTYPES_BY_NAME
 from rl_actors.weight_sync import (
+    DTYPES,
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
     bucket_plan,
     dtype_name,
     init_sync_group,
+    raw_broadcast,
     tensor_checksums,
 )
 
@@ -243,7 +244,7 @@ class TrainerWorker:
         params = dict(self.module.named_parameters())
         with self.ds.gathered([m.name for m in meta]):
             if self.rank == 0:
-                tensors = ((m.name, params[m.name].data.to(DTYPES_BY_NAME[m.dtype])) for m in meta)
+                tensors = ((m.name, params[m.name].data.to(DTYPES[m.dtype])) for m in meta)
                 packed_nccl_broadcast_producer(tensors, self.sync_group, 0, post_iter_func=lambda item: item[1],
                                                buffer_size_bytes=bucket_bytes, num_buffers=VLLM_NCCL_BUFFERS)
         return sum(m.nbytes for m in meta)
@@ -265,7 +266,6 @@ class TrainerWorker:
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
         """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
         and the baseline the bucketed sync is measured against)."""
-        from rl_actors.weight_sync import DTYPES, raw_broadcast
 
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.ds.device)
 

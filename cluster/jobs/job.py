@@ -25,6 +25,7 @@ from cluster.jobs.config import (
     resolve_output_dir,
     resume_errors,
 )
+from cluster.ray_wing.config import ClusterConfig
 from primitives.io.data import (
     EvalData,
     FieldMap,
@@ -85,7 +86,24 @@ def _checks(pairs) -> list:
     return [msg for ok, msg in pairs if not ok]
 
 
-def cluster_errors(cluster, rl_roles: bool) -> list:
+GENERATOR_FIELDS = ("generators", "generator_cpus", "generator_gpus", "vllm")
+REFERENCE_FIELDS = ("reference_workers", "reference_cpus", "reference_gpus")
+RL_ROLE_FIELDS = GENERATOR_FIELDS + REFERENCE_FIELDS + ("reward_workers", "reward_cpus", "reference_on_trainers",
+                                                        "generate_on_trainers", "sync_bucket_mb", "critics",
+                                                        "critic_cpus", "critic_gpus")
+
+
+def ignored_errors(cluster, fields, why: str, base) -> list:
+    """Settings of roles that do not run in this layout: a value other than the job's default
+    (``base``) or a count of 0 would be ignored, so it is refused, with ``why``."""
+    return [f"cluster.{name} {getattr(cluster, name)!r} would be ignored: {why}" for name in fields
+            if getattr(cluster, name) != getattr(base, name) and getattr(cluster, name) != 0]
+
+
+def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
+    """Every check of the ``cluster`` section; ``base`` is the job's default section (the
+    settings a user did not make), against which an ignored setting is told apart."""
+    base = ClusterConfig() if base is None else base
     checks = [
         (cluster.trainers >= 1, "cluster.trainers must be at least 1"),
         (cluster.zero_stage in (1, 2, 3), f"cluster.zero_stage must be 1, 2 or 3, got {cluster.zero_stage}"),
@@ -98,7 +116,7 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
         checks += [
             (cluster.generators >= 1 or cluster.generate_on_trainers, "cluster.generators must be at least 1"),
             (cluster.reward_workers >= 1, "cluster.reward_workers must be at least 1"),
-            (cluster.reference_workers >= 1,
+            (cluster.reference_workers >= 1 or cluster.reference_on_trainers,
              f"cluster.reference_workers must be at least 1, got {cluster.reference_workers}"),
             (cluster.generator_backend in ("auto", "hf", "vllm"),
              f"cluster.generator_backend must be auto, hf or vllm, got {cluster.generator_backend}"),
@@ -108,7 +126,16 @@ def cluster_errors(cluster, rl_roles: bool) -> list:
              "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
              "vllm needs generator workers of its own"),
         ] + vllm_errors(cluster)
-    return _checks(checks)
+    ignored = []
+    if rl_roles and cluster.generate_on_trainers:
+        ignored += ignored_errors(cluster, GENERATOR_FIELDS, "cluster.generate_on_trainers generates on the trainer "
+                                  "ranks (no generator workers)", base)
+    if rl_roles and cluster.reference_on_trainers:
+        ignored += ignored_errors(cluster, REFERENCE_FIELDS, "cluster.reference_on_trainers keeps the reference on "
+                                  "the trainer ranks (no reference workers)", base)
+    if not rl_roles:
+        ignored += ignored_errors(cluster, RL_ROLE_FIELDS, "an SFT job runs the trainer ranks alone", base)
+    return _checks(checks) + ignored
 
 
 def vllm_errors(cluster) -> list:
@@ -744,7 +771,8 @@ class SFTInputs(NamedTuple):
 def prepare_sft(job: SFTJob) -> SFTInputs:
     """Every check and load of an SFT job that needs no Ray."""
     job = with_resolved_paths(job)
-    errors = sft_errors(job.sft, in_rl_job=False) + cluster_errors(job.cluster, rl_roles=False)
+    errors = sft_errors(job.sft, in_rl_job=False) + cluster_errors(job.cluster, rl_roles=False,
+                                                                   base=SFTJob._field_defaults["cluster"])
     errors += model_errors(job.model) + _checks([(job.checkpoint.every >= 0, "checkpoint.every must be >= 0")])
     if job.checkpoint.resume:
         errors += resume_errors(job.checkpoint.resume)

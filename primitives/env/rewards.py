@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from primitives.hooks import did_you_mean, load_function
-from primitives.maths.batching import overlong_penalty
+from primitives.maths.shaping import overlong_penalty
 
 
 class RewardError(RuntimeError):

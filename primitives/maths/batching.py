@@ -9,29 +9,12 @@ import torch
 from primitives.hooks import call_hook, fn_name
 from primitives.maths import advantages as adv
 from primitives.maths.filters import select_pairs
+from primitives.maths.shaping import overlong_penalty
 from primitives.padding import pack_completions, pad_right
 from primitives.types import Batch, BatchPlan, planned_rollouts
 
 if TYPE_CHECKING:
     from primitives.maths.algorithms import AlgorithmConfig
-
-
-def overlong_penalty(max_len: int, buffer: int, penalty: float = 1.0) -> float:
-    """DAPO soft overlong punishment for one length (arXiv 2503.14476, eq. 13), as a function
-    ``L -> penalty``: 0 up to ``max_len - buffer``, then linear down to ``-penalty`` at
-    ``max_len``, and ``-penalty`` beyond."""
-    if buffer <= 0 or buffer > max_len:
-        raise ValueError(f"overlong buffer must be in (0, max_len={max_len}], got {buffer}")
-
-    def value(length: int) -> float:
-        start = max_len - buffer
-        if length <= start:
-            return 0.0
-        if length <= max_len:
-            return -penalty * (length - start) / buffer
-        return -penalty
-
-    return value
 
 
 def check_rollouts(rollouts: Sequence) -> None:

@@ -258,3 +258,38 @@ def test_vllm_settings_that_cannot_apply_are_named_before_ray(cluster, refused):
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
     errors = [e for e in rl_errors(job) if "cluster.vllm." in e or "receives weights over NCCL" in e]
     assert (errors == []) if refused is None else (len(errors) == 1 and refused in errors[0]), errors
+
+
+@pytest.mark.parametrize("cluster, refused", [
+    ({"generate_on_trainers": True, "generators": 4}, "cluster.generators 4 would be ignored: cluster.generate_on_"),
+    ({"generate_on_trainers": True, "generator_gpus": 1}, "cluster.generator_gpus 1.0 would be ignored"),
+    ({"generate_on_trainers": True, "vllm": {"max_model_len": 64}}, "cluster.vllm VLLMConfig("),
+    ({"reference_on_trainers": True, "reference_workers": 3}, "cluster.reference_workers 3 would be ignored: cluster"),
+    ({"reference_on_trainers": True, "reference_gpus": 0.5}, "cluster.reference_gpus 0.5 would be ignored"),
+], ids=["generators", "generator-gpus", "vllm", "reference-workers", "reference-gpus"])
+def test_settings_of_roles_that_do_not_run_are_refused(cluster, refused):
+    from cluster.jobs.job import rl_errors
+
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
+    errors = [e for e in rl_errors(job) if "would be ignored" in e]
+    assert len(errors) == 1 and refused in errors[0], errors
+
+
+def test_no_workers_of_a_role_on_the_trainers_is_a_valid_layout():
+    """0 generator and 0 reference workers say what the trainer ranks do; the defaults pass too."""
+    from cluster.jobs.job import rl_errors
+
+    for extra in ({"generators": 0, "reference_workers": 0}, {}):
+        cluster = {"generate_on_trainers": True, "reference_on_trainers": True, **extra}
+        assert rl_errors(record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})) == []
+    bare = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": {"reference_workers": 0}})
+    assert any("cluster.reference_workers must be at least 1" in e for e in rl_errors(bare))
+
+
+def test_an_sft_job_refuses_the_rl_roles(tmp_path):
+    from cluster.jobs.job import cluster_errors
+
+    base = SFTJob._field_defaults["cluster"]
+    assert cluster_errors(base, rl_roles=False, base=base) == []
+    errors = cluster_errors(base._replace(reward_workers=2, critics=3), rl_roles=False, base=base)
+    assert [e.split(" would")[0] for e in errors] == ["cluster.reward_workers 2", "cluster.critics 3"]

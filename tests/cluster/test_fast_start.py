@@ -1,4 +1,4 @@
-"""Fast start (issue 9, item 4): the start-up stages the job reports, the actors' environment
+"""Fast start: the start-up stages the job reports, the actors' environment
 without a runtime_env, and DeepSpeed on CPU without its shared-memory op."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Generation on the trainer ranks (issue 9, item 4: ``cluster.generate_on_trainers``, veRL's
+"""Generation on the trainer ranks (``cluster.generate_on_trainers``, veRL's
 "hybrid engine"): no generator processes; each trainer rank generates its share of the prompts
 with the module it trains. The same RL steps with 2 generator workers and with generation on 2
 trainer ranks sample the same tokens and give the same metrics and weights (T = 0.7), since

@@ -1,4 +1,4 @@
-"""The reference on the trainer ranks (issue 9, item 2: ``cluster.reference_on_trainers``):
+"""The reference on the trainer ranks (``cluster.reference_on_trainers``):
 every trainer rank holds a copy of the reference and scores its own shard inside the train
 step. The same RL steps with a reference worker and with the reference on 2 trainer ranks give
 the same metrics (KL included, at T = 0.7) and the same weights; a policy-tracking reference

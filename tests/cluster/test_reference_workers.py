@@ -1,4 +1,4 @@
-"""N reference workers (issue 9, item 2): ``cluster.reference_workers`` ranks of the reference.
+"""N reference workers: ``cluster.reference_workers`` ranks of the reference.
 A policy-tracking reference has every rank in the weight-sync group; every rank holds the same
 weights after each sync, after a copy of the policy and after a checkpoint is loaded."""
 import pytest

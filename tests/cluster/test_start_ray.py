@@ -1,4 +1,4 @@
-"""Starting or joining Ray (issue 6, item 11): a stale ``ray_current_cluster`` file, left by a
+"""Starting or joining Ray: a stale ``ray_current_cluster`` file, left by a
 killed ``ray start --head``, must not stop a local run; a given address is joined without
 local-only arguments. Each case runs ``start_ray`` in a fresh Python process whose Ray temp
 directory (``RAY_TMPDIR``) is private, so the machine's own /tmp/ray is never touched."""

@@ -1,6 +1,6 @@
 """The learning signal, wired end to end and checked against hand-worked values.
 
-Each test here would have caught one wiring mistake of a review (issue 6): metrics merged
+Each test here would have caught one wiring mistake a review found: metrics merged
 over ranks, the clip ratio against the generator's logprobs, the capped importance weight,
 several updates per batch, returns across tool spans, Dr.GRPO's constant, KL in the reward,
 overlong filtering, dropout, the temperature, the SFT mask shift and more. Inputs keep
