@@ -23,6 +23,7 @@ def main():
     ray = start_local_ray()
     from cluster.ray_wing.backend import sync_weights
     from cluster.ray_wing.groups import WorkerGroup, fan_out, gather
+    from cluster.ray_wing.handles import GeneratorWorkers
     from cluster.ray_wing.roles import RLCluster
     from primitives.fixtures.tiny import TinyModelSpec, save_tiny_model
     from primitives.types import ModelConfig
@@ -35,27 +36,29 @@ def main():
     path = save_tiny_model(tempfile.mkdtemp(prefix="bench-sync-"), spec) if args.model == "qwen100m" \
         else model_path("smollm2")
     model = ModelConfig(path)
-    trainer = ray.remote(num_cpus=1, num_gpus=args.gpus)(TrainerWorker).remote(model, 0, 1, TrainerConfig(zero_stage=2))
+    trainer = ray.remote(num_cpus=1, num_gpus=args.gpus)(TrainerWorker).remote(model=model, rank=0, world_size=1,
+                                                                               config=TrainerConfig(zero_stage=2))
     ray.get(trainer.setup.remote(*ray.get(trainer.endpoint.remote())))
     remote = ray.remote(num_cpus=1, num_gpus=args.gpus)(GeneratorWorker)
-    gens = [remote.remote(model, r, args.backend) for r in range(args.generators)]
+    gens = [remote.remote(model=model, rank=r, backend=args.backend) for r in range(args.generators)]
     meta = ray.get(trainer.weight_meta.remote())
     host, port = ray.get(trainer.endpoint.remote())
     address = SyncAddress(host, port, 1 + args.generators, "nccl" if args.gpus else "gloo")
     ray.get([trainer.init_weight_sync.remote(address)] + [g.init_weight_sync.remote(address, 1 + i)
                                                           for i, g in enumerate(gens)])
-    cluster = RLCluster(WorkerGroup("generator", tuple(gens)), WorkerGroup("trainer", (trainer,)), None, None,
-                        address, tuple(meta), 0, int(args.bucket_mb * 2 ** 20), 600.0, False, "local")
+    cluster = RLCluster(GeneratorWorkers(WorkerGroup("generator", tuple(gens))), WorkerGroup("trainer", (trainer,)),
+                        None, None, address, tuple(meta), 0, int(args.bucket_mb * 2 ** 20), 600.0, "local")
     numel = sum(m.numel for m in meta)
     nbytes = sum(m.nbytes for m in meta)
     sync_weights(cluster, 0)  # warm-up
     raw_weights_s, sync_s = [], []
     for version in range(1, args.repeats + 1):
         raw = gather(fan_out(cluster.trainers, "broadcast_probe", numel) +
-                     fan_out(cluster.generators, "broadcast_probe", numel), 600)
+                     fan_out(cluster.generators.group, "broadcast_probe", numel), 600)
         raw_weights_s.append(max(raw))
         sync_s.append(sync_weights(cluster, version)["time/sync"])
-    sums = gather(fan_out(cluster.trainers, "weight_checksums") + fan_out(cluster.generators, "weight_checksums"), 600)
+    sums = gather(fan_out(cluster.trainers, "weight_checksums") +
+                  fan_out(cluster.generators.group, "weight_checksums"), 600)
     assert all(s == sums[0] for s in sums), "generators do not hold the trainer's weights"
     raw_t, sync_t = median(raw_weights_s), median(sync_s)
     rows = [["raw gloo broadcast (1 buffer)", f"{raw_t:.3f}", f"{nbytes / raw_t / 1e9:.2f}", "100%"],

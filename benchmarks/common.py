@@ -23,7 +23,7 @@ def model_path(name: str) -> str:
     Qwen2, built into a temporary directory) or ``smollm2`` (converted once into the model cache)."""
     import tempfile
 
-    from cluster.jobs.job import resolve_model
+    from cluster.jobs.inputs import resolve_model
     from primitives.types import ModelConfig
 
     return resolve_model(ModelConfig(name), tempfile.mkdtemp(prefix="bench-"), seed=0).model_name_or_path

@@ -121,7 +121,7 @@ def check(args) -> dict:
     device = str(trainer.ds.device)
 
     t0 = time.perf_counter()
-    rollouts = trainer.generator("generate", items, gen)
+    rollouts = trainer.generate(items, gen)
     generate_s = time.perf_counter() - t0
     # the task's reward plus a little that varies with the sampled tokens, so that groups have
     # spread (a random model never gets a sum right) and the step has a gradient

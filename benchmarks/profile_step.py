@@ -58,10 +58,11 @@ def main():
     items = list(task.train[: args.prompts])
     gen_cfg = GenerationConfig(max_new_tokens=5, temperature=1.0, n=args.group)
     algo = grpo()._replace(kl_coef=0.01)
-    generator = GeneratorWorker(model, 0, "hf", 0, 1)
-    reference = RefLogprobWorker(model, 0, None, None, 1)
-    reward = RewardWorker(arithmetic_reward, None, None, None, 0, 1)
-    trainer = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=2, lr=3e-4, micro_batch_size=args.micro), 0, 1)
+    generator = GeneratorWorker(model=model, rank=0, backend="hf", seed=0, num_threads=1)
+    reference = RefLogprobWorker(model=model, rank=0, num_threads=1)
+    reward = RewardWorker(reward_fn=arithmetic_reward, rank=0, num_threads=1)
+    trainer = TrainerWorker(model=model, rank=0, world_size=1, seed=0, num_threads=1,
+                            config=TrainerConfig(zero_stage=2, lr=3e-4, micro_batch_size=args.micro))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

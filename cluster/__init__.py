@@ -7,4 +7,4 @@
 """
 import time
 
-IMPORTED_AT = time.time()  # the process start where /proc is absent (cluster.jobs.job.process_start_time)
+IMPORTED_AT = time.time()  # the process start where /proc is absent (cluster.jobs.outputs.process_start_time)

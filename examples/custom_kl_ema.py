@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.loop.train import train  # noqa: E402
+from cluster.loop.train import Hooks, RLRun, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
@@ -68,9 +68,9 @@ def run(args, model: str, items, ref_update_fn, logger) -> list:
     backend = RayBackend(cluster)
     try:
         state = train(backend, make_prompt_source(items, seed=args.seed), constant_schedule(algorithm(args)),
-                      GenerationConfig(max_new_tokens=6, n=GROUP_SIZE), num_steps=args.steps,
-                      prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR,
-                      state=TrainState(rng_seed=args.seed), logger=logger, progress=False)
+                      RLRun(GenerationConfig(max_new_tokens=6, n=GROUP_SIZE), num_steps=args.steps,
+                            prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR, progress=False),
+                      state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger))
     finally:
         shutdown_cluster(backend.cluster)
     return list(state.metrics_history)

@@ -29,20 +29,22 @@ import time
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.local import LocalBackend  # noqa: E402
 from cluster.loop.evaluate import evaluate_accuracy  # noqa: E402
-from cluster.loop.train import train  # noqa: E402
+from cluster.loop.sft import train_sft  # noqa: E402
+from cluster.loop.train import Hooks, RLRun, train  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
 from primitives.io.checkpoint import save_checkpoint  # noqa: E402
-from primitives.io.data import collate_sft, make_prompt_source, prepare_sft_text  # noqa: E402
+from primitives.io.data import make_prompt_source, prepare_sft_text  # noqa: E402
 from primitives.io.evaluation import greedy_accuracy  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
 from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
-from primitives.model.training import optim_step, sft_forward_backward  # noqa: E402
+from primitives.model.training import linear_warmup  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 
@@ -90,19 +92,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def sft_warmup(model, tokenizer, demos, args, logger) -> None:
-    """Supervised steps on (prompt, completion) demonstrations, loss on the completion."""
-    samples = [prepare_sft_text(tokenizer, p, c) for p, c in demos]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
-    rng = np.random.default_rng(args.seed)
-    for step in tqdm(range(args.sft_steps), desc="sft", unit="step"):
-        picked = [samples[i] for i in rng.choice(len(samples), args.sft_batch, replace=False)]
-        ids, attn, loss_mask = collate_sft(picked, tokenizer.pad_token_id)
-        m = sft_forward_backward(model, ids, attn, loss_mask, num_tokens=int(loss_mask[:, 1:].sum()))
-        m["sft/grad_norm"] = optim_step(model, opt, 1.0, sched)
-        if step % 50 == 0 or step == args.sft_steps - 1:
-            logger({"step": step, "phase": "sft", **m})
+def sft_warmup(base_path: str, demos, args, logger) -> LocalBackend:
+    """Supervised steps on (prompt, completion) demonstrations, loss on the completion:
+    ``cluster.loop.sft.train_sft`` - the Ray job's SFT loop - over a ``LocalBackend``."""
+    backend = LocalBackend(base_path, arithmetic_reward, trainer=TrainerConfig(lr=args.sft_lr, max_grad_norm=1.0),
+                           seed=args.seed)
+    samples = [prepare_sft_text(backend.tokenizer, p, c) for p, c in demos]
+    train_sft(backend, samples, args.sft_steps, args.sft_batch, linear_warmup(args.sft_lr, 50), seed=args.seed,
+              logger=logger, log_every=50)
+    return backend
 
 
 def grpo_train(model_path: str, train_items, args, logger, heldout) -> tuple:
@@ -117,9 +115,11 @@ def grpo_train(model_path: str, train_items, args, logger, heldout) -> tuple:
         return {"eval/accuracy": evaluate_accuracy(b, heldout, MAX_NEW_TOKENS)}
 
     algo = grpo(kl_coef=args.kl_coef)
-    state = train(backend, make_prompt_source(train_items, seed=args.seed), constant_schedule(algo), gen_config,
-                  args.rl_steps, args.prompts_per_step, lambda step: args.rl_lr, TrainState(rng_seed=args.seed),
-                  logger, eval_fn if args.eval_every else None, args.eval_every)
+    state = train(backend, make_prompt_source(train_items, seed=args.seed), constant_schedule(algo),
+                  RLRun(gen_config, num_steps=args.rl_steps, prompts_per_step=args.prompts_per_step,
+                        lr_schedule=lambda step: args.rl_lr),
+                  state=TrainState(rng_seed=args.seed),
+                  hooks=Hooks(logger=logger, eval_fn=eval_fn if args.eval_every else None, eval_every=args.eval_every))
     return list(state.metrics_history), backend
 
 
@@ -129,21 +129,17 @@ def main(argv=None) -> dict:
     seed_everything(args.seed)
     logger, metrics_path = run_logger(args.out, ["loss/sft", "reward/mean", "eval/accuracy", "policy/entropy"])
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     base = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-
     spec = ArithmeticTaskSpec(num_heldout=args.heldout, carry_error_rate=args.carry_error_rate, seed=args.seed)
     train_items, heldout = make_arithmetic_task(spec)
     demos, wrong_share = sft_demonstrations(train_items, spec)
-    evaluate = lambda: greedy_accuracy(model, tokenizer, heldout, arithmetic_reward, MAX_NEW_TOKENS)  # noqa: E731
+    evaluate = lambda m: greedy_accuracy(m, tokenizer, heldout, arithmetic_reward, MAX_NEW_TOKENS)  # noqa: E731
 
-    acc_base = evaluate()
-    sft_warmup(model, tokenizer, demos, args, logger)
-    acc_before = evaluate()
-    sft_path = save_checkpoint(os.path.join(args.out, "sft_model"), model, tokenizer)
+    acc_base = evaluate(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
+    sft = sft_warmup(base, demos, args, logger)
+    acc_before = evaluate(sft.policy)
+    sft_path = save_checkpoint(os.path.join(args.out, "sft_model"), sft.policy, tokenizer)
     tqdm.write(f"held-out accuracy after SFT (before RL): {acc_before:.3f}")
 
     history, backend = grpo_train(sft_path, train_items, args, logger, heldout)

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.loop.train import collect, train  # noqa: E402
+from cluster.loop.train import Hooks, RLRun, collect, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
@@ -188,8 +188,8 @@ def main(argv=None) -> dict:
     backend = RayBackend(cluster)
     try:
         state = train(backend, make_prompt_source(train_items, seed=args.seed), constant_schedule(grpo(kl_coef=0.0)),
-                      gen, num_steps=args.steps, prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR,
-                      state=TrainState(rng_seed=args.seed), logger=logger, tools=config)
+                      RLRun(gen, num_steps=args.steps, prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR),
+                      state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger), tools=config)
         samples, _ = collect(backend, heldout[:SAMPLES], gen._replace(n=1), with_ref=False, tools=config)
     finally:
         shutdown_cluster(backend.cluster)

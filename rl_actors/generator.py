@@ -172,7 +172,7 @@ class VLLMEngine:
     is ``log_softmax(logits / T)``, what the HF engine and the trainer compute; with either,
     each logprob is the full one minus log(the kept mass), so the importance weight against
     the trainer would be that mass, not the policies' gap. The job check
-    (``cluster.jobs.job.behaviour_logprob_errors``) refuses that combination where the weight is
+    (``cluster.jobs.checks.behaviour_logprob_errors``) refuses that combination where the weight is
     applied. Sampling happens in vLLM's own processes, one seed per request, derived from the
     same key as the HF engine's sampler (``rollout_sampler``).
 

@@ -20,7 +20,8 @@ reference worker.
 
 With ``host_generator=True`` (``cluster.generate_on_trainers``, ZeRO-1/2) every rank also hosts a
 ``GeneratorWorker`` that generates with this rank's module (in eval mode while it does); the
-driver reaches it through ``generator(method, *args)``, and a weight sync only stamps its version.
+driver reaches it through ``generate`` / ``generate_multiturn``, and a weight sync only stamps
+its version (``generator_version``).
 """
 from __future__ import annotations
 
@@ -70,11 +71,6 @@ from rl_actors.weight_sync import (
 )
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
-
-# what the driver calls on a generator group (cluster.ray_wing.backend, cluster.ray_wing.roles, cluster.loop.train)
-HOSTED_GENERATOR_METHODS = frozenset({"info", "pad_token_id", "generate", "generate_multiturn", "busy",
-                                      "receive_weights", "weight_checksums", "logprobs"})
-
 
 class TrainerWorker:
     """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``self.ds``, a
@@ -321,14 +317,30 @@ class TrainerWorker:
         return self._held_reference().checksums()
 
     # --------------------------------------------------------------- the generator it hosts
-    def generator(self, method: str, *args):
-        """``method(*args)`` of the generator this rank hosts (``cluster.generate_on_trainers``):
-        the driver's generator group calls this. Its generation counts as this rank's busy time."""
+    def _hosted_generator(self) -> GeneratorWorker:
         if self.hosted is None:
             raise RuntimeError(f"{self.role} {self.rank} hosts no generator (cluster.generate_on_trainers is off)")
-        if method not in HOSTED_GENERATOR_METHODS:
-            raise AttributeError(f"a hosted generator has no method {method!r}")
-        return getattr(self.hosted, method)(*args)
+        return self.hosted
+
+    def generate(self, items: Sequence, gen) -> list:
+        """Rollouts of ``items`` from the generator this rank hosts (``cluster.generate_on_trainers``),
+        sampled with this rank's module; the generation counts as this rank's busy time."""
+        return self._hosted_generator().generate(items, gen)
+
+    def generate_multiturn(self, items: Sequence, gen, tools) -> list:
+        return self._hosted_generator().generate_multiturn(items, gen, tools)
+
+    def generator_version(self, version: int) -> int:
+        """A weight sync for the hosted generator: it holds this rank's weights already, so only
+        the version its rollouts carry moves."""
+        return self._hosted_generator().receive_weights((), 0, version)
+
+    def generator_info(self) -> dict:
+        return self._hosted_generator().info()
+
+    def generator_busy(self) -> float:
+        """Seconds the hosted generator spent generating since the last call."""
+        return self._hosted_generator().busy()
 
     # --------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, train_state: Optional[dict] = None, extra_dirs: Optional[dict] = None) -> str:

@@ -47,7 +47,9 @@ def parse(argv: Optional[Sequence[str]] = None, prog: str = "rayrl"):
 
 def run(argv: Optional[Sequence[str]] = None) -> dict:
     """Parse, then run the job and return its summary (``{}`` after ``--print-config``)."""
-    from cluster.jobs.job import ConfigErrors, run_rl, run_sft
+    from cluster.jobs.checks import ConfigErrors
+    from cluster.jobs.rl import run_rl
+    from cluster.jobs.sft import run_sft
 
     command, job, print_only = parse(argv)
     if print_only:

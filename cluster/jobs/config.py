@@ -6,7 +6,7 @@ valid key; a value of the wrong type names its field), then tyro derives the com
 from the same records, so every field can be overridden (``--algorithm.lr 1e-5``) and
 ``--help`` documents each one with the file's values as defaults. Each field's inline comment
 is its documentation. Hooks named ``module:function`` and every other check that needs no Ray
-run in ``cluster/jobs/job.py`` before Ray starts.
+run in ``cluster/jobs/checks.py`` and ``inputs.py`` before Ray starts.
 """
 from __future__ import annotations
 

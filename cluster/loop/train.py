@@ -228,14 +228,47 @@ def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Call
     return first
 
 
-def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: GenerationConfig, num_steps: int,
-          prompts_per_step: int, lr_schedule: Callable[[int], float], state: TrainState = TrainState(),
-          logger: Callable = noop_logger, eval_fn: Optional[Callable] = None, eval_every: int = 0,
-          checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0, max_resample_rounds: int = 4,
-          progress: bool = True, component_names: Optional[Sequence[str]] = None, tools=None,
-          max_staleness: int = 0) -> TrainState:
+def run_errors(temperature: float, max_staleness: int, names: tuple = ("temperature", "max_staleness")) -> list:
+    """The problems of a run's sampling temperature and staleness bound, named by ``names``: the
+    one check of these values, for ``train`` and for a job's config (``generation.temperature``,
+    ``algorithm.max_staleness``)."""
+    t, s = names
+    checks = [(temperature > 0, f"{t} must be > 0 (RL samples at temperature > 0: logprobs are of softmax(logits / "
+                                f"T), and T = 0, greedy, samples nothing to learn from), got {temperature}"),
+              (max_staleness >= 0, f"{s} must be >= 0 (0: synchronous), got {max_staleness}")]
+    return [message for ok, message in checks if not ok]
+
+
+class RLRun(NamedTuple):
+    """How an RL run samples and how long it trains (``train``'s settings)."""
+
+    gen: GenerationConfig  # sampling: n completions per prompt, the temperature the logprobs are of
+    num_steps: int  # RL iterations in all (a resumed run counts on from its state)
+    prompts_per_step: int
+    lr_schedule: Callable[[int], float]  # iteration -> learning rate
+    max_resample_rounds: int = 4  # dynamic sampling: extra generation rounds per step
+    max_staleness: int = 0  # asynchronous RL: generate up to this many steps ahead (0: synchronous)
+    component_names: Optional[tuple] = None  # reward component names (``build_reward``'s labels)
+    progress: bool = True  # a tqdm bar
+
+
+class Hooks(NamedTuple):
+    """What ``train`` calls besides the backend: ``logger(metrics)`` after every step,
+    ``eval_fn(backend, state) -> dict`` and ``checkpoint_fn(backend, state)`` every
+    ``eval_every`` / ``checkpoint_every`` steps (evaluation also at the last)."""
+
+    logger: Callable = noop_logger
+    eval_fn: Optional[Callable] = None
+    eval_every: int = 0
+    checkpoint_fn: Optional[Callable] = None
+    checkpoint_every: int = 0
+
+
+def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun, state: TrainState = TrainState(),
+          hooks: Hooks = Hooks(), tools=None) -> TrainState:
     """The RL loop: prompts -> rollouts (generate, reference, reward) -> (values) -> batch ->
-    train -> sync, on ``backend`` (``cluster.loop.protocol``: a ``RayBackend`` or a ``LocalBackend``).
+    train -> sync, on ``backend`` (``cluster.loop.protocol``: a ``RayBackend`` or a ``LocalBackend``),
+    with the settings of ``run`` (``RLRun``) and the ``hooks`` (``Hooks``).
 
     * ``prompt_source(position, n) -> (items, position)`` draws the prompts.
     * ``algorithm_schedule(iteration, last_metrics) -> AlgorithmConfig`` is evaluated every
@@ -263,17 +296,18 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
     Returns the final ``TrainState`` (its ``metrics_history`` holds every step's metrics).
     On Ray, ``backend.cluster`` is the cluster afterwards (it changes when an actor is replaced).
     """
-    if gen.temperature <= 0:
-        raise ValueError(f"RL sampling needs temperature > 0, got {gen.temperature}: logprobs are of "
-                         "softmax(logits / T), and T = 0 (greedy) samples nothing to learn from")
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0 (0: synchronous), got {max_staleness}")
+    gen, num_steps, prompts_per_step, lr_schedule = run.gen, run.num_steps, run.prompts_per_step, run.lr_schedule
+    max_staleness, component_names = run.max_staleness, run.component_names
+    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks
+    problems = run_errors(gen.temperature, max_staleness)
+    if problems:
+        raise ValueError("; ".join(problems))
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
     _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
     queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
     backend.busy()  # start the idle clocks
     t_clock = time.perf_counter()
-    bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if progress else {"disable": True}))
+    bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if run.progress else {"disable": True}))
     for it in bar:
         t_step = time.perf_counter()
         last = state.metrics_history[-1] if state.metrics_history else {}
@@ -281,7 +315,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, gen: G
         if not _seen(algo, checked):
             check_algorithm_for(backend, algo)
         rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
-                                                       max_resample_rounds, tools, queue, max_staleness)
+                                                       run.max_resample_rounds, tools, queue, max_staleness)
         # with filters (dynamic sampling) a step may need more prompts than one collection: those
         # steps draw what they need when they need it, so a step never takes a second collection
         ahead = 0 if algo.filters else min(max_staleness, num_steps - it - 1)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 from tqdm import tqdm
 
 from cluster.loop.protocol import ActorFailure, Held, StepResult, plan_parts
-from cluster.ray_wing.groups import call, call_split, fan_out, fan_out_each, gather, split_evenly
+from cluster.ray_wing.groups import call, call_split, fan_out, gather, split_evenly
 from cluster.ray_wing.roles import RLCluster, replace_actor
 from primitives.io.checkpoint import state_from_json, state_to_json
 from primitives.types import BatchPlan, GenerationConfig, TrainState, planned_rollouts
@@ -41,11 +41,9 @@ def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[f
     t0 = time.perf_counter()
     meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
     calls = fan_out(cluster.trainers, "send_weights", meta, bucket) if cluster.sync_address.world_size > 1 else []
-    calls += fan_out(cluster.generators, "receive_weights", meta, bucket, version)
-    if cluster.reference_tracks_policy and cluster.reference is not None:
-        calls += fan_out(cluster.reference, "receive_weights", meta, bucket, step, kl, move_reference)
-    elif cluster.reference_tracks_policy and move_reference:  # on the trainers (calls to one actor run in order)
-        calls += fan_out(cluster.trainers, "move_reference", step, kl)
+    calls += cluster.generators.receive_weights(meta, bucket, version)
+    if cluster.reference is not None:
+        calls += cluster.reference.sync(meta, bucket, step, kl, move_reference)
     moved = gather(calls, cluster.timeout_s)[0]
     dt = time.perf_counter() - t0
     return {"time/sync": dt, "sync/bytes": float(moved), "sync/version": float(version)}
@@ -55,14 +53,8 @@ def copy_policy_to_reference(cluster: RLCluster) -> None:
     """Make every reference rank equal to the current policy (after SFT, say). Trainer rank 0's
     weights go to the reference ranks by ref (one object, never through the driver); the other
     trainer ranks join ZeRO-3 gathers. A reference on the trainers copies each rank's policy."""
-    if cluster.reference_on_trainers:
-        gather(fan_out(cluster.trainers, "copy_policy_to_reference"), cluster.timeout_s)
-        return
-    if cluster.reference is None:
-        return
-    states = fan_out(cluster.trainers, "full_state", True)
-    loads = [call(cluster.reference, r, "load_weights", states[0].ref) for r in range(cluster.reference.size)]
-    gather(loads + states[1:], cluster.timeout_s)
+    if cluster.reference is not None:
+        gather(cluster.reference.copy_policy(cluster.trainers), cluster.timeout_s)
 
 
 def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) -> str:
@@ -74,12 +66,10 @@ def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) ->
         shutil.rmtree(critic_tmp, ignore_errors=True)
         gather(fan_out(cluster.critics, "save_checkpoint", critic_tmp), cluster.timeout_s)
         extra["critic"] = critic_tmp
-    if cluster.reference is not None or cluster.reference_on_trainers:  # every copy is the same: rank 0 saves it
+    if cluster.reference is not None:  # every copy is the same: one saves it
         ref_tmp = path.rstrip("/") + ".reference.tmp"
         shutil.rmtree(ref_tmp, ignore_errors=True)
-        group, method = (cluster.trainers, "save_reference") if cluster.reference_on_trainers \
-            else (cluster.reference, "save_weights")
-        gather([call(group, 0, method, ref_tmp)], cluster.timeout_s)
+        gather([cluster.reference.save(ref_tmp)], cluster.timeout_s)
         extra["reference"] = ref_tmp
     gather(fan_out(cluster.trainers, "save_checkpoint", path, state_to_json(state), extra), cluster.timeout_s)
     return path
@@ -92,9 +82,7 @@ def load_cluster_checkpoint(cluster: RLCluster, path: str) -> TrainState:
     state = state_from_json(saved)
     saved_reference = os.path.join(path, "reference")
     if cluster.reference is not None and os.path.isdir(saved_reference):
-        gather(fan_out(cluster.reference, "load_weights_from", saved_reference), cluster.timeout_s)
-    elif cluster.reference_on_trainers and os.path.isdir(saved_reference):
-        gather(fan_out(cluster.trainers, "load_reference_from", saved_reference), cluster.timeout_s)
+        gather(cluster.reference.load(saved_reference), cluster.timeout_s)
     if cluster.critics is not None:
         if not os.path.isdir(os.path.join(path, "critic")):
             raise FileNotFoundError(f"{path} holds no critic/ to resume the critic from")
@@ -162,13 +150,13 @@ class RayBackend:
 
     @property
     def has_reference(self) -> bool:
-        return self.cluster.reference is not None or self.cluster.reference_on_trainers
+        return self.cluster.reference is not None
 
     @property
     def reference_in_train_step(self) -> bool:
         """The trainer ranks hold the reference: they score their own shards in the train step
         (and the rollouts, when KL goes in the reward)."""
-        return self.cluster.reference_on_trainers
+        return self.cluster.reference is not None and self.cluster.reference.where == "trainers"
 
     @property
     def reward_needs_reference(self) -> bool:
@@ -182,23 +170,15 @@ class RayBackend:
     def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> RolloutRefs:
         """``gen.n`` rollouts per item, the items split evenly over the generators
         (tool-using rollouts when ``tools`` is a ``ToolConfig``)."""
-        c = self.cluster
-        chunks = split_evenly(list(items), c.generators.size)
-        method, extra = ("generate", ()) if tools is None else ("generate_multiturn", (tools,))
-        calls = fan_out_each(c.generators, method, [(chunk, gen, *extra) if chunk else None for chunk in chunks])
-        return RolloutRefs((("generate", calls),))
-
-    def _reference(self, method: str) -> tuple:
-        """``(group, method)`` that scores reference logprobs: the reference workers, or the
-        trainer ranks' copies (``reference_`` methods; any rank scores any chunk)."""
-        c = self.cluster
-        return (c.trainers, f"reference_{method}") if c.reference_on_trainers else (c.reference, method)
+        generators = self.cluster.generators
+        chunks = split_evenly(list(items), generators.size)
+        return RolloutRefs((("generate", [generators.generate(r, chunk, gen, tools)
+                                          for r, chunk in enumerate(chunks) if chunk]),))
 
     def reference_logprobs(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:
         """Reference logprobs of the rollouts, at the sampling temperature."""
-        group, method = self._reference("logprobs")
-        return refs.then("ref", [call(group, i % group.size, method, x.ref, temperature)
-                                 for i, x in enumerate(refs.phases[-1][1])])
+        reference = self.cluster.reference
+        return refs.then("ref", [reference.logprobs(i, x.ref, temperature) for i, x in enumerate(refs.phases[-1][1])])
 
     def _score(self, chunks: Sequence) -> tuple:
         """``(summary calls, scored-rollout refs)`` of each chunk, spread over the reward workers."""
@@ -216,8 +196,7 @@ class RayBackend:
         other): the chunks go to the reward workers and the reference workers at once, the
         reference returning only its logprob arrays."""
         chunks = [x.ref for x in refs.phases[-1][1]]
-        group, method = self._reference("logprob_arrays")
-        ref = [call(group, i % group.size, method, x, temperature) for i, x in enumerate(chunks)]
+        ref = [self.cluster.reference.logprob_arrays(i, x, temperature) for i, x in enumerate(chunks)]
         reward, data = self._score(chunks)
         return RolloutRefs(refs.phases, (("ref", ref), ("reward", reward)),
                            tuple((d, r.ref) for d, r in zip(data, ref)))
@@ -316,10 +295,10 @@ class RayBackend:
     def busy(self) -> dict:
         """Seconds each role worked since the last call (generators: the mean over workers)."""
         c, out = self.cluster, {}
-        for role, group, combine in (("generators", c.generators, lambda xs: sum(xs) / len(xs)),
-                                     ("trainers", c.trainers, max)):
+        for role, calls, combine in (("generators", c.generators.busy(), lambda xs: sum(xs) / len(xs)),
+                                     ("trainers", fan_out(c.trainers, "busy"), max)):
             seconds = []
-            for one in fan_out(group, "busy"):
+            for one in calls:
                 try:
                     seconds.append(gather([one], c.timeout_s)[0])
                 except ActorFailure:
@@ -359,7 +338,7 @@ class RayBackend:
         for coll in collections:  # waited for where they are: nothing is fetched to the driver
             refs = [c.ref for c in coll.handle.phases[0][1]]
             ray.wait(refs, num_returns=len(refs), timeout=self.cluster.timeout_s, fetch_local=False)
-        for ping in fan_out(self.cluster.generators, "pad_token_id"):
+        for ping in self.cluster.generators.ping():
             try:
                 gather([ping], self.cluster.timeout_s)
             except ActorFailure as failure:

@@ -13,15 +13,11 @@ from cluster.ray_wing.placement import RoleSpec
 
 
 class WorkerGroup(NamedTuple):
-    """``role``'s actors. A group with a ``host_method`` is a role hosted inside another group's
-    actors (generation on the trainer ranks): ``method(*args)`` on it is the call
-    ``host_method(method, *args)`` on the host, its failures name the host's role, and killing
-    it is left to the hosting group."""
+    """``role``'s actors, one per bundle of its placement group."""
 
     role: str
     actors: tuple
     placement_group: Any = None
-    host_method: str = ""
 
     @property
     def size(self) -> int:
@@ -35,29 +31,26 @@ class Call(NamedTuple):
     method: str
 
 
-def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_args: Callable[[int], tuple]):
-    """One actor of ``actor_cls`` built with ``make_args(rank)``, pinned to bundle ``rank``."""
+def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_kwargs: Callable[[int], dict]):
+    """One actor of ``actor_cls`` built from the keywords ``make_kwargs(rank)``, pinned to bundle ``rank``."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    args, kwargs = make_args(rank)
+    kwargs = make_kwargs(rank)
     options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
                    max_restarts=0, max_concurrency=1,
                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, rank))
-    return ray.remote(actor_cls).options(**options).remote(*args, **kwargs)
+    return ray.remote(actor_cls).options(**options).remote(**kwargs)
 
 
-def create_group(actor_cls, spec: RoleSpec, placement_group, make_args: Callable[[int], tuple]) -> WorkerGroup:
-    """``spec.count`` actors of ``actor_cls``; rank r is built with ``make_args(r)`` and
-    pinned to bundle r of the placement group."""
-    actors = [create_actor(actor_cls, spec, placement_group, r, make_args) for r in range(spec.count)]
+def create_group(actor_cls, spec: RoleSpec, placement_group, make_kwargs: Callable[[int], dict]) -> WorkerGroup:
+    """``spec.count`` actors of ``actor_cls``; rank r is built from the keywords
+    ``make_kwargs(r)`` and pinned to bundle r of the placement group."""
+    actors = [create_actor(actor_cls, spec, placement_group, r, make_kwargs) for r in range(spec.count)]
     return WorkerGroup(spec.name, tuple(actors), placement_group)
 
 
 def call(group: WorkerGroup, rank: int, method: str, *args, **kwargs) -> Call:
-    if group.host_method:
-        ref = getattr(group.actors[rank], group.host_method).remote(method, *args, **kwargs)
-        return Call(ref, group.role, rank, f"{group.host_method}.{method}")
     return Call(getattr(group.actors[rank], method).remote(*args, **kwargs), group.role, rank, method)
 
 
@@ -88,8 +81,6 @@ def kill_group(group: WorkerGroup) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    if group.host_method:
-        return  # hosted inside another group's actors
     for actor in group.actors:
         ray.kill(actor, no_restart=True)
     if group.placement_group is not None:

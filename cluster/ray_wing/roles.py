@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import Call, WorkerGroup, call, create_actor, create_group, fan_out, gather, kill_group
+from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
 from cluster.ray_wing.placement import (
     RoleSpec,
     check_fits,
@@ -32,23 +33,22 @@ NODE_GROUP_PINS = {"generator": {"generator_node": 0.01}, "reward": {"generator_
 
 
 class RLCluster(NamedTuple):
-    generators: Optional[WorkerGroup]  # None in an SFT job (the trainer group alone)
+    """The roles of a job, each a handle (``cluster.ray_wing.handles``) or a worker group."""
+
+    generators: Optional[GeneratorWorkers | GeneratorsOnTrainers]  # None in an SFT job (the trainers alone)
     trainers: WorkerGroup
     rewards: Optional[WorkerGroup]
-    reference: Optional[WorkerGroup]  # None when no step needs reference logprobs
+    reference: Optional[ReferenceWorkers | ReferenceOnTrainers]  # None when no step needs reference logprobs
     sync_address: SyncAddress
     weight_meta: tuple  # TensorMeta of the policy, as the trainers hold it
     pad_token_id: int
     bucket_bytes: int
     timeout_s: float
-    reference_tracks_policy: bool  # the reference joins every weight sync
     ray_address: str
     factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
     reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
-    reference_on_trainers: bool = False  # every trainer rank holds the reference and scores its own shard
-    generate_on_trainers: bool = False  # ``generators`` is a view of the trainer ranks, generating with their module
     generator_engine: str = "hf"  # the engine the generators run: hf or vllm
 
 
@@ -167,31 +167,37 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     # every placement group and actor first; then each role starts up at once: the trainers build
     # their DeepSpeed engines while the generators, reward workers and reference load
     pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
-    gen_args = lambda r: ((model, r, cfg.generator_backend, seed, threads, cfg.vllm), {})  # noqa: E731
-    reward_args = lambda r: ((reward_fn, aggregate_fn, shaping_fn, None, r, threads), {})  # noqa: E731
+    gen_args = lambda r: dict(model=model, rank=r, backend=cfg.generator_backend, seed=seed,  # noqa: E731
+                              num_threads=threads, vllm=cfg.vllm)
+    reward_args = lambda r: dict(reward_fn=reward_fn, aggregate_fn=aggregate_fn,  # noqa: E731
+                                 shaping_fn=shaping_fn, rank=r, num_threads=threads)
     hosted = cfg.generate_on_trainers
-    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"],
-                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, threads, on_trainers,
-                                        ref_update_fn if on_trainers else None, hosted), {}))
-    # generation on the trainer ranks: the trainers' actors, through their ``generator`` method;
-    # a failure names the trainer, which is not replaceable
-    generators = WorkerGroup("trainer", trainers.actors, host_method="generator") if hosted \
-        else create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args)
+    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"], lambda r: dict(
+        model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed, num_threads=threads,
+        reference=on_trainers, ref_update_fn=ref_update_fn if on_trainers else None, host_generator=hosted))
+    # generation on the trainer ranks: a failure names the trainer, which is not replaceable
+    generators = GeneratorsOnTrainers(trainers) if hosted \
+        else GeneratorWorkers(create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args))
     rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
-    reference = create_group(RefLogprobWorker, spec["reference"], pgs["reference"],
-                             lambda r: ((model, r, ref_update_fn, None, threads), {})) if "reference" in spec else None
+    tracks = with_reference and ref_update_fn is not None
+    reference = None
+    if on_trainers:
+        reference = ReferenceOnTrainers(trainers, tracks)
+    elif "reference" in spec:
+        reference = ReferenceWorkers(create_group(RefLogprobWorker, spec["reference"], pgs["reference"], lambda r: dict(
+            model=model, rank=r, ref_update_fn=ref_update_fn, num_threads=threads)), tracks)
     factories = {"reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
                                                   r, reward_args)}
     if not hosted:
         factories["generator"] = lambda r: create_actor(GeneratorWorker, spec["generator"],
-                                                        generators.placement_group, r, gen_args)
+                                                        generators.group.placement_group, r, gen_args)
     marks.append(("actors_created", time.time()))
     master = wait([call(trainers, 0, "endpoint")])[0]
     setups = fan_out(trainers, "setup", *master)  # waited for below, after the other roles
-    others = ([] if hosted else [generators]) + [rewards] + ([reference] if reference else [])
+    others = ([] if hosted else [generators.group]) + [rewards] + \
+        ([reference.group] if isinstance(reference, ReferenceWorkers) else [])
     infos = wait([c for g in others for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
     marks.append(("actors_loaded", time.time()))
-    tracks = with_reference and ref_update_fn is not None
     backends = {"hf"} if hosted else {info["backend"] for info in infos[: generators.size]}
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
@@ -200,19 +206,17 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     # vLLM on GPUs receives through its own NCCL engine; everything else (vLLM on CPU included)
     # reads the trainer's bucketed broadcast
     protocol = "vllm" if backends == {"vllm"} and backend == "nccl" else "torch"
-    if protocol == "vllm" and tracks and reference is not None:
+    if protocol == "vllm" and reference is not None and reference.sync_ranks():
         raise ValueError("a policy-tracking reference worker cannot join vLLM's NCCL weight-transfer group; use a "
                          "fixed reference (no ref_update_fn), cluster.reference_on_trainers or "
                          "cluster.generator_backend: hf")
     wait(setups)  # first: a hosted generator exists once its trainer is set up
-    pad_id = wait([call(generators, 0, "pad_token_id")])[0]
+    pad_id = wait(generators.ping()[:1])[0]
     meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
     marks.append(("trainer_setup", time.time()))
     cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend, protocol), meta,
-                        pad_id, int(bucket_mb * 2 ** 20),
-                        cfg.call_timeout_s, tracks, address, factories, reward_needs_reference,
-                        reference_on_trainers=on_trainers, generate_on_trainers=hosted,
-                        generator_engine=next(iter(backends)))
+                        pad_id, int(bucket_mb * 2 ** 20), cfg.call_timeout_s, address, factories,
+                        reward_needs_reference, generator_engine=next(iter(backends)))
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))
@@ -226,13 +230,14 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
-    trainers = create_group(TrainerWorker, roles[0], create_placement_group(roles[0]),
-                            lambda r: ((model, r, cfg.trainers, trainer_cfg, seed, cfg.threads_per_actor), {}))
+    trainers = create_group(TrainerWorker, roles[0], create_placement_group(roles[0]), lambda r: dict(
+        model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed,
+        num_threads=cfg.threads_per_actor))
     master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
     gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
     pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
     return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo", "torch"), (), pad_id, 0,
-                     cfg.call_timeout_s, False, address)
+                     cfg.call_timeout_s, address)
 
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
@@ -240,15 +245,15 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
     generator on the trainers reads the policy where it is). Called at start-up and after a
     generator is replaced. With nobody to send to, there is no group (world size 1)."""
-    gens = 0 if cluster.generate_on_trainers else cluster.generators.size
-    refs = cluster.reference.size if cluster.reference_tracks_policy and cluster.reference is not None else 0
+    gens = cluster.generators.sync_ranks()
+    refs = cluster.reference.sync_ranks() if cluster.reference is not None else 0
     if gens + refs == 0:
         return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
-    joins += [call(cluster.generators, i, "init_weight_sync", sync, 1 + i, cluster.bucket_bytes) for i in range(gens)]
-    joins += [call(cluster.reference, r, "init_weight_sync", sync, 1 + gens + r) for r in range(refs)]
+    joins += cluster.generators.join_sync(sync, 1, cluster.bucket_bytes)
+    joins += cluster.reference.join_sync(sync, 1 + gens) if cluster.reference is not None else []
     gather(joins, cluster.timeout_s)
     return cluster._replace(sync_address=sync)
 
@@ -260,8 +265,7 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
 
     if not cluster.factories or role not in cluster.factories:
         raise ValueError(f"no way to replace a {role}: only generators and reward workers are replaceable")
-    field = {"generator": "generators", "reward": "rewards"}[role]
-    group = getattr(cluster, field)
+    group = cluster.generators.group if role == "generator" else cluster.rewards
     try:
         ray.kill(group.actors[rank], no_restart=True)
     except Exception:  # already gone
@@ -270,8 +274,10 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
     actors = list(group.actors)
     actors[rank] = actor
-    cluster = cluster._replace(**{field: group._replace(actors=tuple(actors))})
-    return join_weight_sync(cluster) if role == "generator" else cluster
+    group = group._replace(actors=tuple(actors))
+    if role == "reward":
+        return cluster._replace(rewards=group)
+    return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
 
 
 def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, critic_cfg: TrainerConfig,
@@ -289,13 +295,16 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
     free = ray.available_resources()  # what the other roles left (build_rl_cluster(reserve_critics=True))
     check_fits([spec], free, [free])
     critics = create_group(CriticWorker, spec, create_placement_group(spec),
-                           lambda r: ((model, r, cfg.critics, critic_cfg, seed, cfg.threads_per_actor, init), {}))
+                           lambda r: dict(model=model, rank=r, world_size=cfg.critics, config=critic_cfg,
+                                               seed=seed, num_threads=cfg.threads_per_actor, init=init))
     master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]
     gather(fan_out(critics, "setup", *master), cluster.timeout_s)
     return cluster._replace(critics=critics)
 
 
 def shutdown_cluster(cluster: RLCluster) -> None:
-    for group in (cluster.generators, cluster.trainers, cluster.rewards, cluster.reference, cluster.critics):
+    own = [getattr(cluster.generators, "group", None), cluster.trainers, cluster.rewards,
+           getattr(cluster.reference, "group", None), cluster.critics]  # hosted roles go with the trainers
+    for group in own:
         if group is not None:
             kill_group(group)

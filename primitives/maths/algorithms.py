@@ -176,6 +176,19 @@ def needs_values(algo: AlgorithmConfig) -> bool:
     return bool(trait(algo.advantage_fn, "needs_values"))
 
 
+def number_errors(kl_coef: Optional[float], ppo_epochs: int, mini_batches: int, is_level: str, is_cap: float,
+                  prefix: str = "") -> list:
+    """The problems of an algorithm's numbers, each naming its field after ``prefix``: the one
+    check of these values, for a record (``validate_algorithm``) and for a job's ``algorithm``
+    section (``prefix="algorithm."``; ``kl_coef`` None there means the preset's own)."""
+    checks = [(kl_coef is None or kl_coef >= 0, f"{prefix}kl_coef must be >= 0, got {kl_coef}"),
+              (ppo_epochs >= 1, f"{prefix}ppo_epochs must be at least 1, got {ppo_epochs}"),
+              (mini_batches >= 1, f"{prefix}mini_batches must be at least 1, got {mini_batches}"),
+              (is_level in IS_LEVELS, f"{prefix}is_level must be one of {', '.join(IS_LEVELS)}, got {is_level}"),
+              (is_cap > 0, f"{prefix}is_cap must be positive, got {is_cap}")]
+    return [message for ok, message in checks if not ok]
+
+
 def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
     """Check that the record's functions are callables that fit together, and its numbers."""
     where = f"algorithm '{algo.name}'"
@@ -205,17 +218,11 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
     if sequence_level and algo.dual_clip is not None:
         raise ValueError(f"{where}: {fn_name(algo.policy_loss_fn)} clips a sequence ratio (GSPO); dual_clip "
                          f"({algo.dual_clip}) applies to token ratios only - set dual_clip=None")
-    if algo.kl_coef < 0:
-        raise ValueError(f"{where}: kl_coef must be >= 0, got {algo.kl_coef}")
+    numbers = number_errors(algo.kl_coef, algo.ppo_epochs, algo.mini_batches, algo.is_level, algo.is_cap)
+    if numbers:
+        raise ValueError(f"{where}: {'; '.join(numbers)}")
     if algo.kl_coef > 0 and not algo.needs_reference:
         raise ValueError(f"{where}: kl_coef={algo.kl_coef} needs reference logprobs, but needs_reference is False")
-    if algo.is_level not in IS_LEVELS:
-        raise ValueError(f"{where}: unknown is_level '{algo.is_level}' ({', '.join(IS_LEVELS)})")
-    if algo.is_cap <= 0:
-        raise ValueError(f"{where}: is_cap must be positive, got {algo.is_cap}")
-    if algo.ppo_epochs < 1 or algo.mini_batches < 1:
-        raise ValueError(f"{where}: ppo_epochs and mini_batches must be >= 1, "
-                         f"got {algo.ppo_epochs} and {algo.mini_batches}")
     return algo
 
 

@@ -13,7 +13,7 @@ top-k / top-p: tokens are drawn from the truncated, renormalised distribution, b
 logprobs are not renormalised over the kept set. They mean what the trainer recomputes
 (``primitives.model.logprobs``), so with the same weights the importance weight is 1 and it
 measures only the gap between the policies (DESIGN sections 6-7). vLLM's processed logprobs
-are renormalised over the kept set; ``cluster.jobs.job`` refuses vLLM with top-k / top-p where
+are renormalised over the kept set; ``cluster.jobs.checks`` refuses vLLM with top-k / top-p where
 the importance weight is applied.
 
 The sampling generator lives on the model's device (``torch.multinomial`` draws on the

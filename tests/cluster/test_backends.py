@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cluster.local import LocalBackend
-from cluster.loop.train import train
+from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
@@ -30,8 +30,9 @@ def _train(backend, steps=STEPS, state=None, algo=None):
     from primitives.types import TrainState
 
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
-    return train(backend, make_prompt_source(items, seed=5), constant_schedule(algo or grpo(kl_coef=0.05)), GEN,
-                 steps, PROMPTS, lambda step: LR, state=state or TrainState(), progress=False)
+    return train(backend, make_prompt_source(items, seed=5), constant_schedule(algo or grpo(kl_coef=0.05)),
+                 RLRun(GEN, num_steps=steps, prompts_per_step=PROMPTS, lr_schedule=lambda step: LR, progress=False),
+                 state=state or TrainState())
 
 
 def _run(backend, steps=STEPS, algo=None):
@@ -97,8 +98,9 @@ def _run_ppo(backend):
     from primitives.maths.algorithms import ppo
 
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
-    state = train(backend, make_prompt_source(items, seed=5), constant_schedule(ppo(kl_coef=0.05)), GEN, PPO_STEPS,
-                  PROMPTS, lambda step: LR, progress=False)
+    state = train(backend, make_prompt_source(items, seed=5), constant_schedule(ppo(kl_coef=0.05)),
+                  RLRun(GEN, num_steps=PPO_STEPS, prompts_per_step=PROMPTS, lr_schedule=lambda step: LR,
+                        progress=False))
     return list(state.metrics_history)
 
 
@@ -139,8 +141,10 @@ def _train_async(backend, max_staleness, steps=4, items=None):
     from primitives.types import TrainState
 
     items = items or make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
-    return train(backend, make_prompt_source(items, seed=5), constant_schedule(grpo(kl_coef=0.05)), GEN, steps,
-                 PROMPTS, lambda step: LR, state=TrainState(), progress=False, max_staleness=max_staleness)
+    return train(backend, make_prompt_source(items, seed=5), constant_schedule(grpo(kl_coef=0.05)),
+                 RLRun(GEN, num_steps=steps, prompts_per_step=PROMPTS, lr_schedule=lambda step: LR,
+                       max_staleness=max_staleness, progress=False),
+                 state=TrainState())
 
 
 def _local(tiny_model_path, cls=LocalBackend):
@@ -249,7 +253,7 @@ class KillingBackend(RayBackend):
 
     def train_step(self, plan, parts, *args, **kwargs):
         if self.steps == self.kill_at:
-            kill_and_wait(self.ray, self.cluster.generators.actors[0])
+            kill_and_wait(self.ray, self.cluster.generators.group.actors[0])
         self.steps += 1
         pulled = [tuple(None if x is None else self.ray.get(x) for x in part) for part in parts]
         self.trained_uids.append([r.uid for r in planned_rollouts(plan, pulled)])
@@ -268,15 +272,16 @@ def test_async_generator_killed_mid_step_loses_and_repeats_nothing(ray_local, ti
     backend, logged = KillingBackend(first, ray_local, kill_at=1), []
     try:
         state = train(backend, make_prompt_source(items, seed=3), constant_schedule(grpo(kl_coef=0.05)),
-                      GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
-                      lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_staleness=1)
+                      RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
+                            lr_schedule=lambda s: 1e-3, max_staleness=1, progress=False),
+                      hooks=Hooks(logger=logged.append))
         cluster = backend.cluster
         trainer = gather(fan_out(cluster.trainers, "weight_checksums"), cluster.timeout_s)[0]
-        generators = gather(fan_out(cluster.generators, "weight_checksums"), cluster.timeout_s)
+        generators = gather(fan_out(cluster.generators.group, "weight_checksums"), cluster.timeout_s)
     finally:
         shutdown_cluster(backend.cluster)
     assert state.iteration == 6 and logged[-1]["recovery/actor_restarts"] == 1
-    assert cluster.generators.actors[0] != first.generators.actors[0]
+    assert cluster.generators.group.actors[0] != first.generators.group.actors[0]
     uids = [u for step in backend.trained_uids for u in step]
     assert len(uids) == len(set(uids)) == 6 * 4 * 2  # nothing trained twice, every step full
     for epoch in (0, 1):

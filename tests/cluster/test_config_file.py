@@ -188,7 +188,7 @@ def test_vllm_with_top_p_and_an_importance_weight_is_refused_before_ray(tmp_path
     """vLLM's behaviour logprobs are renormalised over the top-p / top-k set, the trainer's are of
     the full softmax(logits / T): with the importance weight applied (algorithm.is_level token, the
     default) the job stops before Ray starts, naming the fields and what would be right."""
-    import cluster.jobs.job as job_module
+    import cluster.jobs.rl as job_module
     from cluster.jobs.cli import run
 
     def start_ray_for(job, algo):
@@ -225,7 +225,7 @@ REFUSED = "with cluster.generator_backend"
 ], ids=["vllm-top_k", "vllm-both-sequence", "auto-gpus", "hf", "is_level-off", "online_dpo", "auto-cpu",
         "on-trainers", "vllm-untruncated"])
 def test_which_generator_and_truncation_go_together(changes, refused):
-    from cluster.jobs.job import rl_errors
+    from cluster.jobs.checks import rl_errors
 
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, **changes})
     errors = [e for e in rl_errors(job) if REFUSED in e]
@@ -253,7 +253,7 @@ def test_which_generator_and_truncation_go_together(changes, refused):
 ], ids=["tp-on-cpu", "tp-on-gpus", "vllm-gpus-cpu-trainers", "auto-gpus-cpu-trainers", "sleep-on-cpu", "gpu-share",
         "kv-cache", "max-len", "gpu-ok", "hf-gpus-cpu-trainers", "cpu-ok"])
 def test_vllm_settings_that_cannot_apply_are_named_before_ray(cluster, refused):
-    from cluster.jobs.job import rl_errors
+    from cluster.jobs.checks import rl_errors
 
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
     errors = [e for e in rl_errors(job) if "cluster.vllm." in e or "receives weights over NCCL" in e]
@@ -268,7 +268,7 @@ def test_vllm_settings_that_cannot_apply_are_named_before_ray(cluster, refused):
     ({"reference_on_trainers": True, "reference_gpus": 0.5}, "cluster.reference_gpus 0.5 would be ignored"),
 ], ids=["generators", "generator-gpus", "vllm", "reference-workers", "reference-gpus"])
 def test_settings_of_roles_that_do_not_run_are_refused(cluster, refused):
-    from cluster.jobs.job import rl_errors
+    from cluster.jobs.checks import rl_errors
 
     job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
     errors = [e for e in rl_errors(job) if "would be ignored" in e]
@@ -277,7 +277,7 @@ def test_settings_of_roles_that_do_not_run_are_refused(cluster, refused):
 
 def test_no_workers_of_a_role_on_the_trainers_is_a_valid_layout():
     """0 generator and 0 reference workers say what the trainer ranks do; the defaults pass too."""
-    from cluster.jobs.job import rl_errors
+    from cluster.jobs.checks import rl_errors
 
     for extra in ({"generators": 0, "reference_workers": 0}, {}):
         cluster = {"generate_on_trainers": True, "reference_on_trainers": True, **extra}
@@ -287,7 +287,7 @@ def test_no_workers_of_a_role_on_the_trainers_is_a_valid_layout():
 
 
 def test_an_sft_job_refuses_the_rl_roles(tmp_path):
-    from cluster.jobs.job import cluster_errors
+    from cluster.jobs.checks import cluster_errors
 
     base = SFTJob._field_defaults["cluster"]
     assert cluster_errors(base, rl_roles=False, base=base) == []

@@ -98,8 +98,8 @@ def test_resume_names_the_checkpoint_format(tmp_path):
 def test_each_preset_keeps_its_own_kl_unless_given():
     """algorithm.name dapo used to inherit the default job's KL 0.01 without a reference worker
     and failed at its first RL step; now the preset's KL stands and a given KL adds the reference."""
+    from cluster.jobs.checks import algorithm_of as make_algorithm
     from cluster.jobs.config import RLConfig
-    from cluster.jobs.job import algorithm_of as make_algorithm
     from primitives.maths.algorithms import uses_reference
 
     algo = make_algorithm(RLConfig(kl_coef=0.01))

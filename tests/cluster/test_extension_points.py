@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster.loop.evaluate import evaluate
-from cluster.loop.train import train
+from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import call, fan_out, gather
@@ -127,10 +127,11 @@ def items():
     return make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=2))[0]
 
 
-def run(backend, items, schedule, steps=1, gen=GEN, source=None, **kwargs):
+def run(backend, items, schedule, steps=1, gen=GEN, source=None, logger=None, tools=None, **run_settings):
     logged = []
-    state = train(backend, source or make_prompt_source(items, seed=1), schedule, gen, steps, PROMPTS, lambda s: 1e-3,
-                  logger=kwargs.pop("logger", logged.append), progress=False, **kwargs)
+    state = train(backend, source or make_prompt_source(items, seed=1), schedule,
+                  RLRun(gen, steps, PROMPTS, lambda s: 1e-3, progress=False, **run_settings),
+                  hooks=Hooks(logger=logger or logged.append), tools=tools)
     return list(state.metrics_history)
 
 
@@ -220,7 +221,7 @@ def _reference_weights(backend, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = str(tmp_path / "ref")
-    gather([call(backend.cluster.reference, 0, "save_weights", path)], 300)
+    gather([call(backend.cluster.reference.group, 0, "save_weights", path)], 300)
     return {k: v.detach().numpy().copy() for k, v in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
 
 
@@ -292,14 +293,14 @@ def test_unpicklable_function_is_named_before_any_step(backend, items):
         raise AssertionError("no prompt may be drawn")
 
     with pytest.raises(ValueError, match="kl_fn: .*locked_kl cannot be sent to the Ray actors"):
-        train(backend, no_prompts, constant_schedule(grpo()._replace(kl_fn=locked_kl)), GEN, 1, PROMPTS,
-              lambda s: 1e-3, progress=False)
+        train(backend, no_prompts, constant_schedule(grpo()._replace(kl_fn=locked_kl)),
+              RLRun(GEN, num_steps=1, prompts_per_step=PROMPTS, lr_schedule=lambda s: 1e-3, progress=False))
 
 
 def test_wrong_signature_is_named_before_any_step(backend, items):
     with pytest.raises(ValueError, match="algorithm_schedule: .*cannot be called with 2"):
-        train(backend, make_prompt_source(items), lambda iteration: grpo(), GEN, 1, PROMPTS, lambda s: 1e-3,
-              progress=False)
+        train(backend, make_prompt_source(items), lambda iteration: grpo(),
+              RLRun(GEN, num_steps=1, prompts_per_step=PROMPTS, lr_schedule=lambda s: 1e-3, progress=False))
     with pytest.raises(ValueError, match="reward_fn: .*cannot be called with 1"):
         build_rl_cluster("unused", ClusterConfig(), TrainerConfig(), lambda: 0.0, with_reference=False)
 

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from cluster.jobs.job import startup_figures
+from cluster.jobs.outputs import startup_figures
 from cluster.ray_wing.roles import stage_seconds
 from rl_actors.common import environ
 from tests.conftest import ROOT
@@ -137,7 +137,7 @@ def test_the_process_start_is_read_to_a_clock_tick():
     time is in whole seconds, was up to 1 s early)."""
     spawned = time.time()
     proc = subprocess.run([sys.executable, "-c", "import time; first = time.time(); "
-                           "from cluster.jobs.job import process_start_time; print(first, process_start_time())"],
+                           "from cluster.jobs.outputs import process_start_time; print(first, process_start_time())"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, start = map(float, proc.stdout.split())

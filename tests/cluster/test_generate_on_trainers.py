@@ -8,11 +8,12 @@ named config error."""
 import numpy as np
 import pytest
 
+from cluster.jobs.checks import rl_errors
 from cluster.jobs.config import ClusterConfig, DataConfig, RLConfig, RLJob
-from cluster.jobs.job import rl_errors
-from cluster.loop.train import train
+from cluster.loop.train import RLRun, train
 from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
 from cluster.ray_wing.groups import ActorFailure, call, fan_out, gather
+from cluster.ray_wing.handles import GeneratorsOnTrainers
 from cluster.ray_wing.roles import build_rl_cluster, join_weight_sync, role_specs, shutdown_cluster
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
@@ -36,8 +37,8 @@ def _items():
 
 def _train(cluster, steps: int, start=None):
     kwargs = {} if start is None else {"state": start}
-    return train(RayBackend(cluster), make_prompt_source(_items(), seed=1), constant_schedule(grpo(kl_coef=0.05)), GEN,
-                 num_steps=steps, prompts_per_step=4, lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
+    return train(RayBackend(cluster), make_prompt_source(_items(), seed=1), constant_schedule(grpo(kl_coef=0.05)),
+                 RLRun(GEN, num_steps=steps, prompts_per_step=4, lr_schedule=lambda s: 1e-3, progress=False), **kwargs)
 
 
 def _build(path, hosted: bool):
@@ -49,9 +50,8 @@ def _build(path, hosted: bool):
 def _run(cluster) -> dict:
     state = _train(cluster, steps=3)
     weights = gather([fan_out(cluster.trainers, "full_state")[0]], 300)[0]
-    reference = gather([call(cluster.reference, 0, "weight_checksums")], 300)[0]
-    tokens = [r.completion_ids.tolist() for r in gather([call(cluster.generators, 1, "generate", _items()[:2], GEN)],
-                                                         300)[0]]
+    reference = gather([call(cluster.reference.group, 0, "weight_checksums")], 300)[0]
+    tokens = [r.completion_ids.tolist() for r in gather([cluster.generators.generate(1, _items()[:2], GEN)], 300)[0]]
     return {"metrics": state.metrics_history, "weights": weights, "reference": reference, "state": state,
             "tokens": tokens}
 
@@ -81,9 +81,9 @@ def hosted_run(cluster):
 def test_no_generator_processes_and_only_the_reference_in_the_sync_group(cluster):
     names = [r.name for r in role_specs(ClusterConfig(generate_on_trainers=True), with_reference=True)]
     assert names == ["trainer", "reward", "reference"]
-    assert cluster.generate_on_trainers and cluster.generators.actors == cluster.trainers.actors
+    assert isinstance(cluster.generators, GeneratorsOnTrainers) and cluster.generators.trainers == cluster.trainers
     assert cluster.sync_address.world_size == 1 + 1  # trainer rank 0 and the tracking reference worker
-    infos = gather(fan_out(cluster.generators, "info"), 300)
+    infos = gather(cluster.generators.info(), 300)
     assert [i["hosted_by"] for i in infos] == ["trainer 0", "trainer 1"] and {i["backend"] for i in infos} == {"hf"}
 
 
@@ -103,13 +103,13 @@ def test_same_tokens_metrics_and_weights_as_with_generator_workers(hosted_run, w
 
 def test_rollouts_carry_the_synced_version_and_a_sync_with_no_receivers_moves_nothing(cluster, hosted_run):
     version = hosted_run["state"].policy_version
-    rollouts = gather([call(cluster.generators, 1, "generate", _items()[:1], GEN)], 300)[0]
+    rollouts = gather([cluster.generators.generate(1, _items()[:1], GEN)], 300)[0]
     assert len(rollouts) == 4 and {r.policy_version for r in rollouts} == {version} and version == 3
     # without the tracking reference worker there is no one to send to: no group, no broadcast
-    alone = join_weight_sync(cluster._replace(reference=None, reference_tracks_policy=False))
+    alone = join_weight_sync(cluster._replace(reference=None))
     assert alone.sync_address.world_size == 1
     assert sync_weights(alone, version + 4)["sync/bytes"] == 0
-    rollouts = gather([call(cluster.generators, 0, "generate", _items()[:1], GEN)], 300)[0]
+    rollouts = gather([cluster.generators.generate(0, _items()[:1], GEN)], 300)[0]
     assert {r.policy_version for r in rollouts} == {version + 4}
     sync_weights(cluster, version, move_reference=False)  # back as it was, for the next test
 
@@ -118,33 +118,31 @@ def test_a_checkpoint_load_restamps_the_version(cluster, hosted_run, tmp_path):
     state = hosted_run["state"]
     path = str(tmp_path / "ckpt")
     save_cluster_checkpoint(cluster, path, state)
-    saved = gather([call(cluster.generators, 0, "weight_checksums")], 300)[0]
+    saved = gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0]
     later = _train(cluster, steps=state.iteration + 1, start=state)
     assert later.policy_version == state.policy_version + 1
-    assert gather([call(cluster.generators, 0, "weight_checksums")], 300)[0] != saved  # it generated from new weights
+    assert gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0] != saved  # it generated from new weights
     assert load_cluster_checkpoint(cluster, path).policy_version == state.policy_version
-    assert gather([call(cluster.generators, 0, "weight_checksums")], 300)[0] == saved  # and from the loaded ones
-    rollouts = gather([call(cluster.generators, 0, "generate", _items()[:1], GEN)], 300)[0]
+    assert gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0] == saved  # and from the loaded ones
+    rollouts = gather([cluster.generators.generate(0, _items()[:1], GEN)], 300)[0]
     assert {r.policy_version for r in rollouts} == {state.policy_version}
 
 
 def test_a_failure_names_the_trainer_and_is_not_replaced(cluster, hosted_run):
-    with pytest.raises(ActorFailure, match=r"trainer 1 failed in generator.logprobs") as e:
-        gather([call(cluster.generators, 1, "logprobs", ["not a rollout"], T)], 300)
+    with pytest.raises(ActorFailure, match=r"trainer 1 failed in generate") as e:
+        gather([cluster.generators.generate(1, ["not a prompt item"], GEN)], 300)
     assert e.value.role == "trainer" and not e.value.replaceable
     backend = RayBackend(cluster)
     dead = ActorFailure("trainer 1 died during generator.generate", "trainer", 1, died=True)
     with pytest.raises(ActorFailure, match="trainer 1 died"):
         backend.recover(dead, since=0)  # re-raised: nothing replaced
     assert backend.cluster is cluster and backend.restarts == 0
-    with pytest.raises(ActorFailure, match="a hosted generator has no method 'broadcast_probe'"):
-        gather([call(cluster.generators, 0, "broadcast_probe", 4)], 300)
 
 
 def test_generating_counts_as_the_trainer_being_busy(cluster, hosted_run):
-    gather(fan_out(cluster.trainers, "busy") + fan_out(cluster.generators, "busy"), 300)  # both clocks at 0
-    gather([call(cluster.generators, 0, "generate", _items()[:4], GEN)], 300)
-    trainer, generator = gather([call(cluster.trainers, 0, "busy"), call(cluster.generators, 0, "busy")], 300)
+    gather(fan_out(cluster.trainers, "busy") + cluster.generators.busy(), 300)  # both clocks at 0
+    gather([cluster.generators.generate(0, _items()[:4], GEN)], 300)
+    trainer, generator = gather([call(cluster.trainers, 0, "busy"), cluster.generators.busy()[0]], 300)
     assert generator > 0 and trainer == generator  # one process: busy while it generates
 
 

@@ -1,4 +1,4 @@
-"""The general jobs (cluster/jobs/job.py): every bad input fails in prepare, before Ray, naming the
+"""The general jobs (cluster/jobs/): every bad input fails in prepare, before Ray, naming the
 culprit; the default job (examples/configs/default.yaml) lifts held-out accuracy; a job resumes
 from its checkpoint; the SFT job trains, evaluates, checkpoints and resumes exactly."""
 import glob
@@ -9,8 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from cluster.jobs.checks import ConfigErrors
 from cluster.jobs.config import CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
-from cluster.jobs.job import ConfigErrors, prepare_rl, run_sft
+from cluster.jobs.inputs import prepare_rl
+from cluster.jobs.sft import run_sft
 from primitives.env.rewards import RewardSpec
 from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
 from primitives.types import ModelConfig
@@ -166,7 +168,7 @@ def test_an_error_found_while_ray_starts_leaves_no_ray_running(tmp_path, tiny_mo
     for the tokenizer is found then, and the job stops with its message and shuts Ray down."""
     import ray
 
-    import cluster.jobs.job as job_module
+    import cluster.jobs.rl as job_module
 
     starts = []
     real = job_module.start_ray_for
@@ -185,7 +187,7 @@ def test_side_by_side_keeps_here_in_this_thread_and_work_beside():
     import threading
     import time
 
-    from cluster.jobs.job import side_by_side
+    from cluster.jobs.inputs import side_by_side
 
     seen = {}
 
@@ -392,7 +394,7 @@ def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_pat
     # the logged eval loss (2 ranks, merged shares) against one process on the final weights
     from transformers import AutoModelForCausalLM
 
-    from cluster.jobs.job import prepare_sft
+    from cluster.jobs.inputs import prepare_sft
     from primitives.io.data import collate_sft
     from primitives.model.training import sft_eval_loss
 

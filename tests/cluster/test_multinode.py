@@ -2,7 +2,7 @@
 is, training runs across nodes, and the generator pool scales on its own (1 and 3)."""
 import pytest
 
-from cluster.loop.train import train
+from cluster.loop.train import RLRun, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
@@ -36,8 +36,9 @@ def test_roles_land_on_their_nodes_and_train(two_nodes, tiny_model_path, generat
     rl = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), arithmetic_reward,
                           with_reference=True)
     try:
-        where = {g.role: set() for g in (rl.generators, rl.trainers, rl.rewards, rl.reference)}
-        for group in (rl.generators, rl.trainers, rl.rewards, rl.reference):
+        groups = (rl.generators.group, rl.trainers, rl.rewards, rl.reference.group)
+        where = {g.role: set() for g in groups}
+        for group in groups:
             for info in gather(fan_out(group, "info"), rl.timeout_s):
                 where[info["role"]].add(info["node_id"])
         assert where["generator"] == {two_nodes["generator"]} and where["reward"] == {two_nodes["generator"]}
@@ -47,12 +48,12 @@ def test_roles_land_on_their_nodes_and_train(two_nodes, tiny_model_path, generat
         items = make_arithmetic_task(ArithmeticTaskSpec(num_train=32, num_heldout=1))[0]
         sync_weights(rl, version=0)
         state = train(RayBackend(rl), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.01)),
-                      GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=6,
-                      lr_schedule=lambda s: 1e-3, progress=False)
+                      RLRun(GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=6,
+                            lr_schedule=lambda s: 1e-3, progress=False))
         assert state.policy_version == 2 and len(state.metrics_history) == 2
         assert state.metrics_history[-1]["batch/rows"] == 24  # 6 prompts x 4, split over the generators
         trainer = gather(fan_out(rl.trainers, "weight_checksums"), rl.timeout_s)[0]
-        for sums in gather(fan_out(rl.generators, "weight_checksums"), rl.timeout_s):
+        for sums in gather(fan_out(rl.generators.group, "weight_checksums"), rl.timeout_s):
             assert sums == trainer  # weights crossed from the trainer node to the generator node
     finally:
         shutdown_cluster(rl)

@@ -34,7 +34,7 @@ def _group(ray, role, own_lr, size):
 def test_the_critic_trains_at_its_own_learning_rate(ray_local):
     cluster = RLCluster(generators=None, trainers=_group(ray_local, "trainer", 1e-5, 2), rewards=None,
                         reference=None, sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0,
-                        timeout_s=60, reference_tracks_policy=False, ray_address="",
+                        timeout_s=60, ray_address="",
                         critics=_group(ray_local, "critic", 3e-4, 2))
     policy, critic, _ = RayBackend(cluster).train_step(_plan(3), [], None, None, 1.0, lr=2e-6, with_critic=True)
     assert [u[0]["lr"] for u in policy] == [2e-6, 2e-6]  # the schedule's rate, on every rank

@@ -8,7 +8,7 @@ reference worker; checkpoints and the copy of the policy reach the trainers' cop
 import numpy as np
 import pytest
 
-from cluster.loop.train import train
+from cluster.loop.train import RLRun, train
 from cluster.ray_wing.backend import (
     RayBackend,
     copy_policy_to_reference,
@@ -17,6 +17,7 @@ from cluster.ray_wing.backend import (
 )
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.handles import ReferenceOnTrainers
 from cluster.ray_wing.roles import build_rl_cluster, role_specs, shutdown_cluster
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
@@ -37,8 +38,8 @@ def _train(cluster, steps: int, start=None, algo=None):
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
     kwargs = {} if start is None else {"state": start}
     return train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(algo or grpo(kl_coef=0.05)),
-                 GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=steps, prompts_per_step=4,
-                 lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
+                 RLRun(GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=steps, prompts_per_step=4,
+                       lr_schedule=lambda s: 1e-3, progress=False), **kwargs)
 
 
 def _weights(cluster) -> dict:
@@ -97,7 +98,7 @@ def _same_weights(ours: dict, theirs: dict) -> None:
 def test_no_reference_role_and_no_reference_in_the_sync_group(cluster):
     names = [r.name for r in role_specs(ClusterConfig(reference_on_trainers=True), with_reference=True)]
     assert names == ["generator", "trainer", "reward"]
-    assert cluster.reference is None and cluster.reference_on_trainers and cluster.reference_tracks_policy
+    assert isinstance(cluster.reference, ReferenceOnTrainers) and cluster.reference.tracks
     assert cluster.sync_address.world_size == 1 + 1  # trainer rank 0 and the generator
     assert len(gather(fan_out(cluster.trainers, "reference_checksums"), 300)) == 2
 

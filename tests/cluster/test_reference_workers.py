@@ -3,9 +3,9 @@ A policy-tracking reference has every rank in the weight-sync group; every rank 
 weights after each sync, after a copy of the policy and after a checkpoint is loaded."""
 import pytest
 
+from cluster.jobs.checks import rl_errors
 from cluster.jobs.config import ClusterConfig, DataConfig, RLJob
-from cluster.jobs.job import rl_errors
-from cluster.loop.train import train
+from cluster.loop.train import RLRun, train
 from cluster.ray_wing.backend import (
     RayBackend,
     copy_policy_to_reference,
@@ -64,20 +64,20 @@ def _train(cluster, steps: int, start=None):
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
     kwargs = {} if start is None else {"state": start}
     return train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.05)),
-                 GenerationConfig(max_new_tokens=4, n=4), num_steps=steps, prompts_per_step=4,
-                 lr_schedule=lambda s: 1e-3, progress=False, **kwargs)
+                 RLRun(GenerationConfig(max_new_tokens=4, n=4), num_steps=steps, prompts_per_step=4,
+                       lr_schedule=lambda s: 1e-3, progress=False), **kwargs)
 
 
 def test_every_reference_rank_joins_the_weight_sync_group(cluster):
-    assert cluster.reference.size == 2 and cluster.reference_tracks_policy
+    assert cluster.reference.size == 2 and cluster.reference.tracks
     assert cluster.sync_address.world_size == 1 + 1 + 2  # trainer rank 0, the generator, both reference ranks
 
 
 def test_reference_ranks_hold_identical_weights_after_syncs_copies_and_loads(cluster, tmp_path):
-    start = _checksums(cluster.reference)
+    start = _checksums(cluster.reference.group)
     assert start[0] == start[1]
     state = _train(cluster, steps=2)  # two syncs: each reference rank applies the same EMA update
-    refs, trainer = _checksums(cluster.reference), _checksums(cluster.trainers)[0]
+    refs, trainer = _checksums(cluster.reference.group), _checksums(cluster.trainers)[0]
     assert refs[0] == refs[1]
     assert refs[0] != start[0] and refs[0] != trainer  # moved towards the policy, halfway (EMA 0.5)
 
@@ -85,12 +85,12 @@ def test_reference_ranks_hold_identical_weights_after_syncs_copies_and_loads(clu
     save_cluster_checkpoint(cluster, path, state)  # reference rank 0 writes reference/
 
     copy_policy_to_reference(cluster)  # one object to every rank
-    assert _checksums(cluster.reference) == [trainer, trainer]
+    assert _checksums(cluster.reference.group) == [trainer, trainer]
     _train(cluster, steps=3, start=state)  # the trainer and both references move on
-    assert _checksums(cluster.reference)[0] not in (trainer, refs[0])
+    assert _checksums(cluster.reference.group)[0] not in (trainer, refs[0])
     # every rank loads it; the sync after the load refreshes the generator and leaves the
     # reference where it was saved (an EMA step there would move it towards the policy)
     load_cluster_checkpoint(cluster, path)
-    assert _checksums(cluster.reference) == refs
+    assert _checksums(cluster.reference.group) == refs
     assert _checksums(cluster.trainers)[0] == trainer
-    assert _checksums(cluster.generators)[0] == trainer
+    assert _checksums(cluster.generators.group)[0] == trainer

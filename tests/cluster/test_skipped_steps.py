@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.local import LocalBackend
-from cluster.loop.train import train
+from cluster.loop.train import Hooks, RLRun, train
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, dapo, online_dpo
@@ -50,9 +50,10 @@ class Recording(LocalBackend):
 def _run(model_path, algo, items, steps):
     backend = Recording(model_path, tie_step_one, with_reference=True, trainer=TrainerConfig(lr=LR), seed=0)
     weights = []
-    state = train(backend, make_prompt_source(items, shuffle=False), constant_schedule(algo), GEN, steps, PROMPTS,
-                  lambda step: LR, state=TrainState(), logger=lambda m: weights.append(backend.weights()),
-                  progress=False, max_resample_rounds=0)
+    state = train(backend, make_prompt_source(items, shuffle=False), constant_schedule(algo),
+                  RLRun(GEN, num_steps=steps, prompts_per_step=PROMPTS, lr_schedule=lambda step: LR,
+                        max_resample_rounds=0, progress=False),
+                  state=TrainState(), hooks=Hooks(logger=lambda m: weights.append(backend.weights())))
     return backend, state, weights
 
 
@@ -110,7 +111,7 @@ def test_the_skipped_step_on_ray_logs_what_it_logs_in_one_process(ray_local, tin
                                with_reference=True, seed=0)
     try:
         on_ray = train(RayBackend(cluster), make_prompt_source(ITEMS, shuffle=False), constant_schedule(online_dpo()),
-                       GEN, 3, PROMPTS, lambda step: LR, progress=False)
+                       RLRun(GEN, num_steps=3, prompts_per_step=PROMPTS, lr_schedule=lambda step: LR, progress=False))
     finally:
         shutdown_cluster(cluster)
     assert on_ray.metrics_history[1]["policy/updates"] == 0.0 and on_ray.policy_version == 2

@@ -46,7 +46,7 @@ def test_default_job_with_vllm_generator_workers_learns(tmp_path):
 def smollm2_engine_rollouts(ray_local):
     """Greedy rollouts of SmolLM2 by a vLLM generator worker on chat prompts, long enough to end
     their turns, with the HF model's logprobs of the same tokens."""
-    from cluster.jobs.job import resolve_model
+    from cluster.jobs.inputs import resolve_model
     from primitives.fixtures.tasks import ArithmeticTaskSpec, chat_arithmetic_items, make_arithmetic_task
     from primitives.model.logprobs import rollout_logprobs
     from primitives.types import GenerationConfig, ModelConfig
@@ -55,7 +55,8 @@ def smollm2_engine_rollouts(ray_local):
 
     model = resolve_model(ModelConfig("smollm2"), "", seed=0)
     items = chat_arithmetic_items(make_arithmetic_task(ArithmeticTaskSpec(num_train=8, num_heldout=1, seed=4))[0])
-    worker = ray_local.remote(num_cpus=1)(GeneratorWorker).remote(model, 0, "vllm", 0, 2)
+    worker = ray_local.remote(num_cpus=1)(GeneratorWorker).remote(model=model, rank=0, backend="vllm", seed=0,
+                                                                  num_threads=2)
     try:
         rollouts = ray_local.get(worker.generate.remote(items, GenerationConfig(max_new_tokens=24, temperature=0.0)),
                                  timeout=600)

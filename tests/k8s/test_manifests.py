@@ -80,8 +80,8 @@ def test_rayjob_runs_the_general_job_with_its_config_from_the_configmap(tmp_path
     mounted on the head (where the driver runs), and that config passes the job's own checks."""
     import kubernetes_validate
 
+    from cluster.jobs.checks import rl_errors
     from cluster.jobs.cli import parse
-    from cluster.jobs.job import rl_errors
 
     job_manifest, config_map = _manifest("rayjob.yaml"), _manifest("job-config.yaml")
     kubernetes_validate.validate(config_map, "1.30", strict=True)

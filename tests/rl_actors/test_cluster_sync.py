@@ -5,7 +5,7 @@ import pytest
 
 from cluster.loop.evaluate import evaluate_accuracy
 from cluster.loop.sft import train_sft
-from cluster.loop.train import train
+from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import ActorFailure, call, fan_out, gather
@@ -41,9 +41,10 @@ def trained(rl_cluster, tiny_model_path):
     sync_weights(rl_cluster, version=0)
     logged = []
     state = train(RayBackend(rl_cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
-                  GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=4,
-                  lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False,
-                  eval_fn=lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, 4)}, eval_every=2)
+                  RLRun(GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=4,
+                        lr_schedule=lambda s: 1e-3, progress=False),
+                  hooks=Hooks(logger=logged.append,
+                              eval_fn=lambda c, s: {"eval/accuracy": evaluate_accuracy(c, heldout, 4)}, eval_every=2))
     return sft, state, logged, items
 
 
@@ -63,17 +64,17 @@ def test_generators_hold_exactly_the_trainer_weights(rl_cluster, trained):
     """Invariant 1a: per-tensor checksums after a sync (ZeRO-3 gathered at the source)."""
     trainer = gather(fan_out(rl_cluster.trainers, "weight_checksums"), rl_cluster.timeout_s)
     assert trainer[0] == trainer[1]
-    for sums in gather(fan_out(rl_cluster.generators, "weight_checksums"), rl_cluster.timeout_s):
+    for sums in gather(fan_out(rl_cluster.generators.group, "weight_checksums"), rl_cluster.timeout_s):
         assert sums == trainer[0]
     # the reference tracks the policy (reset every step): it holds the same weights too
-    assert gather(fan_out(rl_cluster.reference, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer[0]
+    assert gather(fan_out(rl_cluster.reference.group, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer[0]
 
 
 def test_generator_logprobs_equal_trainer_logprobs(rl_cluster, trained):
     """Invariant 1b: behaviour logprobs of fresh rollouts == trainer's recomputation (fp32)."""
     items = trained[3][:6]
-    rollouts = _flat(gather(fan_out(rl_cluster.generators, "generate", items, GenerationConfig(max_new_tokens=5, n=2)),
-                            rl_cluster.timeout_s))
+    gen = GenerationConfig(max_new_tokens=5, n=2)
+    rollouts = _flat(gather(fan_out(rl_cluster.generators.group, "generate", items, gen), rl_cluster.timeout_s))
     assert {r.policy_version for r in rollouts} == {2}
     # collective under ZeRO-3: every rank scores, rank 0's answer is read
     trainer = gather(fan_out(rl_cluster.trainers, "logprobs", rollouts, 1.0), rl_cluster.timeout_s)[0]
@@ -89,7 +90,7 @@ def test_multiturn_generation_on_a_generator(rl_cluster, trained):
     items = [PromptItem(0, "What is 12*3? Use the calculator.", answer="36")]
     gen = GenerationConfig(max_new_tokens=6, n=2, stop=("</tool_call>",))
     tools = ToolConfig(create_tool_executor({"calc": calculator_tool}), parse_xml_tool_calls, max_turns=3)
-    rollouts = gather([call(rl_cluster.generators, 0, "generate_multiturn", items, gen, tools)],
+    rollouts = gather([call(rl_cluster.generators.group, 0, "generate_multiturn", items, gen, tools)],
                       rl_cluster.timeout_s)[0]
     assert [r.uid for r in rollouts] == ["e0/i0/s0", "e0/i0/s1"]
     for r in rollouts:
@@ -107,7 +108,7 @@ def test_reference_copy_goes_by_ref(rl_cluster, trained):
 
     copy_policy_to_reference(rl_cluster)
     trainer = gather(fan_out(rl_cluster.trainers, "weight_checksums"), rl_cluster.timeout_s)[0]
-    assert gather(fan_out(rl_cluster.reference, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer
+    assert gather(fan_out(rl_cluster.reference.group, "weight_checksums"), rl_cluster.timeout_s)[0] == trainer
 
 
 def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_cluster, trained):
@@ -133,8 +134,9 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(ray_local, rl_clust
 
     logged = []
     train(RayBackend(cluster), recording_source, constant_schedule(dapo(overlong_buffer_frac=0.5)),
-          GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6,
-          lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_resample_rounds=3)
+          RLRun(GenerationConfig(max_new_tokens=4, n=3), num_steps=1, prompts_per_step=6, lr_schedule=lambda s: 1e-3,
+                max_resample_rounds=3, progress=False),
+          hooks=Hooks(logger=logged.append))
     m = logged[0]
     drawn = [i for draw in served for i in draw]
     assert m["data/prompts_drawn"] == len(drawn) and len(served[0]) == 6
@@ -152,7 +154,7 @@ def test_raising_reward_names_rollout_and_function(ray_local, rl_cluster, traine
         raise ZeroDivisionError("oops")
 
     items = trained[3][:1]
-    rollouts = gather([call(rl_cluster.generators, 0, "generate", items, GenerationConfig(max_new_tokens=3))], 60)[0]
+    rollouts = gather([rl_cluster.generators.generate(0, items, GenerationConfig(max_new_tokens=3))], 60)[0]
     worker = ray_local.remote(RewardWorker).remote(broken_reward)
     from cluster.ray_wing.groups import Call
     with pytest.raises(ActorFailure) as e:
@@ -203,7 +205,7 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
         served[position] = [(it.epoch, it.index) for it in got]  # a retried step asks for the same position
         return got, nxt
 
-    kills = {1: rl_cluster.generators.actors[0], 3: rl_cluster.rewards.actors[0]}
+    kills = {1: rl_cluster.generators.group.actors[0], 3: rl_cluster.rewards.actors[0]}
     logged = []
 
     def killing_logger(metrics):
@@ -213,8 +215,9 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
 
     backend = RayBackend(rl_cluster)
     state = train(backend, recording_source, constant_schedule(grpo(kl_coef=0.05)),
-                  GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
-                  lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
+                  RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=6, prompts_per_step=4,
+                        lr_schedule=lambda s: 1e-3, progress=False),
+                  hooks=Hooks(logger=killing_logger))
     cluster = backend.cluster
     assert state.iteration == 6 and logged[-1]["recovery/actor_restarts"] == 2
     assert len(calls) == len(served) == 6  # each position drawn once; a lost collection is generated again
@@ -222,17 +225,17 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
     for epoch in (0, 1):
         assert sorted(i for e, i in trained if e == epoch) == list(range(12))  # each prompt once per epoch
     assert all(m["batch/rows"] == 8 for m in logged)  # every step trained all 4 prompts x 2 samples
-    assert cluster.generators.actors[0] != rl_cluster.generators.actors[0]
+    assert cluster.generators.group.actors[0] != rl_cluster.generators.group.actors[0]
     trainer = gather(fan_out(cluster.trainers, "weight_checksums"), cluster.timeout_s)[0]
-    for sums in gather(fan_out(cluster.generators, "weight_checksums"), cluster.timeout_s):
+    for sums in gather(fan_out(cluster.generators.group, "weight_checksums"), cluster.timeout_s):
         assert sums == trainer  # the replacement generator holds the current weights
 
 
 def test_dead_generator_surfaces_as_named_error(ray_local, rl_cluster, trained):
     """Last in this module: it kills generator 1."""
-    _kill_and_wait(ray_local, rl_cluster.generators.actors[1])
+    _kill_and_wait(ray_local, rl_cluster.generators.group.actors[1])
     with pytest.raises(ActorFailure, match=r"generator 1 died during info") as e:
-        gather([call(rl_cluster.generators, 1, "info")], 60)
+        gather([call(rl_cluster.generators.group, 1, "info")], 60)
     assert e.value.replaceable and (e.value.role, e.value.rank) == ("generator", 1)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cluster.loop.sft import train_sft
-from cluster.loop.train import collect, train
+from cluster.loop.train import Hooks, RLRun, collect, train
 from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
@@ -76,9 +76,10 @@ def run(ray_local, smollm2, items):
         copy_policy_to_reference(cluster)
         gather(fan_out(cluster.trainers, "reset_optimizer", 1e-5), cluster.timeout_s)  # as the default job does
         logged = []
-        train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.01)), GEN,
-              num_steps=2, prompts_per_step=3, lr_schedule=lambda s: 1e-5, logger=logged.append, progress=False,
-              component_names=("correct", "finished"))
+        train(RayBackend(cluster), make_prompt_source(items, seed=1), constant_schedule(grpo(kl_coef=0.01)),
+              RLRun(GEN, num_steps=2, prompts_per_step=3, lr_schedule=lambda s: 1e-5,
+                    component_names=("correct", "finished"), progress=False),
+              hooks=Hooks(logger=logged.append))
         yield cluster, sft, logged
     finally:
         shutdown_cluster(cluster)

@@ -4,7 +4,7 @@ reference worker)."""
 import numpy as np
 import pytest
 
-from cluster.loop.train import train
+from cluster.loop.train import RLRun, train
 from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
@@ -30,8 +30,9 @@ def _cluster(path):
 
 def _train(cluster, state, until):
     return train(RayBackend(cluster), make_prompt_source(ITEMS, seed=4), constant_schedule(grpo(kl_coef=0.05)),
-                 GenerationConfig(max_new_tokens=4, n=3), num_steps=until, prompts_per_step=4,
-                 lr_schedule=lambda s: 1e-3, state=state, progress=False)
+                 RLRun(GenerationConfig(max_new_tokens=4, n=3), num_steps=until, prompts_per_step=4,
+                       lr_schedule=lambda s: 1e-3, progress=False),
+                 state=state)
 
 
 def _weights(cluster):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cluster.loop.sft import train_sft
-from cluster.loop.train import collect, train
+from cluster.loop.train import Hooks, RLRun, collect, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
@@ -37,8 +37,9 @@ def _one_step_each(path, trainers: int):
     items = make_arithmetic_task(spec)[0]
     rl, sft = [], []
     train(RayBackend(cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),
-          GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=1, prompts_per_step=4,
-          lr_schedule=lambda s: 1e-2, logger=rl.append, progress=False)
+          RLRun(GenerationConfig(max_new_tokens=4, n=4, temperature=T), num_steps=1, prompts_per_step=4,
+                lr_schedule=lambda s: 1e-2, progress=False),
+          hooks=Hooks(logger=rl.append))
     tok = AutoTokenizer.from_pretrained(path)
     samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
     train_sft(RayBackend(cluster), samples, num_steps=1, batch_size=16, lr_schedule=lambda s: 1e-3, logger=sft.append,
@@ -83,7 +84,7 @@ def test_the_driver_logs_the_same_numbers_on_1_and_2_ranks(runs):
 
 
 def test_the_model_config_reaches_every_actor(cluster):
-    groups = [cluster.generators, cluster.trainers, cluster.reference]
+    groups = [cluster.generators.group, cluster.trainers, cluster.reference.group]
     infos = gather([c for g in groups for c in fan_out(g, "info")], cluster.timeout_s)
     assert [i["role"] for i in infos] == ["generator", "trainer", "trainer", "reference"]
     for info in infos:
@@ -126,5 +127,6 @@ def test_generator_reference_and_trainer_score_at_the_sampling_temperature(clust
 def test_rl_refuses_a_non_positive_temperature_before_any_work(cluster):
     with pytest.raises(ValueError, match="temperature > 0"):
         train(RayBackend(cluster), lambda position, n: (_ for _ in ()).throw(AssertionError("no prompt may be drawn")),
-              constant_schedule(grpo()), GenerationConfig(temperature=0.0, n=4), num_steps=1, prompts_per_step=1,
-              lr_schedule=lambda s: 1e-3, progress=False)
+              constant_schedule(grpo()),
+              RLRun(GenerationConfig(temperature=0.0, n=4), num_steps=1, prompts_per_step=1, lr_schedule=lambda s: 1e-3,
+                    progress=False))

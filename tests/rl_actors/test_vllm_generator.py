@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
 
-from cluster.loop.train import train
+from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import call, fan_out, gather
@@ -56,18 +56,18 @@ def _checksums(cluster, role):
 
 
 def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
-    info = gather([call(vllm_cluster.generators, 0, "info")], vllm_cluster.timeout_s)[0]
+    info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
     assert info["backend"] == "vllm"
     assert vllm_cluster.sync_address.protocol == "torch"  # the trainer's bucketed gloo wire
 
 
 def _generate(cluster, prompts, gen=GenerationConfig(max_new_tokens=4, n=2)) -> list:
-    return gather([call(cluster.generators, 0, "generate", prompts, gen)], cluster.timeout_s)[0]
+    return gather([call(cluster.generators.group, 0, "generate", prompts, gen)], cluster.timeout_s)[0]
 
 
 def _rollout_versions(cluster, items) -> set:
     gen = GenerationConfig(max_new_tokens=3)
-    return {r.policy_version for r in gather([call(cluster.generators, 0, "generate", items[:2], gen)],
+    return {r.policy_version for r in gather([call(cluster.generators.group, 0, "generate", items[:2], gen)],
                                              cluster.timeout_s)[0]}
 
 
@@ -78,8 +78,8 @@ def test_every_sync_leaves_vllm_with_the_trainer_weights_and_version(vllm_cluste
     start = _checksums(vllm_cluster, "trainers")[0]
     assert _checksums(vllm_cluster, "generators")[0] == start
     state = train(RayBackend(vllm_cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.0)),
-                  GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=2,
-                  lr_schedule=lambda s: 1e-3, progress=False)
+                  RLRun(GenerationConfig(max_new_tokens=4, n=4), num_steps=2, prompts_per_step=2,
+                        lr_schedule=lambda s: 1e-3, progress=False))
     trainer = _checksums(vllm_cluster, "trainers")
     assert trainer[0] == trainer[1] and trainer[0] != start
     assert _checksums(vllm_cluster, "generators")[0] == trainer[0]
@@ -110,7 +110,7 @@ def test_vllm_logprobs_equal_the_trainer_logprobs(vllm_cluster, items, temperatu
     recomputation at the sampling temperature (``mismatch/*`` would log this gap)."""
     sync_weights(vllm_cluster, version=9)
     gen = GenerationConfig(max_new_tokens=6, n=4, temperature=temperature)
-    rollouts = gather([call(vllm_cluster.generators, 0, "generate", items[:6], gen)], vllm_cluster.timeout_s)[0]
+    rollouts = gather([call(vllm_cluster.generators.group, 0, "generate", items[:6], gen)], vllm_cluster.timeout_s)[0]
     assert len(rollouts) == 24 and {r.policy_version for r in rollouts} == {9}
     group = [r.completion_ids.tolist() for r in rollouts[:4]]
     assert len({tuple(g) for g in group}) > 1  # one prompt's samples differ (a seed per request)
@@ -127,7 +127,7 @@ def test_a_call_larger_than_one_engine_step_completes(vllm_cluster):
     and the engine died ("CPU Generator does not use offset")."""
     many = [PromptItem(i, f"What is {1000 + i} plus {9000 - i}? It is ") for i in range(256)]
     gen = GenerationConfig(max_new_tokens=2, n=2)
-    rollouts = gather([call(vllm_cluster.generators, 0, "generate", many, gen)], vllm_cluster.timeout_s)[0]
+    rollouts = gather([call(vllm_cluster.generators.group, 0, "generate", many, gen)], vllm_cluster.timeout_s)[0]
     assert len(rollouts) == 512 and sum(len(r.prompt_ids) for r in rollouts[::2]) == 256 * 30
 
 
@@ -142,7 +142,7 @@ def test_tool_turns_through_vllm_are_masked(vllm_cluster, items):
     tools = ToolConfig(create_tool_executor({"calc": calculator_tool}), always_calc, stop_after_tool, max_turns=3)
     gen = GenerationConfig(max_new_tokens=3, n=2, stop=tuple(string.printable[:94]))  # a truncated turn calls no tool
     prompts = [PromptItem(i, it.prompt, it.answer) for i, it in enumerate(items[:3])]
-    rollouts = gather([call(vllm_cluster.generators, 0, "generate_multiturn", prompts, gen, tools)],
+    rollouts = gather([call(vllm_cluster.generators.group, 0, "generate_multiturn", prompts, gen, tools)],
                       vllm_cluster.timeout_s)[0]
     assert len(rollouts) == 6 and {r.policy_version for r in rollouts} == {11}
     for r in rollouts:
@@ -160,8 +160,9 @@ def test_asynchronous_rl_with_a_vllm_generator(vllm_cluster, items):
     sync_weights(vllm_cluster, version=0)  # a run that starts at version 0 (earlier tests stamped others)
     logged = []
     state = train(RayBackend(vllm_cluster), make_prompt_source(items[:12]), constant_schedule(grpo(kl_coef=0.0)),
-                  GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
-                  lr_schedule=lambda s: 1e-3, logger=logged.append, progress=False, max_staleness=1)
+                  RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
+                        lr_schedule=lambda s: 1e-3, max_staleness=1, progress=False),
+                  hooks=Hooks(logger=logged.append))
     assert state.iteration == 3
     assert [m["staleness/mean"] for m in logged] == [0.0, 1.0, 1.0]
     assert sum(m["batch/rows"] for m in logged) == 3 * 4 * 2
@@ -178,7 +179,7 @@ def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_lo
     from tests.rl_actors.test_cluster_sync import _kill_and_wait
 
     sync_weights(vllm_cluster, version=0)
-    first, logged = vllm_cluster.generators.actors[0], []
+    first, logged = vllm_cluster.generators.group.actors[0], []
     source, served = make_prompt_source(items[:16]), []
 
     def recording_source(position, n):
@@ -193,14 +194,15 @@ def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_lo
 
     backend = RayBackend(vllm_cluster)
     state = train(backend, recording_source, constant_schedule(grpo(kl_coef=0.0)),
-                  GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
-                  lr_schedule=lambda s: 1e-3, logger=killing_logger, progress=False)
+                  RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
+                        lr_schedule=lambda s: 1e-3, progress=False),
+                  hooks=Hooks(logger=killing_logger))
     cluster = backend.cluster
     assert state.iteration == 3 and logged[-1]["recovery/actor_restarts"] == 1
-    assert cluster.generators.actors[0] != first
+    assert cluster.generators.group.actors[0] != first
     assert [m["batch/rows"] for m in logged] == [8, 8, 8]
     drawn = [i for _, got in served for i in got]
     assert len(served) == 3 and len(set(drawn)) == len(drawn) == 12  # each step's prompts drawn once, none twice
-    info = gather([call(cluster.generators, 0, "info")], cluster.timeout_s)[0]
+    info = gather([call(cluster.generators.group, 0, "info")], cluster.timeout_s)[0]
     assert info["backend"] == "vllm"
     assert _checksums(cluster, "generators")[0] == _checksums(cluster, "trainers")[0]

@@ -1,0 +1,280 @@
+"""Every check of a job's values that needs no file, model or Ray: each returns the problems it
+finds as lines naming the field (``ConfigErrors`` holds them all).
+"""
+from __future__ import annotations
+
+import os
+
+from cluster.jobs.config import (
+    RLJob,
+)
+from cluster.ray_wing.config import ClusterConfig
+from primitives.io.data import (
+    EvalData,
+    FieldMap,
+    PromptFormat,
+)
+from rl_actors.common import GENERATE_ON_ZERO3
+
+
+class ConfigErrors(ValueError):
+    """Every problem found in a job's config, one per line."""
+
+    def __init__(self, errors):
+        self.errors = list(errors)
+        super().__init__("bad configuration:\n  - " + "\n  - ".join(self.errors))
+
+
+def raise_if(errors) -> None:
+    if errors:
+        raise ConfigErrors(errors)
+
+
+def checked(prepare):
+    """``prepare`` whose input errors (a bad file, row, field, reward, model) all surface as
+    ``ConfigErrors``: the command line reports them as usage errors, without a traceback."""
+    import functools
+
+    from primitives.io.data import MissingFieldError
+
+    @functools.wraps(prepare)
+    def run(*args, **kwargs):
+        try:
+            return prepare(*args, **kwargs)
+        except ConfigErrors:
+            raise
+        except (ValueError, OSError, MissingFieldError) as e:  # OSError: a missing or unreadable file
+            raise ConfigErrors([str(e)]) from e
+
+    return run
+
+
+# ----------------------------------------------------------------------------- checks of values
+
+
+def failed_checks(pairs) -> list:
+    return [msg for ok, msg in pairs if not ok]
+
+
+GENERATOR_FIELDS = ("generators", "generator_cpus", "generator_gpus", "vllm")
+
+
+REFERENCE_FIELDS = ("reference_workers", "reference_cpus", "reference_gpus")
+
+
+RL_ROLE_FIELDS = GENERATOR_FIELDS + REFERENCE_FIELDS + ("reward_workers", "reward_cpus", "reference_on_trainers",
+                                                        "generate_on_trainers", "sync_bucket_mb", "critics",
+                                                        "critic_cpus", "critic_gpus")
+
+
+def ignored_errors(cluster, fields, why: str, base) -> list:
+    """Settings of roles that do not run in this layout: a value other than the job's default
+    (``base``) or a count of 0 would be ignored, so it is refused, with ``why``."""
+    return [f"cluster.{name} {getattr(cluster, name)!r} would be ignored: {why}" for name in fields
+            if getattr(cluster, name) != getattr(base, name) and getattr(cluster, name) != 0]
+
+
+def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
+    """Every check of the ``cluster`` section; ``base`` is the job's default section (the
+    settings a user did not make), against which an ignored setting is told apart."""
+    base = ClusterConfig() if base is None else base
+    checks = [
+        (cluster.trainers >= 1, "cluster.trainers must be at least 1"),
+        (cluster.zero_stage in (1, 2, 3), f"cluster.zero_stage must be 1, 2 or 3, got {cluster.zero_stage}"),
+        (cluster.placement in ("PACK", "SPREAD"), f"cluster.placement must be PACK or SPREAD, got {cluster.placement}"),
+        (cluster.call_timeout_s > 0, "cluster.call_timeout_s must be positive"),
+        (cluster.micro_batch_size >= 1, "cluster.micro_batch_size must be at least 1"),
+        (cluster.threads_per_actor >= 1, "cluster.threads_per_actor must be at least 1"),
+    ]
+    if rl_roles:
+        checks += [
+            (cluster.generators >= 1 or cluster.generate_on_trainers, "cluster.generators must be at least 1"),
+            (cluster.reward_workers >= 1, "cluster.reward_workers must be at least 1"),
+            (cluster.reference_workers >= 1 or cluster.reference_on_trainers,
+             f"cluster.reference_workers must be at least 1, got {cluster.reference_workers}"),
+            (cluster.generator_backend in ("auto", "hf", "vllm"),
+             f"cluster.generator_backend must be auto, hf or vllm, got {cluster.generator_backend}"),
+            (cluster.sync_bucket_mb > 0, "cluster.sync_bucket_mb must be positive"),
+            (not cluster.generate_on_trainers or cluster.zero_stage != 3, GENERATE_ON_ZERO3),
+            (not cluster.generate_on_trainers or cluster.generator_backend != "vllm",
+             "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
+             "vllm needs generator workers of its own"),
+        ] + vllm_errors(cluster)
+    ignored = []
+    if rl_roles and cluster.generate_on_trainers:
+        ignored += ignored_errors(cluster, GENERATOR_FIELDS, "cluster.generate_on_trainers generates on the trainer "
+                                  "ranks (no generator workers)", base)
+    if rl_roles and cluster.reference_on_trainers:
+        ignored += ignored_errors(cluster, REFERENCE_FIELDS, "cluster.reference_on_trainers keeps the reference on "
+                                  "the trainer ranks (no reference workers)", base)
+    if not rl_roles:
+        ignored += ignored_errors(cluster, RL_ROLE_FIELDS, "an SFT job runs the trainer ranks alone", base)
+    return failed_checks(checks) + ignored
+
+
+def vllm_errors(cluster) -> list:
+    """``cluster.vllm`` settings that cannot apply where the generators run (CPU: no GPUs), and
+    the vLLM layouts this project has not run."""
+    v, gpus = cluster.vllm, cluster.generator_gpus
+    vllm_on_gpus = gpus > 0 and cluster.generator_backend in ("vllm", "auto") and not cluster.generate_on_trainers
+    return [
+        (v.tensor_parallel_size >= 1, f"cluster.vllm.tensor_parallel_size must be at least 1, got "
+                                      f"{v.tensor_parallel_size}"),
+        (v.tensor_parallel_size == 1 or gpus > 0,
+         f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size} splits the model over GPUs; the generators "
+         f"run on CPU (cluster.generator_gpus 0), where vLLM runs one process per engine"),
+        (v.tensor_parallel_size == 1 or gpus == 0,
+         f"cluster.vllm.tensor_parallel_size {v.tensor_parallel_size}: each of an engine's GPU workers would need a "
+         f"rank of its own in the weight-sync group, which this project does not lay out yet; use 1 (and more "
+         f"cluster.generators)"),
+        (0 < v.gpu_memory_utilization <= 1,
+         f"cluster.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}"),
+        (v.max_model_len is None or v.max_model_len >= 2,
+         f"cluster.vllm.max_model_len must be at least 2 tokens, got {v.max_model_len}"),
+        (v.cpu_kv_cache_gib >= 1, f"cluster.vllm.cpu_kv_cache_gib must be at least 1, got {v.cpu_kv_cache_gib}"),
+        (not v.enable_sleep_mode or gpus > 0,
+         "cluster.vllm.enable_sleep_mode releases GPU memory; the generators run on CPU (cluster.generator_gpus 0)"),
+        (not vllm_on_gpus or cluster.trainer_gpus > 0,
+         f"cluster.generator_backend {cluster.generator_backend} with cluster.generator_gpus {gpus} and "
+         f"cluster.trainer_gpus 0: vLLM on GPUs receives weights over NCCL, which CPU trainers cannot send; give "
+         f"the trainers GPUs, or use cluster.generator_backend hf"),
+    ]
+
+
+def sft_errors(sft, in_rl_job: bool) -> list:
+    checks = [
+        (sft.steps >= 0, f"sft.steps must be >= 0, got {sft.steps}"),
+        (sft.batch >= 1, "sft.batch must be at least 1"),
+        (sft.lr > 0, f"sft.lr must be positive, got {sft.lr}"),
+        (sft.warmup >= 0, "sft.warmup must be >= 0"),
+        (sft.max_len is None or sft.max_len >= 2, "sft.max_len must be at least 2 tokens"),
+        (sft.eval_every >= 0, "sft.eval_every must be >= 0"),
+        (sft.eval_set.path is None or sft.eval_set.size is None,
+         "sft.eval_set: give path (an eval file) or size (a held-out share or count), not both"),
+    ]
+    if not in_rl_job:
+        checks += [(sft.steps >= 1, "sft.steps must be at least 1 in an SFT job"),
+                   (sft.path is not None, "sft.path is required: the SFT data file or directory")]
+    return failed_checks(checks)
+
+
+def algorithm_errors(job: RLJob) -> list:
+    """Checks of the algorithm record the section builds: it resolves, its functions take their
+    documented arguments, it needs no critic, and each trainer rank gets rows."""
+    from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable, needs_values, pairwise
+
+    algo, gen = job.algorithm, job.generation
+    try:
+        record = algorithm_of(algo)
+        check_algorithm_functions(record)
+        check_algorithm_picklable(record)
+    except ConfigErrors as e:
+        return e.errors
+    except ValueError as e:
+        return [f"algorithm: {e}"]
+    rows = algo.prompts_per_step * (2 if pairwise(record) else gen.group_size)  # pairwise loss: a pair per prompt
+    init = algo.critic_init
+    return failed_checks([
+        (not needs_values(record) or init == "policy" or os.path.isdir(init),
+         f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
+        (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
+                                                               f"'{record.name}', whose advantage reads critic values"),
+        (gen.group_size < 2 or rows // algo.mini_batches >= job.cluster.trainers,  # a bad group size is named alone
+         f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
+         f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
+         "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
+    ]) + behaviour_logprob_errors(job, record)
+
+
+def behaviour_logprob_errors(job: RLJob, record) -> list:
+    """vLLM with top-k / top-p where the importance weight is applied. vLLM's behaviour logprobs
+    (``processed_logprobs``) are renormalised over the tokens top-k / top-p keep; the trainer's
+    and the HF generator's are of the full ``softmax(logits / T)``, so the weight would be the
+    kept mass, not the gap between the policies (DESIGN sections 6-7). ``auto`` picks vLLM on
+    generator workers with GPUs; a pairwise loss (online DPO) only measures the weight."""
+    from primitives.maths.algorithms import pairwise
+
+    gen, cluster = job.generation, job.cluster
+    truncation = [name for name, on in ((f"generation.top_p {gen.top_p}", gen.top_p < 1),
+                                        (f"generation.top_k {gen.top_k}", gen.top_k > 0)) if on]
+    vllm = cluster.generator_backend == "vllm" or (cluster.generator_backend == "auto" and cluster.generator_gpus > 0
+                                                   and not cluster.generate_on_trainers)
+    if not (truncation and vllm and record.is_level != "off" and not pairwise(record)):
+        return []
+    backend = "vllm" if cluster.generator_backend == "vllm" else \
+        f"auto (vLLM on generator workers with cluster.generator_gpus {cluster.generator_gpus})"
+    return [f"{' and '.join(truncation)} with cluster.generator_backend {backend} and algorithm.is_level "
+            f"{record.is_level}: vLLM's behaviour logprobs are renormalised over the tokens top-p/top-k keep, the "
+            "trainer's are of the full softmax(logits / T), so the importance weight would be the kept probability "
+            "mass, not the gap between the policies; use generation.top_p 1 and generation.top_k 0, or "
+            "cluster.generator_backend hf (its logprobs are of the full distribution), or algorithm.is_level off"]
+
+
+def rl_errors(job: RLJob) -> list:
+    """Every check of an RL job's values that needs no file, model or Ray; the algorithm record
+    is checked once the algorithm section's own numbers are sound."""
+    from cluster.loop.train import run_errors
+    from primitives.maths.algorithms import number_errors
+
+    algo, gen, ev, data = job.algorithm, job.generation, job.eval, job.data
+    errors = number_errors(algo.kl_coef, algo.ppo_epochs, algo.mini_batches, algo.is_level, algo.is_cap,
+                           prefix="algorithm.")
+    errors += run_errors(gen.temperature, algo.max_staleness, ("generation.temperature", "algorithm.max_staleness"))
+    errors += failed_checks([
+        (algo.steps >= 0, f"algorithm.steps must be >= 0, got {algo.steps}"),
+        (algo.prompts_per_step >= 1, "algorithm.prompts_per_step must be at least 1"),
+        (algo.lr > 0, f"algorithm.lr must be positive, got {algo.lr}"),
+        (algo.max_resample_rounds >= 0, "algorithm.max_resample_rounds must be >= 0"),
+        (algo.max_staleness == 0 or not job.cluster.generate_on_trainers,
+         f"algorithm.max_staleness {algo.max_staleness} overlaps generation with training, but with "
+         "cluster.generate_on_trainers both run in the trainer processes, one after the other: use 0, or "
+         "generator workers"),
+        (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
+        (algo.critic_lr is None or algo.critic_lr > 0, f"algorithm.critic_lr must be positive, got {algo.critic_lr}"),
+        (gen.group_size >= 2, f"generation.group_size must be at least 2 (completions per prompt), got "
+                              f"{gen.group_size}: group advantages and pairs compare completions of one prompt"),
+        (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
+        (0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1], got {gen.top_p}"),
+        (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),
+        (ev.every >= 0, "eval.every must be >= 0"),
+        (ev.k >= 1, f"eval.k must be at least 1, got {ev.k}"),
+        (ev.temperature >= 0, f"eval.temperature must be >= 0, got {ev.temperature}"),
+        (ev.k == 1 or ev.temperature > 0, f"eval.k {ev.k} samples at eval.temperature 0 are all the same greedy "
+                                          "completion; set eval.temperature > 0 for pass@k"),
+        (ev.max_items is None or ev.max_items >= 1, "eval.max_items must be at least 1"),
+        (ev.final_pass_k >= 0, "eval.final_pass_k must be >= 0"),
+        (job.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
+        ((data.task is None) != (data.path is None), "data: give either task (a generated task) or path (a prompt "
+                                                     f"file), not {'both' if data.task else 'neither'}"),
+        (data.task is None or (data.eval_set, data.fields, data.format, data.split) == (
+            EvalData(), FieldMap(), PromptFormat(), "train"),
+         "data.eval_set, fields, format and split apply to a prompt file (data.path); a task brings its own "
+         "prompts, formatted, and its eval prompts"),
+        (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
+    ]) + cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
+    return errors + ([] if any(e.startswith("algorithm.") for e in errors) else algorithm_errors(job))
+
+
+# ----------------------------------------------------------------------------- paths and the model
+
+
+SECTION_ALGORITHM_FIELDS = ("name", "kl_coef", "ppo_epochs", "mini_batches", "is_level", "is_cap")
+
+
+def algorithm_of(rl):
+    """The ``AlgorithmConfig`` of the ``algorithm`` section: the preset with the section's
+    settings and ``overrides`` (any other field, e.g. ``clip_eps_high``, ``entropy_coef``);
+    the preset's own KL coefficient unless ``kl_coef`` is given."""
+    from primitives.hooks import did_you_mean
+    from primitives.maths.algorithms import AlgorithmConfig, get_algorithm
+
+    overrides = dict(rl.overrides or {})
+    for key in overrides:
+        if key in SECTION_ALGORITHM_FIELDS:
+            raise ConfigErrors([f"algorithm.overrides.{key}: set algorithm.{key} instead"])
+        if key not in AlgorithmConfig._fields:
+            hint = did_you_mean(key, AlgorithmConfig._fields) or "; see primitives.maths.algorithms.AlgorithmConfig"
+            raise ConfigErrors([f"algorithm.overrides.{key}: not an AlgorithmConfig field{hint}"])
+    kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
+    return get_algorithm(rl.name, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches, is_level=rl.is_level,
+                         is_cap=rl.is_cap, **kl, **overrides)

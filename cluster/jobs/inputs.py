@@ -1,0 +1,264 @@
+"""A job's inputs, checked and loaded before Ray starts: paths, the model directory (built for
+the embedded models), prompts and SFT samples, rewards (``prepare_rl`` / ``prepare_sft``).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import NamedTuple, Optional
+
+from cluster.jobs.checks import (
+    ConfigErrors,
+    algorithm_of,
+    checked,
+    cluster_errors,
+    failed_checks,
+    raise_if,
+    rl_errors,
+    sft_errors,
+)
+from cluster.jobs.config import (
+    RLJob,
+    SFTJob,
+    resolve_output_dir,
+    resume_errors,
+)
+from primitives.io.data import (
+    PromptFormat,
+    Records,
+    chat_template_kwargs,
+    load_records,
+    sft_samples_from_records,
+    split_eval,
+)
+from primitives.types import ModelConfig
+
+EMBEDDED_MODELS = ("tiny", "smollm2")
+
+
+MODEL_CACHE_ENV = "RAYRL_MODEL_CACHE"  # where the embedded SmolLM2 is converted to (default ~/.cache/rayrl)
+
+
+def with_resolved_paths(job):
+    """``job`` with logging.out and checkpoint.resume absolute (inside ``ray job submit`` under
+    $RAYRL_OUTPUT_ROOT, not Ray's temporary copy of the checkout)."""
+    ckpt = job.checkpoint
+    resume = resolve_output_dir(ckpt.resume) if ckpt.resume else None
+    return job._replace(logging=job.logging._replace(out=resolve_output_dir(job.logging.out)),
+                        checkpoint=ckpt._replace(resume=resume))
+
+
+def model_dir_errors(path: str) -> list:
+    """Why ``path`` is not a local HF causal-LM directory with a tokenizer, if it is not."""
+    if not os.path.isdir(path):
+        return [f"model.model_name_or_path {path}: no such directory (give a local Hugging Face model directory, "
+                f"or one of the embedded models: {', '.join(EMBEDDED_MODELS)})"]
+    errors = []
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        errors.append(f"model.model_name_or_path {path}: no config.json (not a Hugging Face model directory)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in tokenizer_files):
+        errors.append(f"model.model_name_or_path {path}: no tokenizer (none of {', '.join(tokenizer_files)}); "
+                      "save one beside the weights with tokenizer.save_pretrained(path)")
+    return errors
+
+
+def resolve_model(model: ModelConfig, out: str, seed: int) -> ModelConfig:
+    """``model`` with a local directory: the embedded ``tiny`` model is built into
+    ``<out>/base_model``; the embedded ``smollm2`` is converted once into ``$RAYRL_MODEL_CACHE``."""
+    name = model.model_name_or_path
+    if name == "tiny":
+        from primitives.fixtures.tiny import save_tiny_model
+
+        return model._replace(model_name_or_path=save_tiny_model(os.path.join(out, "base_model"), seed=seed))
+    if name == "smollm2":
+        from primitives.fixtures.pretrained import save_smollm2
+
+        cache = os.path.expanduser(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/rayrl")
+        return model._replace(model_name_or_path=save_smollm2(os.path.join(cache, "smollm2-135m-instruct")))
+    raise_if(model_dir_errors(name))
+    return model._replace(model_name_or_path=os.path.abspath(name))
+
+
+def model_errors(model: ModelConfig) -> list:
+    checks = [(model.dtype in ("float32", "bfloat16", "float16"),
+               f"model.dtype must be float32, bfloat16 or float16, got {model.dtype}")]
+    if model.model_name_or_path not in EMBEDDED_MODELS:
+        checks += [(False, e) for e in model_dir_errors(model.model_name_or_path)]
+    return failed_checks(checks)
+
+
+def load_tokenizer(model: ModelConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.model_name_or_path, trust_remote_code=model.trust_remote_code)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_task(name: str, kwargs: Optional[dict], seed: int):
+    """The ``TaskData`` of a built-in task or a user ``module:function(seed, **kwargs)``."""
+    from primitives.fixtures.tasks import TASKS, TaskData
+    from primitives.hooks import did_you_mean, load_function
+
+    if ":" in name:
+        fn = load_function(name)
+    elif name in TASKS:
+        fn = TASKS[name]
+    else:
+        raise ConfigErrors([f"data.task '{name}' is unknown{did_you_mean(name, TASKS) or ''} (built-in: "
+                            f"{', '.join(TASKS)}; or your own as module:function returning a TaskData)"])
+    try:
+        inspect.signature(fn).bind(seed=seed, **(kwargs or {}))
+    except TypeError as e:
+        raise ConfigErrors([f"data.task_kwargs {kwargs} do not fit {name}{inspect.signature(fn)}: {e}"]) from None
+    task = fn(seed=seed, **(kwargs or {}))
+    if not isinstance(task, TaskData):
+        raise ConfigErrors([f"data.task {name} returned {type(task).__name__}, not a "
+                            "primitives.fixtures.tasks.TaskData"])
+    from primitives.io.data import PromptItem
+
+    bad = next((x for x in list(task.train) + list(task.eval) if not isinstance(x, PromptItem)), None)
+    if not task.train or bad is not None:
+        raise ConfigErrors([f"data.task {name}: " + ("no training prompts (TaskData.train is empty)" if not task.train
+                                                     else f"TaskData items must be PromptItems, got {bad!r}")])
+    return task
+
+
+def rl_prompts(job: RLJob, eval_on: bool) -> tuple:
+    """``(train_items, eval_items, task)``: from the task or the prompt file."""
+    from primitives.io.data import load_train_eval
+
+    data = job.data
+    task = None
+    if data.task is not None:
+        task = load_task(data.task, data.task_kwargs, job.seed)
+        train, evals = task.train, (task.eval if eval_on else [])
+    else:
+        eval_data = data.eval_set if eval_on else None
+        if eval_on and data.eval_set.path is None and data.eval_set.size is None:
+            raise ConfigErrors(["evaluation is on but data.eval_set has neither path (an eval file) nor size (a "
+                                "held-out share or count); set one, or eval.enabled: false"])
+        train, evals = load_train_eval(data.path, data.fields, data.format, eval_data, data.split)
+    if eval_on and not evals:
+        raise ConfigErrors([f"evaluation is on but the task {data.task} has no eval prompts; set eval.enabled: false"])
+    return list(train), list(evals), task
+
+
+def check_prompts(items, tokenizer, data) -> None:
+    """The prompts as the generators will render them: a chat template where chat prompts need
+    one, and none longer than ``data.max_prompt_tokens``."""
+    from primitives.io.data import check_prompt_lengths
+
+    check_prompt_lengths(items, tokenizer, data.max_prompt_tokens, chat_template_kwargs(tokenizer, data.format))
+
+
+def sft_samples(sft, tokenizer, task=None) -> tuple:
+    """``(train_samples, eval_samples)`` of the SFT data: ``sft.path``, else the task's
+    demonstrations; eval samples from ``sft.eval_set`` (a file or a held-out part), else ``[]``."""
+    from primitives.io.data import SFTFields
+
+    if sft.path is not None:
+        records, fields, fmt = load_records(sft.path, sft.split), sft.fields, sft.format
+    elif task is not None and task.sft_rows:
+        rows = list(task.sft_rows)
+        records = Records(rows, [f"task demonstration {i}" for i in range(len(rows))])
+        fields = SFTFields(messages="messages") if task.sft_chat else SFTFields()
+        fmt = PromptFormat(chat=task.sft_chat, system_prompt=sft.format.system_prompt)
+    else:
+        raise ConfigErrors(["sft.steps > 0 but there is no SFT data: set sft.path (a file of chat messages or "
+                            "prompt/completion pairs)" + (" - the task brings no demonstrations" if task else "")])
+    samples = sft_samples_from_records(records, tokenizer, fields, fmt, sft.max_len)
+    if sft.eval_set.path is not None:
+        return samples, sft_samples_from_records(load_records(sft.eval_set.path, sft.eval_set.split), tokenizer,
+                                                 fields, fmt, sft.max_len)
+    if sft.eval_set.size is not None:
+        return split_eval(samples, sft.eval_set.size, sft.eval_set.seed)
+    return samples, []
+
+
+# ----------------------------------------------------------------------------- output
+
+
+class RLInputs(NamedTuple):
+    """What ``prepare_rl`` checked and built; ``run_rl`` starts the actors with it."""
+
+    job: RLJob  # paths resolved, model a local directory
+    train_items: list
+    eval_items: list
+    sft_samples: list
+    sft_eval_samples: list
+    reward_fn: object
+    aggregate_fn: object
+    component_names: tuple
+    algo: object  # primitives.maths.algorithms.AlgorithmConfig
+    info: dict  # facts of the task for the summary
+    template_kwargs: Optional[dict]  # chat-template variables (enable_thinking) the generators render with
+
+
+@checked
+def prepare_rl(job: RLJob, beside=None) -> RLInputs:
+    """Every check and every load that needs no Ray, in order of cost. ``beside(job, algo)``
+    runs in this thread once every value is checked and the prompts are read, while the
+    model and tokenizer load in another (``run_rl`` starts Ray there: each side keeps about
+    one core busy, and Ray's start is mostly waiting for its processes)."""
+    from primitives.env.rewards import build_reward
+
+    job = with_resolved_paths(job)
+    errors = rl_errors(job) + model_errors(job.model)
+    if job.checkpoint.resume:
+        errors += resume_errors(job.checkpoint.resume)
+    raise_if(errors)
+    reward_fn, aggregate_fn, names = build_reward(job.rewards)
+    algo = algorithm_of(job.algorithm)
+    train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
+
+    def load(job=job) -> RLInputs:
+        job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+        tokenizer = load_tokenizer(job.model)
+        check_prompts(train + evals, tokenizer, job.data)
+        sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume \
+            else ([], [])
+        return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
+                        dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None)
+
+    return load() if beside is None else side_by_side(load, lambda: beside(job, algo))
+
+
+def side_by_side(work, here):
+    """``work()``'s result, computed in another thread while ``here()`` runs in this one (which
+    must stay: processes it starts may be tied to its thread's life, as Ray's are). Whichever
+    raises, the other has finished first; ``work``'s error wins."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="prepare") as pool:
+        future = pool.submit(work)
+        try:
+            here()
+        except BaseException as error:
+            if future.exception() is not None:  # waits for work
+                raise future.exception() from error
+            raise
+        return future.result()
+
+
+class SFTInputs(NamedTuple):
+    job: SFTJob  # paths resolved, model a local directory
+    samples: list
+    eval_samples: list
+
+
+@checked
+def prepare_sft(job: SFTJob) -> SFTInputs:
+    """Every check and load of an SFT job that needs no Ray."""
+    job = with_resolved_paths(job)
+    errors = sft_errors(job.sft, in_rl_job=False) + cluster_errors(job.cluster, rl_roles=False,
+                                                                   base=SFTJob._field_defaults["cluster"])
+    errors += model_errors(job.model) + failed_checks([(job.checkpoint.every >= 0, "checkpoint.every must be >= 0")])
+    if job.checkpoint.resume:
+        errors += resume_errors(job.checkpoint.resume)
+    raise_if(errors)
+    job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+    samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model))
+    return SFTInputs(job, samples, eval_samples)

@@ -1,0 +1,97 @@
+"""What a job writes and reports: the run directory (config, metrics, curves, summary), the
+summary's figures (phase means, medians of the learning signals, start-up seconds, accuracy).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from cluster.jobs.config import (
+    dump_config,
+    record_to_dict,
+)
+
+# the learning signal and the generator/trainer gap, summarised as medians over the RL steps
+SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/entropy", "grad_norm",
+           "mismatch/k3", "mismatch/max_abs_logp_diff", "mismatch/is_weight_mean", "mismatch/is_clipped_frac")
+
+
+PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step")
+
+
+def start_output(job) -> tuple:
+    """Create ``<out>``, save the resolved config there, and return ``(logger, metrics_path)``."""
+    from primitives.io.loggers import multi_logger, run_logger, wandb_logger
+
+    out = job.logging.out
+    print(f"writing outputs to {out}", flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write(dump_config(job))
+    keys = ["loss/sft", "eval/loss_sft", "reward/mean", "eval/accuracy", "kl/ref_k3"]
+    logger, metrics_path = run_logger(out, keys, every=job.logging.console_every)
+    if job.logging.wandb_project:
+        logger = multi_logger(logger, wandb_logger(job.logging.wandb_project, config=record_to_dict(job),
+                                                   directory=out))
+    return logger, metrics_path
+
+
+def finish_output(job, metrics_path: str, plot_keys, title: str, summary: dict) -> dict:
+    from primitives.io.loggers import plot_curves, write_summary
+
+    out = job.logging.out
+    rows = [json.loads(line) for line in open(metrics_path)]
+    plot_curves(rows, [k for k in plot_keys if any(k in r for r in rows)], os.path.join(out, "curves.png"),
+                title=title)
+    summary = write_summary(out, summary)
+    print(f"outputs (config.yaml, summary.json, metrics.jsonl, curves.png, final_model/) are in {out}", flush=True)
+    return summary
+
+
+def phase_means(history) -> dict:
+    return {k.replace("time/", "time_") + "_mean_s": round(float(np.mean([m[k] for m in history if k in m])), 4)
+            for k in PHASES if any(k in m for m in history)}
+
+
+def medians(history, keys) -> dict:
+    return {k: float(np.median([m[k] for m in history if k in m])) for k in keys if any(k in m for m in history)}
+
+
+# ----------------------------------------------------------------------------- RL
+
+
+def process_start_time() -> float:
+    """When this process started (``time.time()`` scale), to 10 ms: its start in clock ticks
+    since boot (``/proc/self/stat``) against the boot-time clock. psutil's ``create_time`` is
+    not used: it adds the boot time in whole seconds and was up to 1 s early. Elsewhere, the
+    time ``cluster`` was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        from cluster import IMPORTED_AT
+
+        return IMPORTED_AT
+
+
+def startup_figures(process_start: float, run_start: float, cluster_start: float, stages: dict) -> dict:
+    """``startup_s``: seconds from the process start to the cluster ready for the first RL step,
+    SFT steps and evaluations left out; ``startup``: the seconds of each stage in order
+    (``first_step``, the first RL step itself, is reported but not counted)."""
+    stages = {"driver_start": round(run_start - process_start, 3), "prepare": round(cluster_start - run_start, 3),
+              **stages}
+    return {"startup_s": round(sum(v for k, v in stages.items() if k != "first_step"), 2), "startup": stages}
+
+
+def accuracy_figures(before: dict, after: dict) -> dict:
+    """The summary's eval figures before and after RL (``{}`` when evaluation is off)."""
+    if not before:
+        return {}
+    return {"accuracy_before_rl": before["eval/accuracy"], "accuracy_after_rl": after["eval/accuracy"],
+            "accuracy_gain_points": round(100 * (after["eval/accuracy"] - before["eval/accuracy"]), 2),
+            "eval_reward_mean_before": before["eval/reward_mean"], "eval_reward_mean_after": after["eval/reward_mean"]}

@@ -1,0 +1,205 @@
+"""The RL job behind ``rayrl rl``: prepare (no Ray), start the roles, the SFT stage, RL with
+evaluation, the final pass@k and model, and the summary.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+from cluster.jobs.config import (
+    RLJob,
+)
+from cluster.jobs.inputs import RLInputs, prepare_rl
+from cluster.jobs.outputs import (
+    SIGNALS,
+    accuracy_figures,
+    finish_output,
+    medians,
+    phase_means,
+    process_start_time,
+    start_output,
+    startup_figures,
+)
+from primitives.io.loggers import mean_of
+from primitives.types import ModelConfig
+
+
+def start_ray_for(job: RLJob, algo) -> str:
+    """Start (or join) the Ray the job's roles need: a local one is sized for them."""
+    from cluster.ray_wing.roles import NODE_GROUP_PINS, role_specs, start_ray
+    from primitives.maths.algorithms import needs_values, uses_reference
+
+    cfg = job.cluster
+    return start_ray(cfg, role_specs(cfg, uses_reference(algo), NODE_GROUP_PINS if cfg.pin_roles else None,
+                                     with_critic=needs_values(algo)))
+
+
+def run_rl(job: RLJob) -> dict:
+    """The RL job end to end: prepare (no Ray; Ray starts beside the model's loading once
+    every value is checked), then actors, SFT stage, RL, evaluation, outputs."""
+    run_start = time.time()
+    started = []
+    try:
+        inputs = prepare_rl(job, beside=lambda j, algo: started.append(start_ray_for(j, algo)))
+    except BaseException:
+        if started:  # a late error (a prompt too long for the model): no Ray left behind
+            import ray
+
+            ray.shutdown()
+        raise
+    job = inputs.job
+    start = time.time()
+    logger, metrics_path = start_output(job)
+    result = train_rl(inputs, logger)
+    history = result["history"]
+    startup = startup_figures(process_start_time(), run_start, result.pop("cluster_started_at"),
+                              result.pop("startup"))
+    names = [f"reward/{n}" for n in inputs.component_names] if len(inputs.component_names) > 1 else []
+    summary = {
+        **{k: v for k, v in result.items() if k != "history"},
+        "algorithm": job.algorithm.name, "sft_steps": job.sft.steps, "rl_steps": job.algorithm.steps,
+        "model": job.model.model_name_or_path, "train_prompts": len(inputs.train_items),
+        "eval_prompts": len(inputs.eval_items), **inputs.info,
+        "generators": job.cluster.trainers if job.cluster.generate_on_trainers else job.cluster.generators,
+        "trainer_ranks": job.cluster.trainers,
+        "zero_stage": job.cluster.zero_stage,
+        "reward_mean_first5": mean_of(history[:5], "reward/mean"),
+        "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
+        **phase_means(history), "median_over_rl_steps": medians(history, SIGNALS),
+        "seed": job.seed, "wall_s": round(time.time() - start, 1), **startup, "out": job.logging.out,
+    }
+    keys = ["loss/sft", "reward/mean", "eval/accuracy", *names, "kl/ref_k3", "policy/entropy", "time/step"]
+    model_name = os.path.basename(job.model.model_name_or_path.rstrip("/"))
+    return finish_output(job, metrics_path, keys, f"{job.algorithm.name} on Ray ({model_name})", summary)
+
+
+def sampling_config(g, template_kwargs: Optional[dict]):
+    """The ``GenerationConfig`` of the ``generation`` section (n = the group size)."""
+    from primitives.types import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                            top_k=g.top_k, n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs)
+
+
+def sft_stage(cluster, inputs: RLInputs, logger) -> None:
+    """The RL job's SFT stage: train, send the weights to the generators, make them the
+    reference, and give the trainers a fresh optimizer at the RL learning rate."""
+    from cluster.loop.sft import train_sft
+    from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
+    from cluster.ray_wing.groups import fan_out, gather
+    from primitives.model.training import linear_warmup
+
+    sft = inputs.job.sft
+    train_sft(RayBackend(cluster), inputs.sft_samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup),
+              seed=inputs.job.seed, logger=logger, eval_samples=inputs.sft_eval_samples,
+              eval_every=sft.eval_every or sft.steps)
+    sync_weights(cluster, version=0, move_reference=False)
+    copy_policy_to_reference(cluster)
+    gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
+
+
+def with_critic(backend, inputs: RLInputs, with_sft: bool):
+    """Add the critic group for an algorithm whose advantage reads values (PPO), initialised
+    from the policy as it stands (after an SFT stage: its saved HF copy) or a reward model."""
+    from cluster.ray_wing.roles import add_critics
+    from primitives.types import TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job, cfg, algo = inputs.job, inputs.job.cluster, inputs.job.algorithm
+    model = job.model
+    if with_sft and algo.critic_init == "policy":
+        sft_copy = os.path.join(job.logging.out, "sft_model")
+        backend.save(sft_copy, TrainState())
+        model = ModelConfig(os.path.join(sft_copy, "hf"), job.model.dtype, job.model.device,
+                            job.model.trust_remote_code, job.model.attn_implementation)
+    critic_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=algo.critic_lr or algo.lr,
+                               micro_batch_size=cfg.micro_batch_size)
+    backend.cluster = add_critics(backend.cluster, model, cfg, critic_cfg, algo.critic_init, job.seed)
+
+
+def train_rl(inputs: RLInputs, logger) -> dict:
+    """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
+    and save the final model. Returns the figures of the run and its metrics history."""
+    from cluster.loop.evaluate import evaluate
+    from cluster.loop.train import Hooks, RLRun, train
+    from cluster.ray_wing.backend import RayBackend
+    from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+    from primitives.io.data import make_prompt_source
+    from primitives.maths.algorithms import constant_schedule, needs_values, uses_reference
+    from primitives.model.training import linear_warmup
+    from primitives.types import TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job, out = inputs.job, inputs.job.logging.out
+    cfg, ev, algo = job.cluster, job.eval, job.algorithm
+    gen = sampling_config(job.generation, inputs.template_kwargs)
+    eval_gen = gen._replace(temperature=ev.temperature, n=ev.k, top_p=1.0, top_k=0)
+    with_sft = job.sft.steps > 0 and not job.checkpoint.resume
+    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else algo.lr,
+                                micro_batch_size=cfg.micro_batch_size)
+    names = inputs.component_names if len(inputs.component_names) > 1 else None
+    cluster_start = time.time()
+    backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
+                                          aggregate_fn=inputs.aggregate_fn, seed=job.seed,
+                                          bucket_mb=cfg.sync_bucket_mb, reserve_critics=needs_values(inputs.algo)))
+
+    def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
+        return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
+                        component_names=names, samples_path=os.path.join(out, "samples", f"{name}_{s.iteration}.jsonl"))
+
+    def save(b, s):
+        b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
+
+    built, skipped = time.time(), 0.0  # skipped: SFT and evaluation seconds, training rather than start-up
+    try:
+        if with_sft:
+            sft_stage(backend.cluster, inputs, logger)
+            skipped = time.time() - built
+        if needs_values(inputs.algo):
+            with_critic(backend, inputs, with_sft)
+        if job.checkpoint.resume:  # weights, optimizer, reference, critic, data position and versions
+            start_state = backend.load(job.checkpoint.resume)
+        else:
+            start_state = TrainState(rng_seed=job.seed)
+        t_eval = time.time()
+        before = run_eval(backend, start_state) if inputs.eval_items else {}
+        skipped += time.time() - t_eval
+        if before:  # the curves' first point: the step before the first RL step
+            logger({**before, "step": start_state.iteration - 1})
+            print(f"eval accuracy {'at the checkpoint' if job.checkpoint.resume else 'before RL'}: "
+                  f"{before['eval/accuracy']:.3f}", flush=True)
+        startup = {**backend.cluster.startup, "before_rl": round(time.time() - built - skipped, 3)}
+        state = train(backend, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
+                      constant_schedule(inputs.algo),
+                      RLRun(gen, num_steps=algo.steps, prompts_per_step=algo.prompts_per_step,
+                            lr_schedule=linear_warmup(algo.lr, algo.warmup),
+                            max_resample_rounds=algo.max_resample_rounds, max_staleness=algo.max_staleness,
+                            component_names=names),
+                      state=start_state,
+                      hooks=Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
+                                  eval_every=ev.every or algo.steps, checkpoint_fn=save,
+                                  checkpoint_every=job.checkpoint.every))
+        history = list(state.metrics_history[len(start_state.metrics_history):])
+        startup["first_step"] = round(history[0]["time/step"], 3) if history else None
+        after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
+        if after:
+            print(f"eval accuracy after {algo.name}: {after['eval/accuracy']:.3f}", flush=True)
+        final, k = {}, ev.final_pass_k
+        if k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
+            sampled = run_eval(backend, state, gen, k, f"pass_at_{k}_step")
+            final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
+                     "eval/pass_temperature": gen.temperature}
+        backend.save(os.path.join(out, "final_model"), state)
+        c = backend.cluster
+        reference = c.reference.where if c.reference is not None else None
+        generation = c.generators.where
+        engine, address = c.generator_engine, c.ray_address
+    finally:
+        shutdown_cluster(backend.cluster)
+    return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
+            **accuracy_figures(before, after), **final, "cluster_started_at": cluster_start,
+            "startup": startup, "history": history}
+
+
+# ----------------------------------------------------------------------------- SFT

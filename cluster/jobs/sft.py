@@ -1,0 +1,56 @@
+"""The SFT job behind ``rayrl sft``: the trainer ranks alone, eval loss, checkpoints, the final model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from cluster.jobs.checks import ConfigErrors
+from cluster.jobs.config import (
+    SFTJob,
+)
+from cluster.jobs.inputs import prepare_sft
+from cluster.jobs.outputs import finish_output, start_output
+
+
+def run_sft(job: SFTJob) -> dict:
+    """The SFT job: check and load (no Ray), train on the trainer group with eval loss,
+    checkpoints every ``checkpoint.every`` steps and the final model (HF in ``final_model/hf``)."""
+    from cluster.loop.sft import evaluate_sft, train_sft
+    from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint
+    from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
+    from primitives.model.training import linear_warmup
+    from primitives.types import TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job, samples, eval_samples = prepare_sft(job)
+    start, out, sft = time.time(), job.logging.out, job.sft
+    logger, metrics_path = start_output(job)
+    trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=sft.lr,
+                                micro_batch_size=job.cluster.micro_batch_size)
+    cluster = build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed)
+    try:
+        first = load_cluster_checkpoint(cluster, job.checkpoint.resume).iteration if job.checkpoint.resume else 0
+        if first > sft.steps:
+            raise ConfigErrors([f"checkpoint.resume {job.checkpoint.resume} is at step {first}, past sft.steps "
+                                f"{sft.steps}; raise sft.steps to train on"])
+        backend = RayBackend(cluster)
+        before = evaluate_sft(backend, eval_samples)["eval/loss_sft"] if eval_samples else None
+        save = lambda b, step: b.save(  # noqa: E731
+            os.path.join(out, "checkpoints", f"step_{step}"), TrainState(iteration=step, global_step=step))
+        last = train_sft(backend, samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=job.seed,
+                         logger=logger, eval_samples=eval_samples,
+                         eval_every=sft.eval_every or sft.steps, checkpoint_fn=save,
+                         checkpoint_every=job.checkpoint.every, start_step=first)
+        backend.save(os.path.join(out, "final_model"), TrainState(iteration=sft.steps, global_step=sft.steps))
+    finally:
+        shutdown_cluster(cluster)
+    rows = [json.loads(line) for line in open(metrics_path)]
+    summary = {"sft_steps": sft.steps, "resumed_at_step": first, "train_samples": len(samples),
+               "eval_samples": len(eval_samples), "loss_sft_first": rows[0].get("loss/sft") if rows else None,
+               "loss_sft_last": last.get("loss/sft"), "eval_loss_before": before,
+               "eval_loss_after": last.get("eval/loss_sft"), "model": job.model.model_name_or_path,
+               "trainer_ranks": job.cluster.trainers, "zero_stage": job.cluster.zero_stage, "seed": job.seed,
+               "wall_s": round(time.time() - start, 1), "out": out, "hf_model": os.path.join(out, "final_model", "hf")}
+    return finish_output(job, metrics_path, ["loss/sft", "eval/loss_sft", "lr"], "SFT on Ray", summary)

@@ -1,0 +1,169 @@
+"""Role handles: each role (generators, reference) is built once, where it lives - actors of its
+own, or hosted on the trainer ranks - and offers the same operations either way, each a call
+to a named actor method. The Ray backend calls the operations and never asks where a role is.
+
+Every operation returns ``Call``s in flight (``groups.gather`` waits for them).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+from cluster.ray_wing.groups import Call, WorkerGroup, call, fan_out
+
+
+class GeneratorWorkers(NamedTuple):
+    """Generator workers of their own: they join the weight-sync broadcast, and a dead one is
+    replaced (``replaceable``)."""
+
+    group: WorkerGroup
+    where = "workers"
+    replaceable = True
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def generate(self, rank: int, items: Sequence, gen, tools=None) -> Call:
+        if tools is None:
+            return call(self.group, rank, "generate", items, gen)
+        return call(self.group, rank, "generate_multiturn", items, gen, tools)
+
+    def join_sync(self, address, first_rank: int, bucket_bytes: int) -> list:
+        """Each worker joins the sync group as ``first_rank + its rank``."""
+        return [call(self.group, i, "init_weight_sync", address, first_rank + i, bucket_bytes)
+                for i in range(self.size)]
+
+    def sync_ranks(self) -> int:
+        return self.size
+
+    def receive_weights(self, meta: Sequence, bucket_bytes: int, version: int) -> list:
+        return fan_out(self.group, "receive_weights", meta, bucket_bytes, version)
+
+    def busy(self) -> list:
+        return fan_out(self.group, "busy")
+
+    def ping(self) -> list:
+        return fan_out(self.group, "pad_token_id")
+
+    def info(self) -> list:
+        return fan_out(self.group, "info")
+
+
+class GeneratorsOnTrainers(NamedTuple):
+    """Generation on the trainer ranks (``cluster.generate_on_trainers``), each with the module it
+    trains: nothing to broadcast, a sync only stamps the version; a failure is the trainer's."""
+
+    trainers: WorkerGroup
+    where = "trainers"
+    replaceable = False
+
+    @property
+    def size(self) -> int:
+        return self.trainers.size
+
+    def generate(self, rank: int, items: Sequence, gen, tools=None) -> Call:
+        if tools is None:
+            return call(self.trainers, rank, "generate", items, gen)
+        return call(self.trainers, rank, "generate_multiturn", items, gen, tools)
+
+    def join_sync(self, address, first_rank: int, bucket_bytes: int) -> list:
+        return []
+
+    def sync_ranks(self) -> int:
+        return 0
+
+    def receive_weights(self, meta: Sequence, bucket_bytes: int, version: int) -> list:
+        return fan_out(self.trainers, "generator_version", version)
+
+    def busy(self) -> list:
+        return fan_out(self.trainers, "generator_busy")
+
+    def ping(self) -> list:
+        return fan_out(self.trainers, "pad_token_id")
+
+    def info(self) -> list:
+        return fan_out(self.trainers, "generator_info")
+
+
+class ReferenceWorkers(NamedTuple):
+    """Reference workers of their own (``cluster.reference_workers``); with ``tracks`` (a
+    ``ref_update_fn``) they join the weight-sync broadcast and move at each RL step's sync."""
+
+    group: WorkerGroup
+    tracks: bool = False
+    where = "workers"
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def logprob_arrays(self, i: int, rollouts, temperature: float) -> Call:
+        """Reference logprobs ``(T_i,)`` of a chunk of rollouts (chunk ``i`` goes to rank ``i mod size``)."""
+        return call(self.group, i % self.size, "logprob_arrays", rollouts, temperature)
+
+    def logprobs(self, i: int, rollouts, temperature: float) -> Call:
+        """The chunk's rollouts with ``ref_logprobs`` set."""
+        return call(self.group, i % self.size, "logprobs", rollouts, temperature)
+
+    def join_sync(self, address, first_rank: int) -> list:
+        return [call(self.group, r, "init_weight_sync", address, first_rank + r) for r in range(self.sync_ranks())]
+
+    def sync_ranks(self) -> int:
+        return self.size if self.tracks else 0
+
+    def sync(self, meta: Sequence, bucket_bytes: int, step: int, kl: Optional[float], move: bool) -> list:
+        """Its part of a weight sync: a tracking reference reads the broadcast (and moves when
+        ``move``)."""
+        return fan_out(self.group, "receive_weights", meta, bucket_bytes, step, kl, move) if self.tracks else []
+
+    def copy_policy(self, trainers: WorkerGroup) -> list:
+        """Every rank becomes the policy: trainer rank 0's weights by ref (never through the
+        driver); the other trainer ranks join the ZeRO-3 gathers."""
+        states = fan_out(trainers, "full_state", True)
+        return [call(self.group, r, "load_weights", states[0].ref) for r in range(self.size)] + states[1:]
+
+    def save(self, path: str) -> Call:
+        return call(self.group, 0, "save_weights", path)  # every copy is the same
+
+    def load(self, path: str) -> list:
+        return fan_out(self.group, "load_weights_from", path)
+
+
+class ReferenceOnTrainers(NamedTuple):
+    """A reference copy on every trainer rank (``cluster.reference_on_trainers``): each rank
+    scores its own shard in the train step; before the batch is made (KL in the reward) any
+    rank scores any chunk."""
+
+    trainers: WorkerGroup
+    tracks: bool = False
+    where = "trainers"
+
+    @property
+    def size(self) -> int:
+        return self.trainers.size
+
+    def logprob_arrays(self, i: int, rollouts, temperature: float) -> Call:
+        return call(self.trainers, i % self.size, "reference_logprob_arrays", rollouts, temperature)
+
+    def logprobs(self, i: int, rollouts, temperature: float) -> Call:
+        return call(self.trainers, i % self.size, "reference_logprobs", rollouts, temperature)
+
+    def join_sync(self, address, first_rank: int) -> list:
+        return []
+
+    def sync_ranks(self) -> int:
+        return 0
+
+    def sync(self, meta: Sequence, bucket_bytes: int, step: int, kl: Optional[float], move: bool) -> list:
+        """It reads the policy where it is: a tracking copy moves (calls to one actor run in
+        order, so after the broadcast)."""
+        return fan_out(self.trainers, "move_reference", step, kl) if self.tracks and move else []
+
+    def copy_policy(self, trainers: WorkerGroup) -> list:
+        return fan_out(self.trainers, "copy_policy_to_reference")
+
+    def save(self, path: str) -> Call:
+        return call(self.trainers, 0, "save_reference", path)
+
+    def load(self, path: str) -> list:
+        return fan_out(self.trainers, "load_reference_from", path)
