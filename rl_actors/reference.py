@@ -118,13 +118,14 @@ class RefLogprobWorker:
     def tracks_policy(self) -> bool:
         return self.reference.tracks_policy
 
-    def logprobs(self, rollouts: Sequence, temperature: float) -> list:
+    def with_ref_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """The rollouts with ``ref_logprobs`` set (new records), scored at the sampling ``temperature``."""
         return self.reference.scored(rollouts, self.tokenizer.pad_token_id, temperature, self.micro_batch_size)
 
-    def logprob_arrays(self, rollouts: Sequence, temperature: float) -> list:
-        """Only the reference logprobs, ``(T_i,)`` float32 each (the driver merges them with
-        the reward worker's records, scored side by side)."""
+    def logprobs(self, rollouts: Sequence, temperature: float) -> list:
+        """The reference logprobs, ``(T_i,)`` float32 each, as every ``logprobs`` of an actor
+        returns them (the trainer ranks join them to the reward worker's records, scored side by
+        side)."""
         return self.reference.rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
                                              self.micro_batch_size)
 

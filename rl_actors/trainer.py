@@ -295,13 +295,13 @@ class TrainerWorker:
         self._held_reference().load(self.full_state())
         return True
 
-    def reference_logprob_arrays(self, rollouts: Sequence, temperature: float) -> list:
+    def reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """Reference logprobs ``(T_i,)`` of rollouts, before a batch is made (KL in the reward):
         this rank's copy serves as a reference worker would (no collective: any rank, any chunk)."""
         return self._held_reference().rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
                                                      self.config.micro_batch_size)
 
-    def reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
+    def with_reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """The rollouts with ``ref_logprobs`` set (new records)."""
         return self._held_reference().scored(rollouts, self.tokenizer.pad_token_id, temperature,
                                              self.config.micro_batch_size)

@@ -177,8 +177,9 @@ class RayBackend:
 
     def reference_logprobs(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:
         """Reference logprobs of the rollouts, at the sampling temperature."""
-        reference = self.cluster.reference
-        return refs.then("ref", [reference.logprobs(i, x.ref, temperature) for i, x in enumerate(refs.phases[-1][1])])
+        chunks = [x.ref for x in refs.phases[-1][1]]
+        return refs.then("ref", [self.cluster.reference.with_ref_logprobs(i, x, temperature)
+                                 for i, x in enumerate(chunks)])
 
     def _score(self, chunks: Sequence) -> tuple:
         """``(summary calls, scored-rollout refs)`` of each chunk, spread over the reward workers."""
@@ -196,7 +197,7 @@ class RayBackend:
         other): the chunks go to the reward workers and the reference workers at once, the
         reference returning only its logprob arrays."""
         chunks = [x.ref for x in refs.phases[-1][1]]
-        ref = [self.cluster.reference.logprob_arrays(i, x, temperature) for i, x in enumerate(chunks)]
+        ref = [self.cluster.reference.logprobs(i, x, temperature) for i, x in enumerate(chunks)]
         reward, data = self._score(chunks)
         return RolloutRefs(refs.phases, (("ref", ref), ("reward", reward)),
                            tuple((d, r.ref) for d, r in zip(data, ref)))

@@ -97,13 +97,13 @@ class ReferenceWorkers(NamedTuple):
     def size(self) -> int:
         return self.group.size
 
-    def logprob_arrays(self, i: int, rollouts, temperature: float) -> Call:
-        """Reference logprobs ``(T_i,)`` of a chunk of rollouts (chunk ``i`` goes to rank ``i mod size``)."""
-        return call(self.group, i % self.size, "logprob_arrays", rollouts, temperature)
-
     def logprobs(self, i: int, rollouts, temperature: float) -> Call:
-        """The chunk's rollouts with ``ref_logprobs`` set."""
+        """Reference logprobs ``(T_i,)`` of a chunk of rollouts (chunk ``i`` goes to rank ``i mod size``)."""
         return call(self.group, i % self.size, "logprobs", rollouts, temperature)
+
+    def with_ref_logprobs(self, i: int, rollouts, temperature: float) -> Call:
+        """The chunk's rollouts with ``ref_logprobs`` set."""
+        return call(self.group, i % self.size, "with_ref_logprobs", rollouts, temperature)
 
     def join_sync(self, address, first_rank: int) -> list:
         return [call(self.group, r, "init_weight_sync", address, first_rank + r) for r in range(self.sync_ranks())]
@@ -142,11 +142,11 @@ class ReferenceOnTrainers(NamedTuple):
     def size(self) -> int:
         return self.trainers.size
 
-    def logprob_arrays(self, i: int, rollouts, temperature: float) -> Call:
-        return call(self.trainers, i % self.size, "reference_logprob_arrays", rollouts, temperature)
-
     def logprobs(self, i: int, rollouts, temperature: float) -> Call:
         return call(self.trainers, i % self.size, "reference_logprobs", rollouts, temperature)
+
+    def with_ref_logprobs(self, i: int, rollouts, temperature: float) -> Call:
+        return call(self.trainers, i % self.size, "with_reference_logprobs", rollouts, temperature)
 
     def join_sync(self, address, first_rank: int) -> list:
         return []
