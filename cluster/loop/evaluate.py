@@ -13,7 +13,7 @@ def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: f
              samples_path: Optional[str] = None, step: int = 0,
              component_names: Optional[Sequence[str]] = None) -> dict:
     """``k`` completions of each item at ``gen`` (its ``n`` is replaced by ``k``), generated and
-    scored on ``backend`` (on Ray: the generators and the reward workers): ``eval_metrics``
+    scored on ``backend`` (its generators and reward workers): ``eval_metrics``
     (mean reward, accuracy = share with reward >= ``correct``, pass@1 and pass@k). With
     ``samples_path``, every sample is also written there as one JSON line
     (``sample_records``), replacing the file atomically.

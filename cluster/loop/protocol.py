@@ -73,6 +73,7 @@ class Backend(Protocol):
     """The operations of an RL or SFT run. ``pending`` values are the backend's own handles of
     work in flight (``generate`` -> ``reference_logprobs`` / ``score`` -> ``fetch``)."""
 
+    name: str  # for messages ("ray", "local")
     pad_token_id: int
     restarts: int  # actors replaced so far
     has_reference: bool

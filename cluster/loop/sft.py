@@ -1,5 +1,5 @@
 """The SFT loop: ``train_sft`` and ``evaluate_sft`` over any backend of ``cluster.loop.protocol``
-(its ``sft_step`` and ``sft_eval``): the Ray trainer group or the local backend's one process."""
+(its ``sft_step`` and ``sft_eval``): a trainer group or one process."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence

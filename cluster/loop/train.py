@@ -175,7 +175,7 @@ def train_and_sync(backend, rows: Sequence, plan_args: dict, algo, temperature: 
 
 def check_algorithm_for(backend, algo) -> None:
     """``algo`` fits this backend: its functions take their arguments and give the documented
-    results on a sample, it has the critic and reference it needs, and on Ray every function
+    results on a sample, it has the critic and reference it needs, and on a remote backend every function
     it carries (filters included) can be pickled. Named errors, before a step of ``algo``."""
     from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable, validate_algorithm
 
@@ -204,7 +204,7 @@ def _seen(algo, checked: set) -> bool:
 
 def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
                       eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
-    """Every hook of ``train`` takes its documented arguments, and on Ray the ones that travel
+    """Every hook of ``train`` takes its documented arguments, and on a remote backend the ones that travel
     to actors can be pickled: named errors before the first step. Returns the schedule's
     first algorithm, checked (one a schedule turns to later is checked when it appears)."""
     from primitives.hooks import check_picklable
@@ -267,7 +267,7 @@ class Hooks(NamedTuple):
 def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun, state: TrainState = TrainState(),
           hooks: Hooks = Hooks(), tools=None) -> TrainState:
     """The RL loop: prompts -> rollouts (generate, reference, reward) -> (values) -> batch ->
-    train -> sync, on ``backend`` (``cluster.loop.protocol``: a ``RayBackend`` or a ``LocalBackend``),
+    train -> sync, on ``backend`` (any backend of ``cluster.loop.protocol``),
     with the settings of ``run`` (``RLRun``) and the ``hooks`` (``Hooks``).
 
     * ``prompt_source(position, n) -> (items, position)`` draws the prompts.
@@ -278,7 +278,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     * ``tools`` (a ``primitives.env.tools.ToolConfig``) makes rollouts multi-turn tool use.
     * ``eval_fn(backend, state) -> dict`` and ``checkpoint_fn(backend, state)`` run every
       ``eval_every`` / ``checkpoint_every`` steps; ``logger(metrics)`` after every step.
-    * On Ray, a generator or reward worker that dies is replaced and the step's prompts are
+    * On a backend of actors, a generator or reward worker that dies is replaced and the step's prompts are
       collected again, so no prompt is lost or trained twice.
     * ``component_names`` (``build_reward``'s labels) name the logged ``reward/<name>``.
     * A step with nothing to train - the filters kept no group, or a pairwise loss found no
@@ -294,7 +294,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
       and ``idle/trainers`` (the share of the step each role sat idle).
 
     Returns the final ``TrainState`` (its ``metrics_history`` holds every step's metrics).
-    On Ray, ``backend.cluster`` is the cluster afterwards (it changes when an actor is replaced).
+    A backend that replaces actors holds the new ones (the Ray backend's ``cluster`` changes).
     """
     gen, num_steps, prompts_per_step, lr_schedule = run.gen, run.num_steps, run.prompts_per_step, run.lr_schedule
     max_staleness, component_names = run.max_staleness, run.component_names
