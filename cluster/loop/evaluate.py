@@ -23,8 +23,7 @@ def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: f
     if k < 1 or (k > 1 and gen.temperature <= 0):
         raise ValueError(f"evaluate: k={k} samples per item at temperature {gen.temperature}; k must be >= 1, "
                          "and pass@k with k > 1 needs temperature > 0 (greedy samples are all the same)")
-    held, _ = collect(backend, items, gen._replace(n=k), with_ref=False)
-    rollouts = backend.rollouts(held)  # the samples are written out: evaluation pulls them whole
+    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False)  # whole: the samples are written out
     metrics = eval_metrics(rollouts, k, correct, component_names)
     if samples_path is not None:
         write_jsonl_atomic(samples_path, sample_records(rollouts, step, component_names))

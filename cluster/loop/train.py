@@ -80,9 +80,11 @@ def fetch_collection(backend, coll: Collection, gen: GenerationConfig, tools=Non
 
 
 def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
-    """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for."""
-    coll = dispatch(backend, items, None, gen, with_ref, tools)
-    return fetch_collection(backend, coll, gen, tools)
+    """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for, and the
+    rollouts fetched whole (to look at them or write them out; the RL loop keeps only their
+    summaries)."""
+    held, times = fetch_collection(backend, dispatch(backend, items, None, gen, with_ref, tools), gen, tools)
+    return backend.rollouts(held), times
 
 
 def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,

@@ -40,8 +40,10 @@ class Recording(LocalBackend):
         return super().generate(items, gen, tools)
 
     def train_step(self, plan, parts, *args, **kwargs):
-        self.trained_uids.append([r.uid for r in planned_rollouts(plan, parts)])
-        return super().train_step(plan, parts, *args, **kwargs)
+        result = super().train_step(plan, parts, *args, **kwargs)
+        if result.batch_metrics is not None:  # the step trained (a pairwise loss may find no pair)
+            self.trained_uids.append([r.uid for r in planned_rollouts(plan, parts)])
+        return result
 
     def weights(self) -> dict:
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
