@@ -156,7 +156,7 @@ class RayBackend:
     def reference_in_train_step(self) -> bool:
         """The trainer ranks hold the reference: they score their own shards in the train step
         (and the rollouts, when KL goes in the reward)."""
-        return self.cluster.reference is not None and self.cluster.reference.where == "trainers"
+        return self.cluster.reference is not None and self.cluster.reference.in_train_step
 
     @property
     def reward_needs_reference(self) -> bool:

@@ -92,6 +92,7 @@ class ReferenceWorkers(NamedTuple):
     group: WorkerGroup
     tracks: bool = False
     where = "workers"
+    in_train_step = False  # the rollouts are scored before the batch is made
 
     @property
     def size(self) -> int:
@@ -137,6 +138,7 @@ class ReferenceOnTrainers(NamedTuple):
     trainers: WorkerGroup
     tracks: bool = False
     where = "trainers"
+    in_train_step = True  # each rank scores its own shard in the train step
 
     @property
     def size(self) -> int:
