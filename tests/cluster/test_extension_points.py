@@ -127,11 +127,12 @@ def items():
     return make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=2))[0]
 
 
-def run(backend, items, schedule, steps=1, gen=GEN, source=None, logger=None, tools=None, **run_settings):
+def run(backend, items, schedule, steps=1, gen=GEN, source=None, logger=None, tools=None, **settings):
     logged = []
+    hooks = {k: settings.pop(k) for k in Hooks._fields if k in settings}
     state = train(backend, source or make_prompt_source(items, seed=1), schedule,
-                  RLRun(gen, steps, PROMPTS, lambda s: 1e-3, progress=False, **run_settings),
-                  hooks=Hooks(logger=logger or logged.append), tools=tools)
+                  RLRun(gen, steps, PROMPTS, lambda s: 1e-3, progress=False, **settings),
+                  hooks=Hooks(logger=logger or logged.append, **hooks), tools=tools)
     return list(state.metrics_history)
 
 

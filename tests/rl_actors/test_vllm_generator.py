@@ -52,7 +52,8 @@ def items():
 
 
 def _checksums(cluster, role):
-    return gather(fan_out(getattr(cluster, role), "weight_checksums"), cluster.timeout_s)
+    group = getattr(cluster, role)
+    return gather(fan_out(getattr(group, "group", group), "weight_checksums"), cluster.timeout_s)  # a handle's actors
 
 
 def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
