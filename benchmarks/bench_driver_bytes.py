@@ -82,10 +82,10 @@ def main():
 
     if not os.path.realpath(cluster.__file__).startswith(os.path.realpath(checkout)):
         raise SystemExit(f"cluster imported from {cluster.__file__}, not from {checkout}")
-    try:
+    if os.path.isdir(os.path.join(checkout, "cluster", "jobs")):
         import primitives.io.loggers as loggers
         from cluster.jobs.cli import run as rayrl
-    except ImportError:  # a checkout from before the rooms
+    else:  # a checkout from before the rooms (the editable install would supply the new modules: not used)
         import primitives.loggers as loggers
         from cluster.cli import run as rayrl
 
