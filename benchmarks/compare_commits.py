@@ -140,8 +140,9 @@ def check_imports(python: str, path: str) -> dict:
     """Where a driver started in ``path`` imports the packages from, and the repo root its
     actors get; exits naming the checkout when any of them is outside ``path``."""
     probe = ("import json, importlib; mods = {m: importlib.import_module(m).__file__ for m in %r}; "
-             "import importlib.util as u; "  # where REPO_ROOT lives: cluster.ray_wing.roles, cluster.setup before it
-             "s = importlib.import_module('cluster.ray_wing.roles' if u.find_spec('cluster.ray_wing') else "
+             "import os; "  # where REPO_ROOT lives: cluster/ray_wing/roles.py, cluster/setup.py before it (told by
+             # the checkout's files: an editable install would supply the new module to an old checkout)
+             "s = importlib.import_module('cluster.ray_wing.roles' if os.path.isdir('cluster/ray_wing') else "
              "'cluster.setup'); mods['actors PYTHONPATH (REPO_ROOT)'] = getattr(s, 'REPO_ROOT', '?'); "
              "print(json.dumps(mods))" % (PACKAGES,))
     proc = subprocess.run([python, "-c", probe], cwd=path, capture_output=True, text=True)
