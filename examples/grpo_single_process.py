@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.local import LocalBackend  # noqa: E402
 from cluster.loop.evaluate import evaluate_accuracy  # noqa: E402
-from cluster.loop.sft import train_sft  # noqa: E402
+from cluster.loop.sft import SFTRun, train_sft  # noqa: E402
 from cluster.loop.train import Hooks, RLRun, train  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations  # noqa: E402
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
@@ -98,8 +98,8 @@ def sft_warmup(base_path: str, demos, args, logger) -> LocalBackend:
     backend = LocalBackend(base_path, arithmetic_reward, trainer=TrainerConfig(lr=args.sft_lr, max_grad_norm=1.0),
                            seed=args.seed)
     samples = [prepare_sft_text(backend.tokenizer, p, c) for p, c in demos]
-    train_sft(backend, samples, args.sft_steps, args.sft_batch, linear_warmup(args.sft_lr, 50), seed=args.seed,
-              logger=logger, log_every=50)
+    train_sft(backend, samples, SFTRun(args.sft_steps, args.sft_batch, linear_warmup(args.sft_lr, 50), seed=args.seed,
+                                       log_every=50), Hooks(logger=logger))
     return backend
 
 

@@ -85,15 +85,16 @@ def sampling_config(g, template_kwargs: Optional[dict]):
 def sft_stage(cluster, inputs: RLInputs, logger) -> None:
     """The RL job's SFT stage: train, send the weights to the generators, make them the
     reference, and give the trainers a fresh optimizer at the RL learning rate."""
-    from cluster.loop.sft import train_sft
+    from cluster.loop.sft import SFTRun, train_sft
+    from cluster.loop.train import Hooks
     from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
     from cluster.ray_wing.groups import fan_out, gather
     from primitives.model.training import linear_warmup
 
     sft = inputs.job.sft
-    train_sft(RayBackend(cluster), inputs.sft_samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup),
-              seed=inputs.job.seed, logger=logger, eval_samples=inputs.sft_eval_samples,
-              eval_every=sft.eval_every or sft.steps)
+    train_sft(RayBackend(cluster), inputs.sft_samples,
+              SFTRun(sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=inputs.job.seed),
+              Hooks(logger=logger, eval_every=sft.eval_every or sft.steps), eval_samples=inputs.sft_eval_samples)
     sync_weights(cluster, version=0, move_reference=False)
     copy_policy_to_reference(cluster)
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)

@@ -17,7 +17,8 @@ from cluster.jobs.outputs import finish_output, start_output
 def run_sft(job: SFTJob) -> dict:
     """The SFT job: check and load (no Ray), train on the trainer group with eval loss,
     checkpoints every ``checkpoint.every`` steps and the final model (HF in ``final_model/hf``)."""
-    from cluster.loop.sft import evaluate_sft, train_sft
+    from cluster.loop.sft import SFTRun, evaluate_sft, train_sft
+    from cluster.loop.train import Hooks
     from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint
     from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
     from primitives.model.training import linear_warmup
@@ -39,10 +40,11 @@ def run_sft(job: SFTJob) -> dict:
         before = evaluate_sft(backend, eval_samples)["eval/loss_sft"] if eval_samples else None
         save = lambda b, step: b.save(  # noqa: E731
             os.path.join(out, "checkpoints", f"step_{step}"), TrainState(iteration=step, global_step=step))
-        last = train_sft(backend, samples, sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=job.seed,
-                         logger=logger, eval_samples=eval_samples,
-                         eval_every=sft.eval_every or sft.steps, checkpoint_fn=save,
-                         checkpoint_every=job.checkpoint.every, start_step=first)
+        last = train_sft(backend, samples,
+                         SFTRun(sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=job.seed,
+                                start_step=first),
+                         Hooks(logger=logger, eval_every=sft.eval_every or sft.steps, checkpoint_fn=save,
+                               checkpoint_every=job.checkpoint.every), eval_samples=eval_samples)
         backend.save(os.path.join(out, "final_model"), TrainState(iteration=sft.steps, global_step=sft.steps))
     finally:
         shutdown_cluster(cluster)

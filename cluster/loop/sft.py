@@ -2,32 +2,46 @@
 (its ``sft_step`` and ``sft_eval``): a trainer group or one process."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from cluster.loop.train import Hooks
 from primitives.io.data import SFTSample, collate_sft
-from primitives.io.loggers import noop_logger
 from primitives.maths.metrics import merge_metrics
 
 
-def train_sft(backend, samples: Sequence[SFTSample], num_steps: int, batch_size: int,
-              lr_schedule: Callable[[int], float], seed: int = 0, logger: Callable = noop_logger,
-              log_every: int = 1, progress: bool = True, eval_samples: Sequence[SFTSample] = (),
-              eval_every: int = 0, checkpoint_fn: Optional[Callable] = None, checkpoint_every: int = 0,
-              start_step: int = 0) -> dict:
-    """Supervised fine-tuning on ``backend``'s trainer ranks (``cluster.loop.protocol``; the
-    weights stay there: a sync sends them on).
+class SFTRun(NamedTuple):
+    """How an SFT run draws and how long it trains (``train_sft``'s settings)."""
 
-    Each step draws ``batch_size`` samples (seeded, without replacement within the step);
+    num_steps: int
+    batch_size: int  # samples per step, all ranks together
+    lr_schedule: Callable[[int], float]  # step -> learning rate
+    seed: int = 0  # seeds the draws
+    log_every: int = 1  # the logger every N steps (and at evaluations and the last)
+    start_step: int = 0  # continue a run from a checkpoint at this step
+    progress: bool = True  # a tqdm bar
+
+
+def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks = Hooks(),
+              eval_samples: Sequence[SFTSample] = ()) -> dict:
+    """Supervised fine-tuning on ``backend``'s trainer ranks (``cluster.loop.protocol``; the
+    weights stay there: a sync sends them on), with the settings of ``run`` and the ``hooks``
+    (the RL loop's ``Hooks`` record: ``logger``, ``eval_every``, ``checkpoint_fn``, ``checkpoint_every``).
+
+    Each step draws ``run.batch_size`` samples (seeded, without replacement within the step);
     every trainer rank takes its share and the loss is normalised by the step's global
     target-token count. With ``eval_samples``, the held-out loss (``eval/loss_sft``) is
-    logged every ``eval_every`` steps and at the end; ``checkpoint_fn(backend, step)`` runs
-    every ``checkpoint_every`` steps. ``start_step`` continues a run from a checkpoint: the
-    draws of the steps before it are replayed, so the run goes on as if never stopped.
-    Returns the last step's metrics.
+    logged every ``hooks.eval_every`` steps and at the end; ``hooks.checkpoint_fn(backend,
+    step)`` runs every ``hooks.checkpoint_every`` steps. ``run.start_step`` continues a run
+    from a checkpoint: the draws of the steps before it are replayed, so the run goes on as
+    if never stopped. Returns the last step's metrics.
     """
+    num_steps, batch_size, lr_schedule, seed, log_every, start_step, progress = run
+    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks
+    if eval_fn is not None:
+        raise ValueError("train_sft evaluates the held-out loss on eval_samples; hooks.eval_fn would be ignored")
     if not samples:
         raise ValueError("train_sft: no samples")
     rng = np.random.default_rng(seed)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cluster.loop.evaluate import evaluate_accuracy
-from cluster.loop.sft import train_sft
+from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
@@ -36,8 +36,7 @@ def trained(rl_cluster, tiny_model_path):
     spec = ArithmeticTaskSpec(num_train=64, num_heldout=16)
     items, heldout = make_arithmetic_task(spec)
     samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
-    sft = train_sft(RayBackend(rl_cluster), samples, num_steps=3, batch_size=16, lr_schedule=lambda s: 1e-3,
-                    progress=False)
+    sft = train_sft(RayBackend(rl_cluster), samples, SFTRun(3, 16, lambda s: 1e-3, progress=False))
     sync_weights(rl_cluster, version=0)
     logged = []
     state = train(RayBackend(rl_cluster), make_prompt_source(items), constant_schedule(grpo(kl_coef=0.05)),

@@ -5,7 +5,7 @@ reference, train, weight sync - with generator and trainer logprobs equal to < 1
 import numpy as np
 import pytest
 
-from cluster.loop.sft import train_sft
+from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks, RLRun, collect, train
 from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
 from cluster.ray_wing.config import ClusterConfig
@@ -70,8 +70,7 @@ def run(ray_local, smollm2, items):
                                aggregate_fn=weighted_sum_aggregator([1.0, 0.5]))
     try:
         samples = [prepare_sft_chat(tok, chat_demonstration(it)) for it in items[:8]]
-        sft = train_sft(RayBackend(cluster), samples, num_steps=1, batch_size=8, lr_schedule=lambda s: 1e-5,
-                        progress=False)
+        sft = train_sft(RayBackend(cluster), samples, SFTRun(1, 8, lambda s: 1e-5, progress=False))
         sync_weights(cluster, version=0)
         copy_policy_to_reference(cluster)
         gather(fan_out(cluster.trainers, "reset_optimizer", 1e-5), cluster.timeout_s)  # as the default job does

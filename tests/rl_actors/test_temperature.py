@@ -5,7 +5,7 @@ logprobs; the generator / trainer gap is measured every step and is fp32-small o
 import numpy as np
 import pytest
 
-from cluster.loop.sft import train_sft
+from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks, RLRun, collect, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
@@ -42,8 +42,7 @@ def _one_step_each(path, trainers: int):
           hooks=Hooks(logger=rl.append))
     tok = AutoTokenizer.from_pretrained(path)
     samples = [prepare_sft_text(tok, p, c) for p, c in sft_demonstrations(items, spec)[0]]
-    train_sft(RayBackend(cluster), samples, num_steps=1, batch_size=16, lr_schedule=lambda s: 1e-3, logger=sft.append,
-              progress=False)
+    train_sft(RayBackend(cluster), samples, SFTRun(1, 16, lambda s: 1e-3, progress=False), Hooks(logger=sft.append))
     sync_weights(cluster, version=2)
     return cluster, rl[0], sft[0], items
 
