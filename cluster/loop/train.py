@@ -87,6 +87,17 @@ def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, too
     return backend.rollouts(held), times
 
 
+def select(backend, rows: Sequence, filters: Sequence) -> list:
+    """The rows ``filters`` keep (``backend.select``). The rollouts stay where they were scored,
+    so a replaceable actor that dies while the filters run is replaced and the filters run
+    again on the same rows: nothing is generated twice."""
+    while True:
+        try:
+            return backend.select(rows, filters)
+        except ActorFailure as failure:
+            backend.recover(failure, since=backend.restarts)
+
+
 def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,
                    with_ref: bool, tools=None, max_attempts: int = 3) -> tuple:
     """``(rollouts, times, regenerated)`` of a collection, each within ``max_staleness`` of
@@ -137,7 +148,7 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
         rollouts, t, redone = fresh_rollouts(backend, coll, gen, version, max_staleness, with_ref, tools)
         position, drawn, regenerated = coll.position, drawn + len(coll.items), regenerated + redone
         times = merge_metrics([times, t])
-        kept += backend.select(rollouts, algo.filters) if algo.filters else rollouts
+        kept += select(backend, rollouts, algo.filters) if algo.filters else rollouts
         if not algo.filters or len({r.group for r in kept}) >= prompts_per_step or rounds >= max_rounds:
             break
         rounds += 1

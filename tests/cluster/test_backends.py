@@ -289,3 +289,51 @@ def test_async_generator_killed_mid_step_loses_and_repeats_nothing(ray_local, ti
             == list(range(12))  # each prompt once per epoch
     assert [m["staleness/max"] for m in logged] == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0]  # step 2 regenerated fresh
     assert all(sums == trainer for sums in generators)  # the replacement holds the current weights
+
+
+class RewardKillingBackend(RayBackend):
+    """With ``kill``, kills reward worker 0 just before the first filter run, which takes place
+    on it. Records the uids each step trains on."""
+
+    def __init__(self, cluster, ray, kill: bool):
+        super().__init__(cluster)
+        self.ray, self.killed, self.trained_uids = ray, not kill, []
+
+    def select(self, rows, filters):
+        if not self.killed:
+            self.killed = True
+            kill_and_wait(self.ray, self.cluster.rewards.actors[0])
+        return super().select(rows, filters)
+
+    def train_step(self, plan, parts, *args, **kwargs):
+        pulled = [tuple(None if x is None else self.ray.get(x) for x in part) for part in parts]
+        self.trained_uids.append([r.uid for r in planned_rollouts(plan, pulled)])
+        return super().train_step(plan, parts, *args, **kwargs)
+
+
+def test_a_reward_worker_killed_under_the_filters_is_replaced_and_the_step_goes_on(ray_local, tiny_model_path):
+    """DAPO's dynamic sampling runs on reward worker 0; killed there, the worker is replaced and
+    the filters run again on the rollouts already scored: the same steps as an undisturbed run
+    (the same rollouts trained, metrics 1e-5), one restart, no rollout trained twice."""
+    from primitives.maths.algorithms import dapo
+
+    cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
+    runs = []
+    for killing in (False, True):
+        cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0),
+                                   spread_reward, with_reference=False, seed=0)
+        backend = RewardKillingBackend(cluster, ray_local, kill=killing)
+        try:
+            state = train(backend, make_prompt_source(items, seed=5), constant_schedule(dapo()),
+                          RLRun(GEN, num_steps=2, prompts_per_step=PROMPTS, lr_schedule=lambda step: LR,
+                                progress=False))
+        finally:
+            shutdown_cluster(backend.cluster)
+        runs.append((list(state.metrics_history), backend))
+    (calm, undisturbed), (killed, backend) = runs
+    assert backend.restarts == 1 and killed[-1]["recovery/actor_restarts"] == 1 and undisturbed.restarts == 0
+    _assert_same([{k: v for k, v in m.items() if k != "recovery/actor_restarts"} for m in calm],
+                 [{k: v for k, v in m.items() if k != "recovery/actor_restarts"} for m in killed])
+    uids = [u for step in backend.trained_uids for u in step]
+    assert backend.trained_uids == undisturbed.trained_uids and uids and len(uids) == len(set(uids))
