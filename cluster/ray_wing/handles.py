@@ -11,6 +11,14 @@ from typing import NamedTuple, Optional, Sequence
 from cluster.ray_wing.groups import Call, WorkerGroup, call, fan_out
 
 
+def generate_call(group: WorkerGroup, rank: int, items: Sequence, gen, tools=None) -> Call:
+    """Rollouts of ``items`` on ``group``'s rank ``rank`` (both kinds of generator actor offer
+    ``generate`` and, with ``tools``, ``generate_multiturn``)."""
+    if tools is None:
+        return call(group, rank, "generate", items, gen)
+    return call(group, rank, "generate_multiturn", items, gen, tools)
+
+
 class GeneratorWorkers(NamedTuple):
     """Generator workers of their own: they join the weight-sync broadcast, and a dead one is
     replaced (``replaceable``)."""
@@ -24,9 +32,7 @@ class GeneratorWorkers(NamedTuple):
         return self.group.size
 
     def generate(self, rank: int, items: Sequence, gen, tools=None) -> Call:
-        if tools is None:
-            return call(self.group, rank, "generate", items, gen)
-        return call(self.group, rank, "generate_multiturn", items, gen, tools)
+        return generate_call(self.group, rank, items, gen, tools)
 
     def join_sync(self, address, first_rank: int, bucket_bytes: int) -> list:
         """Each worker joins the sync group as ``first_rank + its rank``."""
@@ -62,9 +68,7 @@ class GeneratorsOnTrainers(NamedTuple):
         return self.trainers.size
 
     def generate(self, rank: int, items: Sequence, gen, tools=None) -> Call:
-        if tools is None:
-            return call(self.trainers, rank, "generate", items, gen)
-        return call(self.trainers, rank, "generate_multiturn", items, gen, tools)
+        return generate_call(self.trainers, rank, items, gen, tools)
 
     def join_sync(self, address, first_rank: int, bucket_bytes: int) -> list:
         return []

@@ -16,7 +16,7 @@ from cluster.loop.protocol import Held, plan_parts
 from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks
 from primitives.env.tools import ToolCall, ToolResult, tool_metrics
-from primitives.maths.algorithms import dapo, grpo
+from primitives.maths.algorithms import dapo, grpo, online_dpo
 from primitives.maths.batching import planned_batch, trainable_batch
 from primitives.maths.filters import dynamic_sampling_filter, kept_indices
 from primitives.maths.metrics import tool_metrics as summary_tool_metrics
@@ -92,13 +92,14 @@ def test_any_chunking_builds_the_batch_of_the_rollouts_themselves(cuts, seed, wi
         np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field), err_msg=field)
 
 
-def test_a_plan_with_nothing_to_train_is_none():
+def test_a_tied_group_leaves_nothing_to_train():
+    """DAPO's dynamic sampling keeps no tied group, and online DPO finds no pair in one: the
+    plan's batch is None (the loop skips the update)."""
     tied = [rollout(0, 0, 1.0), rollout(0, 1, 1.0)]
-    pairwise = dapo()._replace(name="pairs")  # DAPO's dynamic sampling keeps no tied group ...
-    assert kept_indices(tied, pairwise.filters) == []
-    from primitives.maths.algorithms import online_dpo  # ... and online DPO finds no pair in one
-
+    assert kept_indices(tied, dapo().filters) == []
     assert planned_batch(BatchPlan(((0, 0), (0, 1)), 0), [(tied, None)], online_dpo()) is None
+    spread = [rollout(0, 0, 1.0), rollout(0, 1, 0.0)]  # and with a spread, both train
+    assert planned_batch(BatchPlan(((0, 0), (0, 1)), 0), [(spread, None)], online_dpo()).size == 2
 
 
 def test_train_sft_refuses_a_hook_it_would_ignore():
