@@ -38,6 +38,7 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
 from primitives.io.data import make_prompt_source  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.io.outputs import output_dir  # noqa: E402
 from primitives.maths.algorithms import dapo, grpo, metric_switch_schedule, online_dpo, piecewise_schedule  # noqa: E402
 from primitives.maths.filters import dynamic_sampling_filter  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
@@ -89,6 +90,7 @@ def main(argv=None) -> dict:
     import ray
 
     args, start = parse_args(argv), time.time()
+    args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     logger, _ = run_logger(args.out, ["algorithm", "reward/mean", "data/prompts_drawn", "dpo/accuracy"], every=1)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     items, _ = make_arithmetic_task(ArithmeticTaskSpec(num_train=1024, num_heldout=1, seed=args.seed))

@@ -40,6 +40,7 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
 from primitives.io.data import make_prompt_source  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.io.outputs import output_dir  # noqa: E402
 from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
 from primitives.maths.kl import create_confidence_masked_kl, create_ema_updater, create_truncated_kl  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
@@ -98,6 +99,7 @@ def main(argv=None) -> dict:
     import ray
 
     args, start = parse_args(argv), time.time()
+    args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     logger, _ = run_logger(args.out, ("reference",) + KEYS, every=5)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     items, _ = make_arithmetic_task(ArithmeticTaskSpec(num_train=512, num_heldout=1, seed=args.seed))

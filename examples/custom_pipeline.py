@@ -45,6 +45,7 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
 from primitives.io.data import make_prompt_source  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.io.outputs import output_dir  # noqa: E402
 from primitives.maths.advantages import broadcast_to_tokens  # noqa: E402
 from primitives.maths.algorithms import AlgorithmConfig  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
@@ -123,6 +124,7 @@ def main(argv=None) -> dict:
     import ray
 
     args, start = parse_args(argv), time.time()
+    args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     keys = ["reward/mean", "loss/kl", "pipeline/kl_coef", "pipeline/adv_abs_max"]
     logger, _ = run_logger(args.out, keys, every=5)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)

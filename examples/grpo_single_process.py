@@ -43,6 +43,7 @@ from primitives.io.checkpoint import save_checkpoint  # noqa: E402
 from primitives.io.data import make_prompt_source, prepare_sft_text  # noqa: E402
 from primitives.io.evaluation import greedy_accuracy  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.io.outputs import output_dir  # noqa: E402
 from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
 from primitives.model.training import linear_warmup  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
@@ -125,6 +126,7 @@ def grpo_train(model_path: str, train_items, args, logger, heldout) -> tuple:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     start = time.time()
     seed_everything(args.seed)
     logger, metrics_path = run_logger(args.out, ["loss/sft", "reward/mean", "eval/accuracy", "policy/entropy"])

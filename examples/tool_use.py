@@ -33,10 +33,8 @@ Writes to --out: metrics.jsonl, summary.json, samples.jsonl, curves.png, sft_mod
 from __future__ import annotations
 
 import argparse
-import json
 import operator
 import os
-import random
 import sys
 import time
 
@@ -50,7 +48,6 @@ from cluster.loop.train import Hooks, RLRun, collect, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
-from primitives.env.rewards import parse_first_number  # noqa: E402
 from primitives.env.tools import (  # noqa: E402
     SandboxUnavailable,
     ToolConfig,
@@ -60,14 +57,16 @@ from primitives.env.tools import (  # noqa: E402
     python_tool,
     run_python_sandboxed,
 )
+from primitives.fixtures.tasks import tool_answer_reward, tool_demonstration, tool_items  # noqa: E402
 from primitives.fixtures.tiny import IM_END, save_tiny_model  # noqa: E402
 from primitives.io.checkpoint import save_checkpoint  # noqa: E402
-from primitives.io.data import PromptItem, collate_sft, make_prompt_source, prepare_sft_chat  # noqa: E402
+from primitives.io.data import collate_sft, make_prompt_source, prepare_sft_chat  # noqa: E402
 from primitives.io.evaluation import write_jsonl_atomic  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.io.outputs import output_dir  # noqa: E402
 from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
 from primitives.model.training import linear_warmup, optim_step, sft_forward_backward  # noqa: E402
-from primitives.types import Conversation, GenerationConfig, Message, TrainState  # noqa: E402
+from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -78,33 +77,10 @@ SAMPLES = 4  # held-out prompts sampled after training into samples.jsonl
 
 
 # ----------------------------------------------------------------------------- task, demonstrations, reward
-def make_items(n: int, tools: list, seed: int) -> list:
-    """Chat questions on two-digit arithmetic, alternating between the tools; the metadata
-    (``source_id``, the expression, the tool) travels with every rollout."""
-    rng = random.Random(seed)
-    items = []
-    for i in range(n):
-        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice(list(OPS))
-        expression, tool = f"{a}{op}{b}", tools[i % len(tools)]
-        items.append(PromptItem(i, Conversation((Message("user", QUESTIONS[tool].format(expression)),)),
-                                answer=str(OPS[op](a, b)),
-                                metadata={"source_id": f"arith-{seed}-{i}", "expression": expression, "tool": tool}))
-    return items
-
-
-def demonstration(item: PromptItem) -> list:
-    """user -> assistant tool call -> tool result -> assistant answer, as chat messages."""
-    expression, tool = item.metadata["expression"], item.metadata["tool"]
-    arguments = {"expression": expression} if tool == "calc" else {"code": f"print({expression})"}
-    call = f'<tool_call name="{tool}">{json.dumps(arguments)}</tool_call>'
-    return [{"role": "user", "content": item.prompt.messages[0].content}, {"role": "assistant", "content": call},
-            {"role": "tool", "content": item.answer}, {"role": "assistant", "content": item.answer}]
-
-
-def final_answer_reward(rollout) -> float:
-    """1 when the last assistant message (not a tool call) is the right number."""
-    last = [m for m in rollout.metadata["conversation"] if m["role"] == "assistant"][-1]
-    return float("tool_calls" not in last and parse_first_number(last["content"]) == rollout.answer)
+# the task (primitives.fixtures.tasks.tool_arithmetic_task, also data.task: tool_arithmetic in a job file):
+# make_items alternates the tools, demonstration is user -> call -> tool result -> answer, and the reward
+# is 1 when the last assistant message is the right number
+make_items, demonstration, final_answer_reward = tool_items, tool_demonstration, tool_answer_reward
 
 
 def stop_unless_call_completed(conversation) -> bool:
@@ -167,6 +143,7 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args, start = parse_args(argv), time.time()
+    args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     torch.manual_seed(args.seed)
     logger, _ = run_logger(args.out, ["loss/sft", "reward/mean", "tools/calls_per_rollout", "tools/success_rate"])
     python = "skipped: --no-python" if args.no_python else python_tool_status()

@@ -32,6 +32,7 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, mak
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
 from primitives.io.data import make_prompt_source  # noqa: E402
 from primitives.io.loggers import mean_of, plot_curves, run_logger, write_summary  # noqa: E402
+from primitives.io.outputs import output_dir  # noqa: E402
 from primitives.maths.algorithms import constant_schedule, grpo  # noqa: E402
 from primitives.types import GenerationConfig, TrainState  # noqa: E402
 from rl_actors.trainer import TrainerConfig  # noqa: E402
@@ -80,6 +81,7 @@ def main(argv=None) -> dict:
     import ray
 
     args, start = parse_args(argv), time.time()
+    args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     keys = ["reward/mean"] + [f"reward/{name}" for name in COMPONENTS]
     logger, _ = run_logger(args.out, keys, every=10)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)

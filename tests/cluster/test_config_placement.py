@@ -121,7 +121,7 @@ def test_each_preset_keeps_its_own_kl_unless_given():
 
 
 def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):
-    from cluster.jobs.config import inside_submitted_job, resolve_output_dir
+    from primitives.io.outputs import inside_submitted_job, resolve_output_dir
 
     copy = "/tmp/ray/session_x/runtime_resources/working_dir_files/_ray_pkg_abc"
     job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
@@ -142,3 +142,15 @@ def test_output_dir_of_a_submitted_job_is_persistent(tmp_path):
         resolve_output_dir("x", {**job_env, "RAYRL_OUTPUT_ROOT": "out"}, cwd=copy)
     with pytest.raises(ValueError, match="leaves"):
         resolve_output_dir("../../x", {**job_env, "RAYRL_OUTPUT_ROOT": str(tmp_path)}, cwd=copy)
+
+
+def test_a_scripts_output_dir_is_created_where_a_job_would_write(tmp_path, capsys):
+    from primitives.io.outputs import output_dir
+
+    copy = "/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_ab12"
+    job_env = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}", "RAYRL_OUTPUT_ROOT": str(tmp_path / "root")}
+    assert output_dir("runs/a", job_env, cwd=copy) == str(tmp_path / "root" / "runs" / "a")
+    assert os.path.isdir(tmp_path / "root" / "runs" / "a")
+    assert f"writing outputs to {tmp_path / 'root' / 'runs' / 'a'}" in capsys.readouterr().out
+    assert output_dir("b", {}, cwd=str(tmp_path)) == str(tmp_path / "b") and os.path.isdir(tmp_path / "b")
+    assert capsys.readouterr().out == ""  # outside a submitted job: where the path says, quietly

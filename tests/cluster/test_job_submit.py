@@ -92,3 +92,25 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
 
     saved = load_job_config(os.path.join(out, "config.yaml"), RLJob)
     assert saved.algorithm.steps == 3 and saved.data.task_kwargs == {"num_heldout": 16} and saved.logging.out == out
+
+
+@pytest.mark.slow
+def test_job_submit_of_a_script_writes_under_the_output_root(ray_head, tmp_path):
+    """A user's own script, submitted with `--working-dir .`: its relative --out goes through
+    `primitives.io.outputs.output_dir` to $RAYRL_OUTPUT_ROOT, so the outputs outlive Ray's
+    temporary copy of the working directory (which holds none of them)."""
+    submission = f"rayrl-script-{int(time.time())}"
+    runtime_env = json.dumps({"env_vars": {"RAYRL_OUTPUT_ROOT": str(tmp_path)}})
+    cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
+           "--runtime-env-json", runtime_env, "--working-dir", ".", "--",
+           sys.executable, "examples/custom_kl_ema.py", "--steps", "2", "--out", "runs/script"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = str(tmp_path / "runs" / "script")
+    assert f"writing outputs to {out}" in proc.stdout
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == 2 and set(summary["mean_over_steps"]["kl/ref_k3"]) == {"ema", "fixed"}
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(rows) == 4 and os.path.isfile(os.path.join(out, "curves.png"))
+    assert not os.path.exists(os.path.join(ROOT, "runs", "script"))  # nothing in the checkout either
