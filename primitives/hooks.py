@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import os
 import traceback
 from typing import Callable, Sequence
@@ -156,3 +157,24 @@ def call_hook(fn: Callable, what: str, *args, where: str = ""):
         if isinstance(e, ValueError):  # bad input stays a ValueError, with the place added
             raise ValueError(message) from e
         raise UserFunctionError(message) from e
+
+
+def arguments_of(fn: Callable, skip_first: bool = False) -> str:
+    """``fn``'s parameters as ``"a, b=1.0"`` for error messages."""
+    params = list(inspect.signature(fn).parameters.values())[int(skip_first):]
+    return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params)
+
+
+def check_kwargs(what: str, fn: Callable, kwargs: dict, skip_first: bool = False) -> None:
+    """A ``ValueError`` naming ``what`` and ``fn``'s accepted arguments unless ``fn`` takes ``kwargs``."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key in kwargs:
+            if key not in params or (skip_first and key == next(iter(params))):
+                hint = did_you_mean(key, list(params)[int(skip_first):]) or ";"
+                raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
+                                 f"{arguments_of(fn, skip_first) or 'none'}")
+    try:
+        inspect.signature(fn).bind(*([None] if skip_first else []), **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{what}: {e}; accepted arguments: {arguments_of(fn, skip_first) or 'none'}") from None

@@ -118,12 +118,14 @@ class RolloutSummary(NamedTuple):
     tool_calls: int = 0
     tool_results: int = 0
     tool_errors: int = 0
+    untrained_tokens: int = 0  # completion tokens outside the loss mask (tool output, its template)
 
 
 def summarize(r: "Rollout") -> RolloutSummary:
     return RolloutSummary(r.uid, r.group, int(r.policy_version), None if r.reward is None else float(r.reward),
                           r.num_tokens, r.ref_logprobs is not None, len(r.tool_calls), len(r.tool_results),
-                          sum(bool(res.is_error) for res in r.tool_results))
+                          sum(bool(res.is_error) for res in r.tool_results),
+                          r.num_tokens - int(np.asarray(r.loss_mask).sum()))
 
 
 class BatchPlan(NamedTuple):

@@ -261,20 +261,23 @@ def rl_errors(job: RLJob) -> list:
 SECTION_ALGORITHM_FIELDS = ("name", "kl_coef", "ppo_epochs", "mini_batches", "is_level", "is_cap")
 
 
-def algorithm_of(rl):
-    """The ``AlgorithmConfig`` of the ``algorithm`` section: the preset with the section's
-    settings and ``overrides`` (any other field, e.g. ``clip_eps_high``, ``entropy_coef``);
-    the preset's own KL coefficient unless ``kl_coef`` is given."""
+def algorithm_of(rl, where: str = "algorithm"):
+    """The ``AlgorithmConfig`` of the ``algorithm`` section (or a schedule phase, named
+    ``where`` in errors): the preset with the section's settings and ``overrides`` (any other
+    field, e.g. ``clip_eps_high``, ``entropy_coef``); the preset's own KL coefficient unless
+    ``kl_coef`` is given."""
     from primitives.hooks import did_you_mean
     from primitives.maths.algorithms import AlgorithmConfig, get_algorithm
 
     overrides = dict(rl.overrides or {})
     for key in overrides:
         if key in SECTION_ALGORITHM_FIELDS:
-            raise ConfigErrors([f"algorithm.overrides.{key}: set algorithm.{key} instead"])
+            own = where == "algorithm" or key in ("name", "kl_coef")
+            raise ConfigErrors([f"{where}.overrides.{key}: set {where if own else 'algorithm'}.{key} instead"
+                                + ("" if own else " (every phase shares it)")])
         if key not in AlgorithmConfig._fields:
             hint = did_you_mean(key, AlgorithmConfig._fields) or "; see primitives.maths.algorithms.AlgorithmConfig"
-            raise ConfigErrors([f"algorithm.overrides.{key}: not an AlgorithmConfig field{hint}"])
+            raise ConfigErrors([f"{where}.overrides.{key}: not an AlgorithmConfig field{hint}"])
     kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
     return get_algorithm(rl.name, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches, is_level=rl.is_level,
                          is_cap=rl.is_cap, **kl, **overrides)

@@ -58,6 +58,53 @@ class RLConfig(NamedTuple):
     overrides: Optional[dict[str, Scalar]] = None
 
 
+class PhaseConfig(NamedTuple):
+    start: int = 0  # piecewise: the first step of this phase (metric: unused)
+    name: str = "dapo"  # the phase's algorithm: a preset or module:function, as algorithm.name
+    kl_coef: Optional[float] = None  # None: the preset's own
+    overrides: Optional[dict[str, Scalar]] = None  # other AlgorithmConfig fields, as algorithm.overrides
+
+
+class ScheduleConfig(NamedTuple):
+    # constant: the algorithm section at every step; piecewise: the algorithm section, then each phase from its
+    # start step; metric: the algorithm section until a step logs metric >= threshold, then phases[0] (it sticks);
+    # or module:function, a schedule (iteration, last_metrics) -> AlgorithmConfig with kwargs bound to it
+    kind: str = "constant"
+    phases: tuple[PhaseConfig, ...] = ()  # the algorithms after the algorithm section (they share its ppo_epochs,
+    # mini_batches, is_level and is_cap)
+    metric: str = "reward/mean"  # metric: the logged metric to watch
+    threshold: float = 0.5  # metric: switch once the watched metric reaches this
+    kwargs: Optional[dict[str, Scalar]] = None  # module:function: keyword arguments bound to it
+
+
+class ReferenceConfig(NamedTuple):
+    # fixed; ema (kwargs: decay); periodic (every: reset to the policy every N steps); kl_bound (max_kl: reset
+    # when the measured KL exceeds it); or module:function ref_update_fn(ref, policy_weights, step, kl) -> RefState
+    update: str = "fixed"
+    kwargs: Optional[dict[str, Scalar]] = None  # the built-in's arguments, or bound to a module:function
+
+
+class ToolSpec(NamedTuple):
+    name: str  # calculator, python (sandboxed by bubblewrap), or module:function tool(arguments: dict) -> str
+    label: Optional[str] = None  # the name the model calls it by (default: name; a function's own name)
+    kwargs: Optional[dict[str, Scalar]] = None  # keyword arguments bound to the tool (python: timeout, memory_mb)
+
+
+class ToolsConfig(NamedTuple):
+    use: tuple[ToolSpec, ...] = ()  # the tools; none: single-turn rollouts
+    parser: str = "xml"  # xml (<tool_call name="...">{json}</tool_call>), json, or module:function(text) -> [ToolCall]
+    stop: str = "no_tool_calls"  # no_tool_calls (the turn called none), or module:function(conversation) -> bool
+    max_turns: int = 4  # assistant turns per rollout at most
+
+
+class ShapingSpec(NamedTuple):
+    # length_penalty (coef, target_len), overlong (max_len, buffer, penalty: DAPO's soft penalty), kl_penalty
+    # (coef: the reward minus coef * the sequence KL to the reference), or module:function
+    # shaping_fn(rollout, reward) -> reward; several are applied in order
+    name: str
+    kwargs: Optional[dict[str, Scalar]] = None  # the built-in's arguments, or bound to a module:function
+
+
 class SamplingConfig(NamedTuple):
     group_size: int = 8  # completions per prompt (G)
     max_new_tokens: int = 5  # completion length limit, in tokens
@@ -108,7 +155,11 @@ class RLJob(NamedTuple):
     model: ModelConfig = ModelConfig("tiny")  # model_name_or_path: tiny, smollm2 (both embedded) or an HF directory
     data: DataConfig = DataConfig()  # a task or a prompt file (one of them is required)
     rewards: tuple[RewardSpec, ...] = (RewardSpec("exact_match"),)  # built-in or module:function, weighted
+    shaping: tuple[ShapingSpec, ...] = ()  # reward shaping on the reward workers, after the rewards are combined
     algorithm: RLConfig = RLConfig()
+    schedule: ScheduleConfig = ScheduleConfig()  # which algorithm each step runs (switching)
+    reference: ReferenceConfig = ReferenceConfig()  # how the KL reference moves
+    tools: ToolsConfig = ToolsConfig()  # multi-turn rollouts with tool calls
     generation: SamplingConfig = SamplingConfig()
     cluster: ClusterConfig = ClusterConfig()
     sft: SFTConfig = SFTConfig()
@@ -298,39 +349,7 @@ def parse_overrides(job_type, default, args, prog: str, description: str):
                     config=(tyro.conf.FlagConversionOff,))
 
 
-# ----------------------------------------------------------------------------- output paths
-
-OUTPUT_ROOT_ENV = "RAYRL_OUTPUT_ROOT"  # where relative output paths of a submitted job go
-DEFAULT_OUTPUT_ROOT = "~/rayrl"
-
-
-def inside_submitted_job(environ=os.environ, cwd: Optional[str] = None) -> bool:
-    """Whether this driver runs from ``ray job submit``: its working directory is then Ray's
-    temporary copy of the job's ``--working-dir``, which vanishes with the Ray session."""
-    here = cwd if cwd is not None else os.getcwd()
-    return bool(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")) or f"{os.sep}working_dir_files{os.sep}" in here + os.sep
-
-
-def resolve_output_dir(path: str, environ=os.environ, cwd: Optional[str] = None) -> str:
-    """The absolute directory a job writes to. An absolute ``path`` is used as given. A relative
-    one is relative to the current directory - except inside a submitted job, where that is
-    Ray's temporary copy of the checkout: there it goes under ``$RAYRL_OUTPUT_ROOT`` (a shared
-    volume on a multi-node cluster), else under ``~/rayrl`` on the node that runs the driver.
-    ``~`` is expanded; the root must be absolute, and a relative path may not leave it."""
-    path = os.path.expanduser(path)
-    if os.path.isabs(path):
-        return os.path.normpath(path)
-    if not inside_submitted_job(environ, cwd):
-        return os.path.normpath(os.path.join(cwd if cwd is not None else os.getcwd(), path))
-    root = os.path.expanduser(environ.get(OUTPUT_ROOT_ENV) or DEFAULT_OUTPUT_ROOT)
-    if not os.path.isabs(root):
-        raise ValueError(f"${OUTPUT_ROOT_ENV}={root!r} must be an absolute path: relative to a submitted job's "
-                         "working directory it would land in Ray's temporary copy of the checkout")
-    resolved = os.path.normpath(os.path.join(root, path))
-    if os.path.relpath(resolved, os.path.normpath(root)).startswith(os.pardir):
-        raise ValueError(f"output path {path!r} leaves ${OUTPUT_ROOT_ENV} ({root}); give an absolute path instead")
-    return resolved
-
+# ----------------------------------------------------------------------------- checkpoints
 
 def resume_errors(path: str) -> list:
     """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not."""

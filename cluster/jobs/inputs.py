@@ -20,7 +20,6 @@ from cluster.jobs.checks import (
 from cluster.jobs.config import (
     RLJob,
     SFTJob,
-    resolve_output_dir,
     resume_errors,
 )
 from primitives.io.data import (
@@ -31,6 +30,7 @@ from primitives.io.data import (
     sft_samples_from_records,
     split_eval,
 )
+from primitives.io.outputs import resolve_output_dir
 from primitives.types import ModelConfig
 
 EMBEDDED_MODELS = ("tiny", "smollm2")
@@ -192,9 +192,14 @@ class RLInputs(NamedTuple):
     reward_fn: object
     aggregate_fn: object
     component_names: tuple
-    algo: object  # primitives.maths.algorithms.AlgorithmConfig
+    algo: object  # primitives.maths.algorithms.AlgorithmConfig of step 0
     info: dict  # facts of the task for the summary
     template_kwargs: Optional[dict]  # chat-template variables (enable_thinking) the generators render with
+    schedule: object = None  # (iteration, last_metrics) -> AlgorithmConfig (the schedule section)
+    algos: tuple = ()  # every algorithm the schedule can return (step 0's first)
+    ref_update_fn: object = None  # how the reference moves (None: fixed)
+    shaping_fn: object = None  # reward shaping on the reward workers (None: none)
+    tools: object = None  # cluster.jobs.extensions.BuiltTools, or None: single-turn rollouts
 
 
 @checked
@@ -212,6 +217,7 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     raise_if(errors)
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
     algo = algorithm_of(job.algorithm)
+    extensions = job_extensions(job)
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
 
     def load(job=job) -> RLInputs:
@@ -221,9 +227,32 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
         sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume \
             else ([], [])
         return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,
-                        dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None)
+                        dict(task.info or {}) if task else {}, chat_template_kwargs(tokenizer, job.data.format) or None,
+                        **extensions)
 
-    return load() if beside is None else side_by_side(load, lambda: beside(job, algo))
+    return load() if beside is None else side_by_side(load, lambda: beside(job, extensions))
+
+
+def job_extensions(job: RLJob) -> dict:
+    """The schedule, reference update, shaping and tools of the job file, built and checked
+    (every section's errors together); a reference that moves must be one some step reads."""
+    from cluster.jobs.extensions import build_ref_update, build_schedule, build_shaping, build_tools
+    from primitives.maths.algorithms import uses_reference
+
+    built, errors = {}, []
+    for key, build in (("schedule", build_schedule), ("ref_update_fn", build_ref_update),
+                       ("shaping_fn", build_shaping), ("tools", build_tools)):
+        try:
+            built[key] = build(job)
+        except ConfigErrors as e:
+            errors += e.errors
+    raise_if(errors)
+    schedule, algos = built.pop("schedule")
+    reads_reference = any(uses_reference(a) for a in algos) or getattr(built["shaping_fn"], "needs_reference", False)
+    raise_if(failed_checks([(built["ref_update_fn"] is None or reads_reference,
+                             f"reference.update {job.reference.update} moves a reference that no step reads: every "
+                             "algorithm has kl_coef 0 and no loss or shaping reads reference logprobs")]))
+    return {"schedule": schedule, "algos": tuple(algos), **built}
 
 
 def side_by_side(work, here):

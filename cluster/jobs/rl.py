@@ -25,14 +25,27 @@ from primitives.io.loggers import mean_of
 from primitives.types import ModelConfig
 
 
-def start_ray_for(job: RLJob, algo) -> str:
-    """Start (or join) the Ray the job's roles need: a local one is sized for them."""
+def start_ray_for(job: RLJob, extensions: dict) -> str:
+    """Start (or join) the Ray the job's roles need (for every algorithm its schedule may run,
+    and its shaping): a local one is sized for them."""
     from cluster.ray_wing.roles import NODE_GROUP_PINS, role_specs, start_ray
-    from primitives.maths.algorithms import needs_values, uses_reference
 
-    cfg = job.cluster
-    return start_ray(cfg, role_specs(cfg, uses_reference(algo), NODE_GROUP_PINS if cfg.pin_roles else None,
-                                     with_critic=needs_values(algo)))
+    cfg, algos = job.cluster, extensions["algos"]
+    return start_ray(cfg, role_specs(cfg, needs_reference(algos, extensions["shaping_fn"]),
+                                     NODE_GROUP_PINS if cfg.pin_roles else None, with_critic=any_needs_values(algos)))
+
+
+def needs_reference(algos, shaping_fn=None) -> bool:
+    """Whether some step reads reference logprobs: an algorithm's KL or loss, or the shaping."""
+    from primitives.maths.algorithms import uses_reference
+
+    return any(uses_reference(a) for a in algos) or bool(getattr(shaping_fn, "needs_reference", False))
+
+
+def any_needs_values(algos) -> bool:
+    from primitives.maths.algorithms import needs_values
+
+    return any(needs_values(a) for a in algos)
 
 
 def run_rl(job: RLJob) -> dict:
@@ -127,7 +140,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     from cluster.ray_wing.backend import RayBackend
     from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
     from primitives.io.data import make_prompt_source
-    from primitives.maths.algorithms import constant_schedule, needs_values, uses_reference
+    from primitives.maths.algorithms import constant_schedule
     from primitives.model.training import linear_warmup
     from primitives.types import TrainState
     from rl_actors.trainer import TrainerConfig
@@ -141,13 +154,18 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                                 micro_batch_size=cfg.micro_batch_size)
     names = inputs.component_names if len(inputs.component_names) > 1 else None
     cluster_start = time.time()
-    backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn, uses_reference(inputs.algo),
-                                          aggregate_fn=inputs.aggregate_fn, seed=job.seed,
-                                          bucket_mb=cfg.sync_bucket_mb, reserve_critics=needs_values(inputs.algo)))
+    algos = inputs.algos or (inputs.algo,)
+    tools = inputs.tools.config if inputs.tools is not None else None
+    backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn,
+                                          needs_reference(algos, inputs.shaping_fn),
+                                          ref_update_fn=inputs.ref_update_fn, aggregate_fn=inputs.aggregate_fn,
+                                          shaping_fn=inputs.shaping_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb,
+                                          reserve_critics=any_needs_values(algos)))
 
     def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
         return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
-                        component_names=names, samples_path=os.path.join(out, "samples", f"{name}_{s.iteration}.jsonl"))
+                        component_names=names, samples_path=os.path.join(out, "samples", f"{name}_{s.iteration}.jsonl"),
+                        tools=tools)
 
     def save(b, s):
         b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
@@ -157,7 +175,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         if with_sft:
             sft_stage(backend.cluster, inputs, logger)
             skipped = time.time() - built
-        if needs_values(inputs.algo):
+        if any_needs_values(algos):
             with_critic(backend, inputs, with_sft)
         if job.checkpoint.resume:  # weights, optimizer, reference, critic, data position and versions
             start_state = backend.load(job.checkpoint.resume)
@@ -172,7 +190,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                   f"{before['eval/accuracy']:.3f}", flush=True)
         startup = {**backend.cluster.startup, "before_rl": round(time.time() - built - skipped, 3)}
         state = train(backend, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
-                      constant_schedule(inputs.algo),
+                      inputs.schedule or constant_schedule(inputs.algo),
                       RLRun(gen, num_steps=algo.steps, prompts_per_step=algo.prompts_per_step,
                             lr_schedule=linear_warmup(algo.lr, algo.warmup),
                             max_resample_rounds=algo.max_resample_rounds, max_staleness=algo.max_staleness,
@@ -180,7 +198,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                       state=start_state,
                       hooks=Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
                                   eval_every=ev.every or algo.steps, checkpoint_fn=save,
-                                  checkpoint_every=job.checkpoint.every))
+                                  checkpoint_every=job.checkpoint.every), tools=tools)
         history = list(state.metrics_history[len(start_state.metrics_history):])
         startup["first_step"] = round(history[0]["time/step"], 3) if history else None
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)

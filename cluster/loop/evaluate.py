@@ -11,7 +11,7 @@ from primitives.types import GenerationConfig
 
 def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: float = 1.0,
              samples_path: Optional[str] = None, step: int = 0,
-             component_names: Optional[Sequence[str]] = None) -> dict:
+             component_names: Optional[Sequence[str]] = None, tools=None) -> dict:
     """``k`` completions of each item at ``gen`` (its ``n`` is replaced by ``k``), generated and
     scored on ``backend`` (its generators and reward workers): ``eval_metrics``
     (mean reward, accuracy = share with reward >= ``correct``, pass@1 and pass@k). With
@@ -23,7 +23,8 @@ def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: f
     if k < 1 or (k > 1 and gen.temperature <= 0):
         raise ValueError(f"evaluate: k={k} samples per item at temperature {gen.temperature}; k must be >= 1, "
                          "and pass@k with k > 1 needs temperature > 0 (greedy samples are all the same)")
-    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False)  # whole: the samples are written out
+    # whole: the samples are written out; with ``tools`` (a ToolConfig) each is a multi-turn conversation
+    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False, tools=tools)
     metrics = eval_metrics(rollouts, k, correct, component_names)
     if samples_path is not None:
         write_jsonl_atomic(samples_path, sample_records(rollouts, step, component_names))

@@ -11,7 +11,6 @@ A job names its rewards as ``RewardSpec`` records (a built-in of ``BUILTIN_REWAR
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -21,6 +20,8 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from primitives.hooks import arguments_of as _arguments
+from primitives.hooks import check_kwargs as _check_kwargs
 from primitives.hooks import did_you_mean, load_function
 from primitives.maths.shaping import overlong_penalty
 
@@ -572,27 +573,6 @@ class RewardSpec(NamedTuple):
     kwargs: Optional[dict[str, Union[bool, int, float, str]]] = None  # the built-in factory's keyword arguments;
     # for a user function, keyword arguments bound to it: reward_fn(rollout, **kwargs)
     label: Optional[str] = None  # logged as reward/<label>; default: name (the function's name for module:function)
-
-
-def _arguments(fn: Callable, skip_first: bool = False) -> str:
-    """``fn``'s parameters as ``"a, b=1.0"`` for error messages."""
-    params = list(inspect.signature(fn).parameters.values())[int(skip_first):]
-    return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params)
-
-
-def _check_kwargs(what: str, fn: Callable, kwargs: dict, skip_first: bool = False) -> None:
-    """A ``ValueError`` naming ``what`` and ``fn``'s accepted arguments unless ``fn`` takes ``kwargs``."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        for key in kwargs:
-            if key not in params or (skip_first and key == next(iter(params))):
-                hint = did_you_mean(key, list(params)[int(skip_first):]) or ";"
-                raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
-                                 f"{_arguments(fn, skip_first) or 'none'}")
-    try:
-        inspect.signature(fn).bind(*([None] if skip_first else []), **kwargs)
-    except TypeError as e:
-        raise ValueError(f"{what}: {e}; accepted arguments: {_arguments(fn, skip_first) or 'none'}") from None
 
 
 def _builtin_reward(name: str, kwargs: dict) -> Callable:

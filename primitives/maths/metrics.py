@@ -103,9 +103,11 @@ def staleness_metrics(rollouts: Sequence, version: int) -> dict:
 def tool_metrics(summaries: Sequence) -> dict:
     """Tool statistics of a step from its rollouts' summaries (``primitives.types.summarize``):
     ``tools/calls_per_rollout``, ``tools/success_rate`` (share of executed calls whose result is
-    not an error; 0 when none ran) and ``tools/rollouts_with_calls`` (share of rollouts that
-    called a tool)."""
+    not an error; 0 when none ran), ``tools/rollouts_with_calls`` (share of rollouts that
+    called a tool) and ``tools/untrained_tokens`` (completion tokens per rollout outside the
+    loss: the tools' output, which the policy did not sample)."""
     n, results = max(len(summaries), 1), sum(s.tool_results for s in summaries)
     return {"tools/calls_per_rollout": sum(s.tool_calls for s in summaries) / n,
             "tools/success_rate": (results - sum(s.tool_errors for s in summaries)) / results if results else 0.0,
-            "tools/rollouts_with_calls": sum(s.tool_calls > 0 for s in summaries) / n}
+            "tools/rollouts_with_calls": sum(s.tool_calls > 0 for s in summaries) / n,
+            "tools/untrained_tokens": sum(s.untrained_tokens for s in summaries) / n}

@@ -4,7 +4,7 @@ import glob
 import os
 import subprocess
 import sys
-from typing import get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 import pytest
 
@@ -129,6 +129,11 @@ def test_bad_command_and_bad_file_are_usage_errors(tmp_path):
         parse(["rl", _write(tmp_path, "algoritm: {}\n")])
 
 
+def _is_records(tp) -> bool:
+    inner = get_args(tp)[0] if get_args(tp) else None
+    return isinstance(inner, type) and hasattr(inner, "_fields")
+
+
 def _fields(record, prefix=""):
     """Every leaf field of a job record as a command-line flag."""
     for name, tp in get_type_hints(record).items():
@@ -136,6 +141,8 @@ def _fields(record, prefix=""):
         default = record._field_defaults.get(name)
         if isinstance(tp, type) and hasattr(tp, "_fields"):
             yield from _fields(tp, flag + ".")
+        elif get_origin(tp) is tuple and not default and _is_records(tp):
+            continue  # a list of records empty by default (shaping, tools.use, schedule.phases): tyro makes no flag
         elif isinstance(default, tuple) and default and hasattr(default[0], "_fields"):
             for i in range(len(default)):
                 yield from _fields(type(default[0]), f"{flag}.{i}.")
@@ -191,7 +198,7 @@ def test_vllm_with_top_p_and_an_importance_weight_is_refused_before_ray(tmp_path
     import cluster.jobs.rl as job_module
     from cluster.jobs.cli import run
 
-    def start_ray_for(job, algo):
+    def start_ray_for(job, extensions):
         raise AssertionError("Ray was started for a job its checks should have refused")
 
     monkeypatch.setattr(job_module, "start_ray_for", start_ray_for)

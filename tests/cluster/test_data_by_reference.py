@@ -57,15 +57,19 @@ def test_kept_indices_are_the_filters_choice_in_its_order():
 
 
 def test_a_summary_holds_no_tokens_and_the_tool_counts():
-    r = rollout(3, 1, 0.5, length=200)._replace(
-        tool_calls=(ToolCall("calc", {}), ToolCall("calc", {})),
-        tool_results=(ToolResult("1", "calc", "3"), ToolResult("2", "calc", "bad", is_error=True)))
+    r = rollout(3, 1, 0.5, length=200)
+    tool_output = np.ones(200, dtype=r.loss_mask.dtype)
+    tool_output[100:150] = 0  # 50 tokens of tool output: in the rollout, not in the loss
+    r = r._replace(tool_calls=(ToolCall("calc", {}), ToolCall("calc", {})), loss_mask=tool_output,
+                   tool_results=(ToolResult("1", "calc", "3"), ToolResult("2", "calc", "bad", is_error=True)))
     s = summarize(r)
+    assert s.untrained_tokens == 50
     assert (s.uid, s.group, s.reward, s.num_tokens, s.has_ref) == ("e0/i3/s1", "e0/i3", 0.5, 200, False)
     assert len(pickle.dumps(s)) < 200 < len(pickle.dumps(r))  # no arrays: O(1) per rollout
     plain = rollout(0, 0, 1.0)
     assert summary_tool_metrics([s, summarize(plain)]) == tool_metrics([r, plain]) == {
-        "tools/calls_per_rollout": 1.0, "tools/success_rate": 0.5, "tools/rollouts_with_calls": 0.5}
+        "tools/calls_per_rollout": 1.0, "tools/success_rate": 0.5, "tools/rollouts_with_calls": 0.5,
+        "tools/untrained_tokens": 25.0}
 
 
 @settings(max_examples=25, deadline=None)

@@ -252,6 +252,7 @@ def test_tool_parser_executor_and_stop_run_in_the_generator(backend, items):
     m = run(backend, items, constant_schedule(grpo(kl_coef=0.0)), gen=one_char_turns, tools=tools)[0]
     assert m["tools/calls_per_rollout"] == 1.0 and m["tools/success_rate"] == 1.0
     assert m["tools/rollouts_with_calls"] == 1.0  # every rollout: one call, "2+3" -> "5", then the stop
+    assert m["tools/untrained_tokens"] >= 1  # the tool's "5" (and its template) is in the rollout, not the loss
     assert m["mismatch/max_abs_logp_diff"] < 1e-4
 
 

@@ -172,7 +172,7 @@ def test_an_error_found_while_ray_starts_leaves_no_ray_running(tmp_path, tiny_mo
 
     starts = []
     real = job_module.start_ray_for
-    monkeypatch.setattr(job_module, "start_ray_for", lambda job, algo: starts.append(real(job, algo)))
+    monkeypatch.setattr(job_module, "start_ray_for", lambda job, extensions: starts.append(real(job, extensions)))
     ray.shutdown()
     job = _bad(tmp_path, tiny_model_path, {"data": DataConfig(
         path=_jsonl(tmp_path / "long.jsonl", [{"prompt": "1" * 50, "answer": "2"}] * 4), eval_set=EvalData(size=1),

@@ -1,0 +1,220 @@
+"""The seeds' scenarios 3-5 from job files alone (examples/configs/algorithm_switching.yaml,
+tool_use.yaml, custom_kl_ema.yaml), each for 2-3 steps through ``rayrl rl``, checked by its
+defining behaviour; a reward model served by the reward workers; and the new sections'
+errors, named before Ray starts."""
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from cluster.jobs.checks import ConfigErrors
+from cluster.jobs.config import load_job_config
+from tests.conftest import ROOT
+
+CONFIGS = os.path.join(ROOT, "examples", "configs")
+
+
+def _run(args):
+    import ray
+
+    from cluster.jobs.cli import run
+
+    ray.shutdown()
+    try:
+        return run(["rl", *args])
+    finally:
+        ray.shutdown()
+
+
+def _rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "reward/mean" in r]
+
+
+def _edited(tmp_path, name, edit) -> str:
+    """A shipped config with ``edit(dict)`` applied, as a new file (lists of sections, such as
+    the schedule's phases, are given in the file, not on the command line)."""
+    with open(os.path.join(CONFIGS, f"{name}.yaml")) as f:
+        values = yaml.safe_load(f)
+    edit(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+SHORT = ["--eval.enabled", "False", "--sft.steps", "50"]
+
+
+@pytest.mark.slow
+def test_algorithm_switching_config_switches_at_the_phase_starts(tmp_path):
+    """GRPO at step 0, DAPO from step 1, online DPO from step 2 (the shipped phases at 10 and 20,
+    moved forward): each step logs the algorithm it ran, and the DPO step trains on pairs."""
+    def edit(v):
+        v["schedule"]["phases"][0]["start"], v["schedule"]["phases"][1]["start"] = 1, 2
+
+    out = str(tmp_path / "run")
+    summary = _run([_edited(tmp_path, "algorithm_switching", edit), "--logging.out", out, *SHORT,
+                    "--algorithm.steps", "3", "--algorithm.prompts-per-step", "8"])
+    rows = _rows(out)
+    assert summary["rl_steps"] == 3 and [r["algorithm"] for r in rows] == ["grpo", "dapo", "online_dpo"]
+    assert "dpo/pairs" in rows[2] and rows[2]["dpo/pairs"] >= 1 and "dpo/pairs" not in rows[1]
+    assert rows[1]["data/prompts_drawn"] >= 8  # DAPO's dynamic sampling counts what it drew
+    assert rows[2]["batch/rows"] == 2 * rows[2]["dpo/pairs"]  # a pair per kept group
+
+
+@pytest.mark.slow
+def test_tool_use_config_masks_tool_tokens_and_logs_tool_statistics(tmp_path):
+    """After a short SFT stage on the task's demonstrations the model calls the tools; the
+    tools' output is in the rollouts but not in the loss, so the trainers' logprobs on the loss
+    tokens equal the generator's (a tool token scored as the policy's would not)."""
+    out = str(tmp_path / "run")
+    summary = _run([os.path.join(CONFIGS, "tool_use.yaml"), "--logging.out", out, "--eval.enabled", "False",
+                    "--sft.steps", "300", "--algorithm.steps", "2"])
+    rows = _rows(out)
+    assert summary["rl_steps"] == 2 and len(rows) == 2
+    for r in rows:
+        assert {"tools/calls_per_rollout", "tools/success_rate", "tools/rollouts_with_calls"} <= set(r)
+        assert r["tools/calls_per_rollout"] > 0 and r["tools/untrained_tokens"] > 0, r
+        assert r["mismatch/max_abs_logp_diff"] < 1e-4, r
+
+
+@pytest.mark.slow
+def test_custom_kl_ema_config_moves_the_reference_towards_the_policy(tmp_path):
+    """No SFT stage, so the reference starts as the base model; after 3 steps with
+    ``ref <- 0.5 ref + 0.5 policy`` it is neither the base model nor the policy, and closer to
+    the policy than the base model is. The capped KL is in the loss."""
+    from transformers import AutoModelForCausalLM
+
+    def edit(v):
+        v["reference"]["kwargs"]["decay"] = 0.5
+
+    out = str(tmp_path / "run")
+    _run([_edited(tmp_path, "custom_kl_ema", edit), "--logging.out", out, "--eval.enabled", "False",
+          "--sft.steps", "0", "--algorithm.steps", "3", "--algorithm.lr", "3e-3"])
+    rows = _rows(out)
+    assert all(0 < r["loss/kl"] for r in rows)
+    # capped at 0.02 per token, the loss's KL is at most the cap while the plain k3 is not bounded
+    assert all(r["loss/kl"] <= 0.05 * 0.02 + 1e-9 or r["loss/kl"] <= 0.02 + 1e-9 for r in rows)
+
+    def weights(path):
+        return {k: v.detach().numpy() for k, v in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
+
+    base, ref = weights(os.path.join(out, "base_model")), weights(os.path.join(out, "final_model", "reference"))
+    policy = weights(os.path.join(out, "final_model", "hf"))
+    dist = lambda a, b: float(np.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a)))  # noqa: E731
+    assert dist(ref, base) > 1e-3 and dist(ref, policy) > 1e-6
+    assert dist(ref, policy) < dist(base, policy)
+
+
+@pytest.mark.slow
+def test_a_reward_model_on_the_reward_workers_scores_reach_their_metric(tmp_path, tiny_model_path):
+    """A tiny sequence-classification model saved locally, named in the rewards as
+    ``reward_model``: the reward workers load it (not the driver) and its scores, logged as
+    ``reward/rm``, equal the model's own scores of the same texts computed here."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from primitives.env.rewards import load_reward_model, reward_model_scores
+
+    rm_dir = str(tmp_path / "rm")
+    config = AutoConfig.from_pretrained(tiny_model_path, num_labels=1)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(rm_dir)
+    job = tmp_path / "rm_job.yaml"
+    job.write_text(yaml.safe_dump({
+        "data": {"task": "arithmetic", "task_kwargs": {"num_heldout": 16}},
+        "rewards": [{"name": "exact_match"}, {"name": "reward_model", "weight": 0.5, "label": "rm",
+                                               "kwargs": {"path": rm_dir}}],
+        "algorithm": {"steps": 2, "prompts_per_step": 4, "kl_coef": 0.0},
+        "generation": {"group_size": 4},
+        "cluster": {"generate_on_trainers": True, "trainers": 1},
+        "eval": {"every": 0, "final_pass_k": 0}}))
+    out = str(tmp_path / "run")
+    _run([str(job), "--logging.out", out])
+    rows = _rows(out)
+    assert all("reward/rm" in r and r["reward/rm"] != 0.0 for r in rows)
+    with open(os.path.join(out, "samples", "step_2.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    model, tok = load_reward_model(rm_dir)
+    expected = reward_model_scores(model, tok, [s["prompt"] + s["completion"] for s in samples])
+    got = np.array([s["reward_components"]["rm"] for s in samples])
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    totals = np.array([s["reward"] for s in samples])
+    exact = np.array([s["reward_components"]["exact_match"] for s in samples])
+    np.testing.assert_allclose(totals, exact + 0.5 * got, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- errors before Ray
+@pytest.mark.parametrize("sections,message", [
+    ({"schedule": {"kind": "piecewize"}}, "schedule.kind 'piecewize' is unknown; did you mean 'piecewise'?"),
+    ({"schedule": {"kind": "piecewise", "phases": [{"start": 0, "name": "dapo"}]}},
+     "schedule.phases start at steps [0]: they must rise, from 1 on"),
+    ({"schedule": {"kind": "metric", "phases": [{"name": "grpo"}]}},
+     "schedule.phases.0 is named 'grpo' like the algorithm section"),
+    ({"schedule": {"kind": "piecewise", "phases": [{"start": 3, "name": "dapo", "overrides": {"ppo_epochs": 2}}]}},
+     "schedule.phases.0.overrides.ppo_epochs: set algorithm.ppo_epochs instead (every phase shares it)"),
+    ({"schedule": {"kind": "piecewise", "phases": [{"start": 3, "name": "dappo"}]}}, "schedule.phases.0: "),
+    ({"reference": {"update": "ema", "kwargs": {"decai": 0.9}}},
+     "reference.update 'ema': unknown argument 'decai'; did you mean 'decay'?"),
+    ({"reference": {"update": "ema"}, "algorithm": {"kl_coef": 0.0}},
+     "reference.update ema moves a reference that no step reads"),
+    ({"reference": {"update": "emma"}}, "reference.update: unknown name 'emma'; did you mean 'ema'?"),
+    ({"shaping": [{"name": "length_penalty", "kwargs": {"coef": 0.1}}]},
+     "shaping.0 'length_penalty': missing a required argument: 'target_len'"),
+    ({"shaping": [{"name": "no_such_module:fn"}]}, "shaping.0: hook 'no_such_module:fn': cannot import"),
+    ({"tools": {"use": [{"name": "calculator"}, {"name": "calculator"}]}},
+     "tools.use.1: a second tool called 'calculator'"),
+    ({"tools": {"use": [{"name": "calculator"}], "parser": "yaml"}}, "tools.parser: unknown name 'yaml'"),
+    ({"tools": {"use": [{"name": "calculator"}], "max_turns": 0}}, "tools.max_turns must be at least 1"),
+])
+def test_bad_extension_sections_are_named_before_ray(tmp_path, sections, message):
+    from cluster.jobs.inputs import prepare_rl
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"data": {"task": "arithmetic"}, "logging": {"out": str(tmp_path / "out")},
+                                    **sections}))
+    with pytest.raises(ConfigErrors) as e:
+        prepare_rl(load_job_config(str(path)))
+    assert message in str(e.value), str(e.value)
+
+
+def test_the_sections_build_what_the_python_api_builds(tmp_path):
+    """Each section gives the functions the Python examples pass by hand: the schedule switches
+    at its starts, the reference update is the EMA, the shaping chain applies in order, and
+    the tools run the calculator through the XML parser."""
+    from cluster.jobs.extensions import build_ref_update, build_schedule, build_shaping, build_tools
+    from primitives.env.tools import ToolCall
+    from primitives.maths.kl import RefState
+    from primitives.types import Rollout
+
+    job = load_job_config(os.path.join(CONFIGS, "algorithm_switching.yaml"))
+    schedule, algos = build_schedule(job)
+    assert [schedule(s, {}).name for s in (0, 9, 10, 19, 20, 29)] == ["grpo"] * 2 + ["dapo"] * 2 + ["online_dpo"] * 2
+    assert [a.name for a in algos] == ["grpo", "dapo", "online_dpo"] and algos[0].kl_coef == 0.01
+    metric = job._replace(schedule=job.schedule._replace(kind="metric", phases=job.schedule.phases[:1], threshold=0.7))
+    switch, _ = build_schedule(metric)
+    assert switch(5, {"reward/mean": 0.69}).name == "grpo" and switch(5, {"reward/mean": 0.7}).name == "dapo"
+    assert switch(6, {"reward/mean": 0.1, "algorithm": "dapo"}).name == "dapo"  # it sticks
+
+    import torch
+
+    ema = build_ref_update(load_job_config(os.path.join(CONFIGS, "custom_kl_ema.yaml")))
+    moved = ema(RefState({"w": torch.tensor([1.0])}, 0), {"w": torch.tensor([3.0])}, 1, None)
+    assert float(moved.weights["w"]) == pytest.approx(0.9 * 1.0 + 0.1 * 3.0, abs=1e-7)
+
+    path = tmp_path / "shape.yaml"
+    path.write_text(yaml.safe_dump({"shaping": [{"name": "length_penalty", "kwargs": {"coef": 0.5, "target_len": 2}},
+                                                {"name": "overlong", "kwargs": {"max_len": 6, "buffer": 2}}]}))
+    shape = build_shaping(load_job_config(str(path)))
+    five = Rollout("u", "g", "p", np.zeros(1, np.int64), np.arange(5), np.ones(5, np.float32), np.zeros(5, np.float32))
+    # 1.0 - 0.5 * (5 - 2) = -0.5; then DAPO's soft penalty at 5 tokens, buffer 2 before 6: -(5 - 4) / 2 = -0.5
+    assert shape(five, 1.0) == pytest.approx(-1.0, abs=1e-9)
+
+    tools = build_tools(load_job_config(os.path.join(CONFIGS, "tool_use.yaml")))
+    assert tools.names == ("calc", "python") and tools.config.max_turns == 3
+    calls = tools.config.parser('<tool_call name="calc">{"expression": "37*46"}</tool_call>')
+    assert [c.name for c in calls] == ["calc"] and tools.config.executor(calls[0]).content == "1702"
+    assert tools.config.executor(ToolCall("calc", {"expression": "1/0"})).is_error
