@@ -56,7 +56,7 @@ def failed_checks(pairs) -> list:
     return [msg for ok, msg in pairs if not ok]
 
 
-GENERATOR_FIELDS = ("generators", "generator_cpus", "generator_gpus", "vllm")
+GENERATOR_FIELDS = ("generators", "generator_cpus", "generator_gpus", "vllm", "scaling")
 
 
 REFERENCE_FIELDS = ("reference_workers", "reference_cpus", "reference_gpus")
@@ -72,6 +72,32 @@ def ignored_errors(cluster, fields, why: str, base) -> list:
     (``base``) or a count of 0 would be ignored, so it is refused, with ``why``."""
     return [f"cluster.{name} {getattr(cluster, name)!r} would be ignored: {why}" for name in fields
             if getattr(cluster, name) != getattr(base, name) and getattr(cluster, name) != 0]
+
+
+SCALING_POLICIES = ("fixed", "idle", "steps")
+
+
+def scaling_errors(cluster) -> list:
+    """Checks of ``cluster.scaling`` (a module:function policy is loaded when the job builds it)."""
+    sc = cluster.scaling
+    if sc.policy not in SCALING_POLICIES and ":" not in sc.policy:
+        return [f"cluster.scaling.policy '{sc.policy}' is unknown (built-in: {', '.join(SCALING_POLICIES)}; or "
+                "module:function)"]
+    if sc.policy == "idle":
+        top = sc.maximum or cluster.generators
+        return failed_checks([
+            (1 <= sc.minimum <= cluster.generators <= top,
+             f"cluster.scaling: need 1 <= minimum ({sc.minimum}) <= cluster.generators ({cluster.generators}) <= "
+             f"maximum ({top})"),
+            (sc.every >= 1, f"cluster.scaling.every must be at least 1, got {sc.every}"),
+            (0 <= sc.idle_threshold < 1, f"cluster.scaling.idle_threshold must be in [0, 1), got {sc.idle_threshold}"),
+        ])
+    if sc.policy == "steps":
+        steps = sc.at_steps or {}
+        bad = [k for k, v in steps.items() if not str(k).isdigit() or not isinstance(v, int) or v < 1]
+        return failed_checks([(bool(steps) and not bad, "cluster.scaling.at_steps must map steps to counts >= 1, "
+                                                        f"e.g. {{10: 3, 20: 2}}; got {sc.at_steps}")])
+    return []
 
 
 def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
@@ -99,7 +125,7 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
             (not cluster.generate_on_trainers or cluster.generator_backend != "vllm",
              "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
              "vllm needs generator workers of its own"),
-        ] + vllm_errors(cluster)
+        ] + vllm_errors(cluster) + scaling_errors(cluster)
     ignored = []
     if rl_roles and cluster.generate_on_trainers:
         ignored += ignored_errors(cluster, GENERATOR_FIELDS, "cluster.generate_on_trainers generates on the trainer "

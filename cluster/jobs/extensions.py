@@ -212,3 +212,21 @@ def build_tools(job):
     if errors:
         raise ConfigErrors(errors)
     return BuiltTools(ToolConfig(create_tool_executor(tools), parser, stop, cfg.max_turns), tuple(tools))
+
+
+# ----------------------------------------------------------------------------- generator scaling
+
+def build_generator_policy(job) -> Optional[Callable]:
+    """``policy(history, current) -> count`` of ``cluster.scaling`` (None: a fixed count)."""
+    from primitives.maths.scaling import idle_scaling_policy, step_scaling_policy
+
+    cfg = job.cluster
+    sc = cfg.scaling
+    if sc.policy == "fixed" or cfg.generate_on_trainers:
+        return None
+    if sc.policy == "idle":
+        return idle_scaling_policy(sc.minimum, sc.maximum or cfg.generators, sc.every, sc.idle_threshold)
+    if sc.policy == "steps":
+        counts = {0: cfg.generators, **{int(k): int(v) for k, v in (sc.at_steps or {}).items()}}
+        return step_scaling_policy(sorted(counts.items()))
+    return named_function("cluster.scaling.policy", sc.policy, None, {}, "generator_policy", ((), 1))

@@ -200,6 +200,7 @@ class RLInputs(NamedTuple):
     ref_update_fn: object = None  # how the reference moves (None: fixed)
     shaping_fn: object = None  # reward shaping on the reward workers (None: none)
     tools: object = None  # cluster.jobs.extensions.BuiltTools, or None: single-turn rollouts
+    generator_policy: object = None  # (history, current) -> generator workers (cluster.scaling); None: fixed
 
 
 @checked
@@ -236,12 +237,19 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
 def job_extensions(job: RLJob) -> dict:
     """The schedule, reference update, shaping and tools of the job file, built and checked
     (every section's errors together); a reference that moves must be one some step reads."""
-    from cluster.jobs.extensions import build_ref_update, build_schedule, build_shaping, build_tools
+    from cluster.jobs.extensions import (
+        build_generator_policy,
+        build_ref_update,
+        build_schedule,
+        build_shaping,
+        build_tools,
+    )
     from primitives.maths.algorithms import uses_reference
 
     built, errors = {}, []
     for key, build in (("schedule", build_schedule), ("ref_update_fn", build_ref_update),
-                       ("shaping_fn", build_shaping), ("tools", build_tools)):
+                       ("shaping_fn", build_shaping), ("tools", build_tools),
+                       ("generator_policy", build_generator_policy)):
         try:
             built[key] = build(job)
         except ConfigErrors as e:

@@ -194,7 +194,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                       RLRun(gen, num_steps=algo.steps, prompts_per_step=algo.prompts_per_step,
                             lr_schedule=linear_warmup(algo.lr, algo.warmup),
                             max_resample_rounds=algo.max_resample_rounds, max_staleness=algo.max_staleness,
-                            component_names=names),
+                            component_names=names, generator_policy=inputs.generator_policy),
                       state=start_state,
                       hooks=Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
                                   eval_every=ev.every or algo.steps, checkpoint_fn=save,

@@ -186,6 +186,21 @@ def train_and_sync(backend, rows: Sequence, plan_args: dict, algo, temperature: 
     return {**metrics, **trained, **result.batch_metrics}
 
 
+def scale_for_step(backend, policy: Optional[Callable], history: Sequence, queue: deque) -> dict:
+    """Grow or shrink the backend's generator workers to what ``policy`` asks for the coming
+    step (the collections in flight finish first: none is lost); ``generators/count`` and, when
+    it changed, ``time/scale``. {} without a policy."""
+    if policy is None:
+        return {}
+    current = backend.generator_count
+    wanted = call_hook(policy, "generator_policy", history, current)
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1:
+        raise ValueError(f"generator_policy returned {wanted!r}; expected a count (int) >= 1")
+    if wanted == current:
+        return {"generators/count": float(current)}
+    return backend.scale_generators(wanted, list(queue))
+
+
 def check_algorithm_for(backend, algo) -> None:
     """``algo`` fits this backend: its functions take their arguments and give the documented
     results on a sample, it has the critic and reference it needs, and on a remote backend every function
@@ -263,6 +278,8 @@ class RLRun(NamedTuple):
     max_staleness: int = 0  # asynchronous RL: generate up to this many steps ahead (0: synchronous)
     component_names: Optional[tuple] = None  # reward component names (``build_reward``'s labels)
     progress: bool = True  # a tqdm bar
+    # (history, current count) -> generator workers for the next step (primitives.maths.scaling); None: fixed
+    generator_policy: Optional[Callable] = None
 
 
 class Hooks(NamedTuple):
@@ -317,6 +334,10 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         raise ValueError("; ".join(problems))
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
     _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
+    if run.generator_policy is not None:
+        check_arity(run.generator_policy, "generator_policy", (), 1)
+        if not hasattr(backend, "scale_generators"):
+            raise ValueError(f"generator_policy: the {backend.name} backend has no generator workers to scale")
     queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
     backend.busy()  # start the idle clocks
     t_clock = time.perf_counter()
@@ -327,6 +348,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
         if not _seen(algo, checked):
             check_algorithm_for(backend, algo)
+        scaled = scale_for_step(backend, run.generator_policy, state.metrics_history, queue)
         rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
                                                        run.max_resample_rounds, tools, queue, max_staleness)
         # with filters (dynamic sampling) a step may need more prompts than one collection: those
@@ -337,6 +359,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
                                      prompts_per_step)
             queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo), tools))
         metrics["recovery/actor_restarts"] = float(backend.restarts)
+        metrics.update(scaled)
         plan_args = {"seed": state.rng_seed + it, "budget": gen.max_new_tokens,
                      "component_names": None if component_names is None else tuple(component_names)}
         trained = train_and_sync(backend, rollouts, plan_args, algo, gen.temperature, lr_schedule(it),

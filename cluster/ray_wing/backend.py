@@ -308,6 +308,36 @@ class RayBackend:
                 out[role] = combine(seconds)
         return out
 
+    # ------------------------------------------------------------------ elastic generators
+    @property
+    def generator_count(self) -> int:
+        return self.cluster.generators.size
+
+    def scale_generators(self, n: int, in_flight: Sequence = ()) -> dict:
+        """Grow or shrink the generator workers to ``n`` between steps, without a restart. The
+        generation of the collections ``in_flight`` (``cluster.loop.train.Collection``) finishes
+        first where it runs (its rollouts stay in the object store: none is lost or generated
+        twice); surplus workers then leave, new ones join the weight broadcast and receive the
+        current weights before their first rollout. Returns ``generators/count`` and
+        ``time/scale``."""
+        from cluster.ray_wing.handles import GeneratorWorkers
+        from cluster.ray_wing.roles import scale_generator_group
+
+        c = self.cluster
+        if not isinstance(c.generators, GeneratorWorkers):
+            raise ValueError("generation runs on the trainer ranks (cluster.generate_on_trainers): there are no "
+                             "generator workers to scale")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale_generators: the count must be an int >= 1, got {n!r}")
+        before, t0 = c.generators.size, time.perf_counter()
+        if n != before:
+            self.settle(in_flight)
+            self.cluster = scale_generator_group(self.cluster, n)
+            if n > before:  # the kept ones hold these weights already; the broadcast reaches all
+                sync_weights(self.cluster, self.version, move_reference=False)
+            tqdm.write(f"generator workers: {before} -> {n} ({time.perf_counter() - t0:.1f} s)")
+        return {"generators/count": float(n), "time/scale": time.perf_counter() - t0}
+
     # ------------------------------------------------------------------ recovery
     def recover(self, failure: ActorFailure, since: int, send_weights: bool = True) -> None:
         """Replace the dead generator or reward worker of ``failure`` (a new generator receives

@@ -7,8 +7,20 @@ from typing import NamedTuple, Optional
 from primitives.types import VLLMConfig
 
 
+class GeneratorScaling(NamedTuple):
+    # fixed: cluster.generators throughout; idle: one worker more when the trainers wait on generation, one less
+    # when the generators wait (the idle/trainers and idle/generators shares); steps: the counts of at_steps; or
+    # module:function policy(history, current) -> count, called before every step
+    policy: str = "fixed"
+    minimum: int = 1  # idle: fewest generator workers
+    maximum: int = 0  # idle: most generator workers (0: cluster.generators); a local Ray is sized for the most
+    every: int = 5  # idle: decide every N steps, from the mean idle shares over them
+    idle_threshold: float = 0.3  # idle: a role idle more than this share of the steps asks for a change
+    at_steps: Optional[dict[str, int]] = None  # steps: {step: count}, from that step on; e.g. {0: 1, 10: 3}
+
+
 class ClusterConfig(NamedTuple):
-    generators: int = 2  # generator workers (scaled independently of the trainers)
+    generators: int = 2  # generator workers (scaled independently of the trainers; at start, see scaling)
     trainers: int = 2  # trainer ranks (one DeepSpeed ZeRO data-parallel group)
     reward_workers: int = 1  # reward workers
     reference_workers: int = 1  # reference workers when a step needs reference logprobs (scaled like the generators)
@@ -35,3 +47,14 @@ class ClusterConfig(NamedTuple):
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
     critic_cpus: float = 1.0  # CPUs per critic rank
     critic_gpus: Optional[float] = None  # GPUs per critic rank (None: as many as a trainer rank)
+    scaling: GeneratorScaling = GeneratorScaling()  # grow or shrink the generator workers while the run goes on
+
+
+def peak_generators(cfg: ClusterConfig) -> int:
+    """The most generator workers a run may have: a local Ray is started with room for them."""
+    sc = cfg.scaling
+    if sc.policy == "fixed" or cfg.generate_on_trainers:
+        return cfg.generators
+    if sc.policy == "steps":
+        return max([cfg.generators] + [int(c) for c in (sc.at_steps or {}).values()])
+    return max(cfg.generators, sc.maximum)

@@ -6,22 +6,40 @@ an ``ActorFailure`` that names its role and rank. The driver decides when to gat
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from cluster.loop.protocol import ActorFailure
 from cluster.ray_wing.placement import RoleSpec
 
 
 class WorkerGroup(NamedTuple):
-    """``role``'s actors, one per bundle of its placement group."""
+    """``role``'s actors, one per bundle of its placement group; an actor added later (a
+    generator group grown while running) sits in a placement group of its own (``slots``)."""
 
     role: str
     actors: tuple
     placement_group: Any = None
+    slots: tuple = ()  # per rank: (placement group, bundle) of an added actor, None for the group's own bundle
 
     @property
     def size(self) -> int:
         return len(self.actors)
+
+    def slot(self, rank: int) -> tuple:
+        """``(placement group, bundle index)`` that actor ``rank`` is pinned to."""
+        own = self.slots[rank] if rank < len(self.slots) else None
+        return own if own is not None else (self.placement_group, rank)
+
+
+class RoleFactory(NamedTuple):
+    """How to make one more actor of a role (a replacement, or an added generator)."""
+
+    actor_cls: type
+    spec: RoleSpec
+    make_kwargs: Callable[[int], dict]  # rank -> the actor's keywords
+
+    def create(self, rank: int, placement_group, bundle: int):
+        return create_actor(self.actor_cls, self.spec, placement_group, rank, self.make_kwargs, bundle)
 
 
 class Call(NamedTuple):
@@ -31,15 +49,18 @@ class Call(NamedTuple):
     method: str
 
 
-def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_kwargs: Callable[[int], dict]):
-    """One actor of ``actor_cls`` built from the keywords ``make_kwargs(rank)``, pinned to bundle ``rank``."""
+def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_kwargs: Callable[[int], dict],
+                 bundle: Optional[int] = None):
+    """One actor of ``actor_cls`` built from the keywords ``make_kwargs(rank)``, pinned to bundle
+    ``bundle`` (default: ``rank``) of ``placement_group``."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     kwargs = make_kwargs(rank)
     options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
                    max_restarts=0, max_concurrency=1,
-                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, rank))
+                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
+                                                                        rank if bundle is None else bundle))
     return ray.remote(actor_cls).options(**options).remote(**kwargs)
 
 
@@ -83,8 +104,9 @@ def kill_group(group: WorkerGroup) -> None:
 
     for actor in group.actors:
         ray.kill(actor, no_restart=True)
-    if group.placement_group is not None:
-        remove_placement_group(group.placement_group)
+    added = [slot[0] for slot in group.slots if slot is not None]
+    for pg in ([group.placement_group] if group.placement_group is not None else []) + added:
+        remove_placement_group(pg)
 
 
 def gather(calls: Sequence[Call], timeout_s: float) -> list:

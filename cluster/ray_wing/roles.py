@@ -9,8 +9,17 @@ import sys
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from cluster.ray_wing.config import ClusterConfig
-from cluster.ray_wing.groups import Call, WorkerGroup, call, create_actor, create_group, fan_out, gather, kill_group
+from cluster.ray_wing.config import ClusterConfig, peak_generators
+from cluster.ray_wing.groups import (
+    Call,
+    RoleFactory,
+    WorkerGroup,
+    call,
+    create_group,
+    fan_out,
+    gather,
+    kill_group,
+)
 from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
 from cluster.ray_wing.placement import (
     RoleSpec,
@@ -45,7 +54,7 @@ class RLCluster(NamedTuple):
     bucket_bytes: int
     timeout_s: float
     ray_address: str
-    factories: Optional[dict] = None  # role -> make(rank) -> actor, to replace a dead actor in its bundle
+    factories: Optional[dict] = None  # role -> RoleFactory: a replacement in a dead actor's bundle, or one more
     reward_needs_reference: bool = False  # the shaping function reads ref_logprobs (KL in the reward)
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
@@ -103,7 +112,8 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
             "working_dir": REPO_ROOT, "excludes": [".venv/", ".git/", "runs/", "*.pt", "*.safetensors"],
             "env_vars": env_vars})
     else:
-        needed = sum(r.num_cpus * r.count for r in roles)
+        spare = (peak_generators(cfg) - cfg.generators) * cfg.generator_cpus  # room to grow the generators
+        needed = sum(r.num_cpus * r.count for r in roles) + spare
         num_cpus = cfg.local_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
         env_vars["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
         # "local": always a new Ray of our own. With no address, Ray would otherwise join the cluster
@@ -186,11 +196,9 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     elif "reference" in spec:
         reference = ReferenceWorkers(create_group(RefLogprobWorker, spec["reference"], pgs["reference"], lambda r: dict(
             model=model, rank=r, ref_update_fn=ref_update_fn, num_threads=threads)), tracks)
-    factories = {"reward": lambda r: create_actor(RewardWorker, spec["reward"], rewards.placement_group,
-                                                  r, reward_args)}
+    factories = {"reward": RoleFactory(RewardWorker, spec["reward"], reward_args)}
     if not hosted:
-        factories["generator"] = lambda r: create_actor(GeneratorWorker, spec["generator"],
-                                                        generators.group.placement_group, r, gen_args)
+        factories["generator"] = RoleFactory(GeneratorWorker, spec["generator"], gen_args)
     marks.append(("actors_created", time.time()))
     master = wait([call(trainers, 0, "endpoint")])[0]
     setups = fan_out(trainers, "setup", *master)  # waited for below, after the other roles
@@ -270,13 +278,50 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
         ray.kill(group.actors[rank], no_restart=True)
     except Exception:  # already gone
         pass
-    actor = cluster.factories[role](rank)
+    actor = cluster.factories[role].create(rank, *group.slot(rank))
     gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
     actors = list(group.actors)
     actors[rank] = actor
     group = group._replace(actors=tuple(actors))
     if role == "reward":
         return cluster._replace(rewards=group)
+    return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
+
+
+def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
+    """The cluster with ``n`` generator workers: new ones are created, each in a placement
+    group of its own (on an autoscaling cluster, a pending group is what asks for a node),
+    and wait until they have loaded; surplus ones (the highest ranks) are killed and their own
+    placement groups removed. Every generator then (re)joins the weight-sync group; the caller
+    sends the current weights to the new ones, and must have let the surplus finish their work."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group, factory = cluster.generators.group, cluster.factories["generator"]
+    actors = list(group.actors)
+    slots = [group.slots[r] if r < len(group.slots) else None for r in range(group.size)]
+    if n > group.size:
+        pgs = [placement_group([factory.spec.bundle()], strategy="PACK", name=f"rayrl-generator-{r}")
+               for r in range(group.size, n)]
+        _, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=cluster.timeout_s)
+        if pending:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise ValueError(f"cannot place {n - group.size} more generator worker(s) ({factory.spec.bundle()} each) "
+                             f"within {cluster.timeout_s:.0f}s: the cluster lacks room (an autoscaler adds nodes for "
+                             "pending placement groups; without one, free resources or scale less)")
+        new = [factory.create(r, pg, 0) for r, pg in zip(range(group.size, n), pgs)]
+        gather([Call(a.info.remote(), "generator", r, "info") for r, a in zip(range(group.size, n), new)],
+               cluster.timeout_s)
+        actors += new
+        slots += [(pg, 0) for pg in pgs]
+    else:
+        for r in range(n, group.size):
+            ray.kill(actors[r], no_restart=True)
+            if slots[r] is not None:
+                remove_placement_group(slots[r][0])
+        actors, slots = actors[:n], slots[:n]
+    group = group._replace(actors=tuple(actors), slots=tuple(slots) if any(s is not None for s in slots) else ())
     return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
 
 
