@@ -94,9 +94,9 @@ def test_custom_kl_ema_config_moves_the_reference_towards_the_policy(tmp_path):
     _run([_edited(tmp_path, "custom_kl_ema", edit), "--logging.out", out, "--eval.enabled", "False",
           "--sft.steps", "0", "--algorithm.steps", "3", "--algorithm.lr", "3e-3"])
     rows = _rows(out)
-    assert all(0 < r["loss/kl"] for r in rows)
-    # capped at 0.02 per token, the loss's KL is at most the cap while the plain k3 is not bounded
-    assert all(r["loss/kl"] <= 0.05 * 0.02 + 1e-9 or r["loss/kl"] <= 0.02 + 1e-9 for r in rows)
+    assert rows[0]["loss/kl"] == 0.0 and all(r["loss/kl"] > 0 for r in rows[1:])  # the policy leaves the reference
+    # each token's k3 capped at 0.02 (examples/custom_kl.py): the loss's KL, a mean over tokens, stays below
+    assert all(r["loss/kl"] <= 0.02 + 1e-9 and "kl/ref_k3" in r for r in rows)
 
     def weights(path):
         return {k: v.detach().numpy() for k, v in AutoModelForCausalLM.from_pretrained(path).named_parameters()}

@@ -1,0 +1,150 @@
+"""Generator workers grown and shrunk while a run goes on (``RayBackend.scale_generators``,
+``RLRun.generator_policy``): 1 -> 3 -> 2 workers in one run. Every prompt uid is trained
+exactly once (also with generation in flight across a change), new workers hold the trainers'
+weights, and the steps after each change equal a run started at that size from the same
+state (a checkpoint of the scaled run at the change)."""
+import os
+
+import pytest
+
+from cluster.loop.train import Hooks, RLRun, train
+from cluster.ray_wing.backend import RayBackend
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.maths.scaling import idle_scaling_policy, step_scaling_policy
+from primitives.types import GenerationConfig, TrainState, planned_rollouts
+from rl_actors.trainer import TrainerConfig
+
+GEN = GenerationConfig(max_new_tokens=4, n=2, temperature=1.0)
+PROMPTS, LR, STEPS = 6, 1e-3, 6  # 6 prompts split evenly over 1, 2 or 3 workers
+COUNTS = [(0, 1), (2, 3), (4, 2)]
+TIMES = ("time/", "idle/", "sync/", "generators/", "recovery/")  # what a resumed or resized run may change
+
+
+def spread_reward(rollout) -> float:
+    """A reward that varies with the sampled tokens, so that groups rarely tie."""
+    return float(int(rollout.completion_ids.sum()) % 5) / 4.0
+
+
+class Recording(RayBackend):
+    """Records the uids each step trains on."""
+
+    def __init__(self, cluster, ray):
+        super().__init__(cluster)
+        self.ray, self.trained_uids = ray, []
+
+    def train_step(self, plan, parts, *args, **kwargs):
+        pulled = [tuple(None if x is None else self.ray.get(x) for x in part) for part in parts]
+        self.trained_uids.append([r.uid for r in planned_rollouts(plan, pulled)])
+        return super().train_step(plan, parts, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def items():
+    return make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=4))[0]
+
+
+def _run(ray, model, generators: int, items, policy=None, staleness: int = 0, resume=None, save_to=None,
+         steps: int = STEPS) -> tuple:
+    cfg = ClusterConfig(generators=generators, trainers=2, reward_workers=1, zero_stage=2, call_timeout_s=300)
+    backend = Recording(build_rl_cluster(model, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
+                                         with_reference=False, seed=0), ray)
+    try:
+        state = backend.load(resume) if resume else TrainState(rng_seed=0)
+        save = (lambda b, s: b.save(os.path.join(save_to, f"step_{s.iteration}"), s)) if save_to else None
+        state = train(backend, make_prompt_source(items, seed=2), constant_schedule(grpo(kl_coef=0.0)),
+                      RLRun(GEN, num_steps=steps, prompts_per_step=PROMPTS, lr_schedule=lambda s: LR,
+                            max_staleness=staleness, progress=False, generator_policy=policy),
+                      state=state, hooks=Hooks(checkpoint_fn=save, checkpoint_every=2 if save else 0))
+        c = backend.cluster
+        trainer = gather(fan_out(c.trainers, "weight_checksums"), c.timeout_s)[0]
+        held = gather(fan_out(c.generators.group, "weight_checksums"), c.timeout_s)
+        live = len(c.generators.group.actors)
+    finally:
+        shutdown_cluster(backend.cluster)
+    return state, backend.trained_uids, trainer, held, live
+
+
+def _same(a: dict, b: dict) -> None:
+    keys = [k for k in a if not k.startswith(TIMES) and isinstance(a[k], float)]
+    assert keys and keys == [k for k in b if not k.startswith(TIMES) and isinstance(b[k], float)]
+    for k in keys:
+        assert b[k] == pytest.approx(a[k], abs=1e-6, rel=1e-6), k
+
+
+def test_one_three_two_generators_in_one_run_equal_runs_started_at_each_size(ray_local, tiny_model_path, items,
+                                                                             tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    state, uids, trainer, held, live = _run(ray_local, tiny_model_path, 1, items, step_scaling_policy(COUNTS),
+                                            save_to=ckpt)
+    history = state.metrics_history
+    assert [m["generators/count"] for m in history] == [1.0, 1.0, 3.0, 3.0, 2.0, 2.0]
+    assert [("time/scale" in m) for m in history] == [False, False, True, False, True, False]
+    assert live == 2 and all(sums == trainer for sums in held)  # the workers left hold the trained weights
+    flat = [u for step in uids for u in step]
+    assert len(flat) == len(set(flat)) == STEPS * PROMPTS * GEN.n  # every step full, nothing twice
+    assert sorted({u.rsplit("/", 1)[0] for u in flat}) == sorted(f"e{e}/i{i}" for e in (0, 1) for i in range(12)) \
+        or len({u.rsplit("/", 1)[0] for u in flat}) == STEPS * PROMPTS  # each drawn prompt once
+    # the steps after each change, against a run started at that size from the checkpoint at the change
+    for start, size in ((2, 3), (4, 2)):
+        resumed, resumed_uids, *_ = _run(ray_local, tiny_model_path, size, items, resume=os.path.join(
+            ckpt, f"step_{start}"), steps=start + 2)
+        assert resumed_uids == uids[start: start + 2]  # the same rollouts ...
+        for a, b in zip(history[start: start + 2], resumed.metrics_history[start:]):
+            _same(a, b)  # ... and the same update
+
+
+def test_a_shrink_with_generation_in_flight_loses_and_repeats_nothing(ray_local, tiny_model_path, items):
+    """Asynchronous RL (max_staleness=1): when the count changes, the next step's rollouts are
+    in flight on the old workers; they finish where they run before a worker leaves, so every
+    prompt is still trained exactly once and no step regenerates (staleness stays 1)."""
+    state, uids, trainer, held, live = _run(ray_local, tiny_model_path, 1, items, step_scaling_policy(COUNTS),
+                                            staleness=1)
+    flat = [u for step in uids for u in step]
+    assert len(flat) == len(set(flat)) == STEPS * PROMPTS * GEN.n
+    assert [m["generators/count"] for m in state.metrics_history] == [1.0, 1.0, 3.0, 3.0, 2.0, 2.0]
+    assert [m["staleness/max"] for m in state.metrics_history][1:] == [1.0] * (STEPS - 1)
+    assert all(m["recovery/actor_restarts"] == 0 for m in state.metrics_history)
+    assert live == 2 and all(sums == trainer for sums in held)
+
+
+def test_the_idle_policy_grows_when_the_trainers_wait_and_shrinks_when_the_generators_wait():
+    policy = idle_scaling_policy(1, 3, every=2, threshold=0.3)
+    waiting_trainers = [{"step": s, "idle/trainers": 0.6, "idle/generators": 0.1} for s in range(2)]
+    waiting_generators = [{"step": s, "idle/trainers": 0.1, "idle/generators": 0.5} for s in range(4)]
+    balanced = [{"step": s, "idle/trainers": 0.2, "idle/generators": 0.25} for s in range(2)]
+    assert policy(waiting_trainers, 1) == 2 and policy(waiting_trainers, 3) == 3  # capped at the maximum
+    assert policy(waiting_generators, 2) == 1 and policy(waiting_generators, 1) == 1  # floored at the minimum
+    assert policy(balanced, 2) == 2
+    assert policy(waiting_trainers[:1], 1) == 1  # decides every 2 steps only
+    # synchronous RL: both wait in turn; generation the longer phase -> grow
+    both = [{"step": s, "idle/trainers": 0.55, "idle/generators": 0.4} for s in range(2)]
+    assert policy(both, 1) == 2
+    with pytest.raises(ValueError, match="need 1 <= minimum <= maximum"):
+        idle_scaling_policy(3, 2)
+    steps = step_scaling_policy(COUNTS)
+    assert [steps([{"step": s - 1}] if s else [], 9) for s in range(6)] == [1, 1, 3, 3, 2, 2]
+
+
+def test_scaling_settings_are_checked_before_ray():
+    from cluster.jobs.checks import rl_errors
+    from cluster.jobs.config import RLJob
+    from cluster.ray_wing.config import GeneratorScaling
+
+    def errors(**scaling):
+        job = RLJob()
+        return rl_errors(job._replace(cluster=job.cluster._replace(scaling=GeneratorScaling(**scaling))))
+
+    assert errors(policy="idle", minimum=1, maximum=4) == []
+    assert "need 1 <= minimum (3) <= cluster.generators (2) <= maximum (4)" in " ".join(
+        errors(policy="idle", minimum=3, maximum=4))
+    assert "cluster.scaling.policy 'elastic' is unknown" in " ".join(errors(policy="elastic"))
+    assert "cluster.scaling.at_steps must map steps to counts >= 1" in " ".join(errors(policy="steps",
+                                                                                      at_steps={"5": 0}))
+    hosted = RLJob()._replace(cluster=RLJob().cluster._replace(generate_on_trainers=True,
+                                                               scaling=GeneratorScaling(policy="idle", maximum=4)))
+    assert any("cluster.scaling" in e and "would be ignored" in e for e in rl_errors(hosted))
