@@ -125,8 +125,8 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
             (not cluster.generate_on_trainers or cluster.generator_backend != "vllm",
              "cluster.generate_on_trainers generates with the trainers' own HF module; cluster.generator_backend "
              "vllm needs generator workers of its own"),
-        ] + vllm_errors(cluster) + scaling_errors(cluster)
-    ignored = []
+        ] + vllm_errors(cluster)
+    ignored = scaling_errors(cluster) if rl_roles else []
     if rl_roles and cluster.generate_on_trainers:
         ignored += ignored_errors(cluster, GENERATOR_FIELDS, "cluster.generate_on_trainers generates on the trainer "
                                   "ranks (no generator workers)", base)

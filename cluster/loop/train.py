@@ -322,6 +322,9 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
       logprobs enter the loss through the capped importance weight (``algo.is_cap``). 0 is
       the synchronous loop. Logged: ``staleness/*``, ``mismatch/*``, ``idle/generators``
       and ``idle/trainers`` (the share of the step each role sat idle).
+    * ``generator_policy(history, current) -> count`` (``primitives.maths.scaling``) sizes the
+      backend's generator workers before every step: a change drains the generation in flight,
+      then grows or shrinks them (``backend.scale_generators``); logged ``generators/count``.
 
     Returns the final ``TrainState`` (its ``metrics_history`` holds every step's metrics).
     A backend that replaces actors holds the new ones (the Ray backend's ``cluster`` changes).

@@ -84,17 +84,20 @@ def test_tool_use_config_masks_tool_tokens_and_logs_tool_statistics(tmp_path):
 def test_custom_kl_ema_config_moves_the_reference_towards_the_policy(tmp_path):
     """No SFT stage, so the reference starts as the base model; after 3 steps with
     ``ref <- 0.5 ref + 0.5 policy`` it is neither the base model nor the policy, and closer to
-    the policy than the base model is. The capped KL is in the loss."""
+    the policy than the base model is. The capped KL is in the loss. (The untrained model
+    never writes the right sum: the reward here is "starts with a digit", which it sometimes
+    does, so the first steps have something to learn.)"""
     from transformers import AutoModelForCausalLM
 
     def edit(v):
         v["reference"]["kwargs"]["decay"] = 0.5
+        v["rewards"] = [{"name": "regex_format", "kwargs": {"pattern": r"\d.*"}}]
 
     out = str(tmp_path / "run")
     _run([_edited(tmp_path, "custom_kl_ema", edit), "--logging.out", out, "--eval.enabled", "False",
           "--sft.steps", "0", "--algorithm.steps", "3", "--algorithm.lr", "3e-3"])
     rows = _rows(out)
-    assert rows[0]["loss/kl"] == 0.0 and all(r["loss/kl"] > 0 for r in rows[1:])  # the policy leaves the reference
+    assert rows[0]["loss/kl"] == 0.0 and rows[-1]["loss/kl"] > 0  # the policy leaves the reference
     # each token's k3 capped at 0.02 (examples/custom_kl.py): the loss's KL, a mean over tokens, stays below
     assert all(r["loss/kl"] <= 0.02 + 1e-9 and "kl/ref_k3" in r for r in rows)
 

@@ -135,8 +135,10 @@ def test_scaling_settings_are_checked_before_ray():
     from cluster.jobs.config import RLJob
     from cluster.ray_wing.config import GeneratorScaling
 
+    from cluster.jobs.config import DataConfig
+
     def errors(**scaling):
-        job = RLJob()
+        job = RLJob(data=DataConfig(task="arithmetic"))
         return rl_errors(job._replace(cluster=job.cluster._replace(scaling=GeneratorScaling(**scaling))))
 
     assert errors(policy="idle", minimum=1, maximum=4) == []
@@ -145,6 +147,6 @@ def test_scaling_settings_are_checked_before_ray():
     assert "cluster.scaling.policy 'elastic' is unknown" in " ".join(errors(policy="elastic"))
     assert "cluster.scaling.at_steps must map steps to counts >= 1" in " ".join(errors(policy="steps",
                                                                                       at_steps={"5": 0}))
-    hosted = RLJob()._replace(cluster=RLJob().cluster._replace(generate_on_trainers=True,
+    hosted = RLJob(data=DataConfig(task="arithmetic"))._replace(cluster=RLJob().cluster._replace(generate_on_trainers=True,
                                                                scaling=GeneratorScaling(policy="idle", maximum=4)))
     assert any("cluster.scaling" in e and "would be ignored" in e for e in rl_errors(hosted))
