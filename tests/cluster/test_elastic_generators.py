@@ -132,10 +132,8 @@ def test_the_idle_policy_grows_when_the_trainers_wait_and_shrinks_when_the_gener
 
 def test_scaling_settings_are_checked_before_ray():
     from cluster.jobs.checks import rl_errors
-    from cluster.jobs.config import RLJob
+    from cluster.jobs.config import DataConfig, RLJob
     from cluster.ray_wing.config import GeneratorScaling
-
-    from cluster.jobs.config import DataConfig
 
     def errors(**scaling):
         job = RLJob(data=DataConfig(task="arithmetic"))
@@ -147,6 +145,38 @@ def test_scaling_settings_are_checked_before_ray():
     assert "cluster.scaling.policy 'elastic' is unknown" in " ".join(errors(policy="elastic"))
     assert "cluster.scaling.at_steps must map steps to counts >= 1" in " ".join(errors(policy="steps",
                                                                                       at_steps={"5": 0}))
-    hosted = RLJob(data=DataConfig(task="arithmetic"))._replace(cluster=RLJob().cluster._replace(generate_on_trainers=True,
-                                                               scaling=GeneratorScaling(policy="idle", maximum=4)))
+    job = RLJob(data=DataConfig(task="arithmetic"))
+    hosted = job._replace(cluster=job.cluster._replace(generate_on_trainers=True,
+                                                       scaling=GeneratorScaling(policy="idle", maximum=4)))
     assert any("cluster.scaling" in e and "would be ignored" in e for e in rl_errors(hosted))
+
+
+@pytest.mark.slow
+def test_a_job_file_scales_its_generators(tmp_path):
+    """``cluster.scaling`` through ``rayrl rl``: the default job on 1 generator worker, 2 from
+    step 1 on (``policy: steps``); the local Ray was started with room for the second."""
+    import json
+
+    import ray
+    import yaml
+
+    from cluster.jobs.cli import run
+    from tests.conftest import ROOT
+
+    with open(os.path.join(ROOT, "examples", "configs", "default.yaml")) as f:
+        values = yaml.safe_load(f)
+    values["cluster"].update(generate_on_trainers=False, generators=1,
+                             scaling={"policy": "steps", "at_steps": {1: 2}})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = str(tmp_path / "run")
+    ray.shutdown()
+    try:
+        run(["rl", str(path), "--logging.out", out, "--sft.steps", "30", "--algorithm.steps", "3",
+             "--eval.enabled", "False", "--algorithm.prompts-per-step", "8"])
+    finally:
+        ray.shutdown()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "reward/mean" in r]
+    assert [r["generators/count"] for r in rows] == [1.0, 2.0, 2.0]
+    assert "time/scale" in rows[1] and rows[1]["sync/bytes"] > 0
