@@ -13,6 +13,20 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def run_job(args: list):
+    """``rayrl <args>`` (e.g. ``["rl", "job.yaml", "--algorithm.steps", "2"]``) through the
+    command-line entry point, on a Ray of its own that is shut down after it; its summary."""
+    import ray
+
+    from cluster.jobs.cli import run
+
+    ray.shutdown()
+    try:
+        return run(list(args))
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from primitives.fixtures.tiny import build_char_tokenizer

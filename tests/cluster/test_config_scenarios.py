@@ -11,21 +11,13 @@ import yaml
 
 from cluster.jobs.checks import ConfigErrors
 from cluster.jobs.config import load_job_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_job
 
 CONFIGS = os.path.join(ROOT, "examples", "configs")
 
 
 def _run(args):
-    import ray
-
-    from cluster.jobs.cli import run
-
-    ray.shutdown()
-    try:
-        return run(["rl", *args])
-    finally:
-        ray.shutdown()
+    return run_job(["rl", *args])
 
 
 def _rows(out):

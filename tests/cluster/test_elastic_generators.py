@@ -157,11 +157,9 @@ def test_a_job_file_scales_its_generators(tmp_path):
     step 1 on (``policy: steps``); the local Ray was started with room for the second."""
     import json
 
-    import ray
     import yaml
 
-    from cluster.jobs.cli import run
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, run_job
 
     with open(os.path.join(ROOT, "examples", "configs", "default.yaml")) as f:
         values = yaml.safe_load(f)
@@ -170,12 +168,8 @@ def test_a_job_file_scales_its_generators(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(values))
     out = str(tmp_path / "run")
-    ray.shutdown()
-    try:
-        run(["rl", str(path), "--logging.out", out, "--sft.steps", "30", "--algorithm.steps", "3",
+    run_job(["rl", str(path), "--logging.out", out, "--sft.steps", "30", "--algorithm.steps", "3",
              "--eval.enabled", "False", "--algorithm.prompts-per-step", "8"])
-    finally:
-        ray.shutdown()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "reward/mean" in r]
     assert [r["generators/count"] for r in rows] == [1.0, 2.0, 2.0]

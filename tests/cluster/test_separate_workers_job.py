@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_job
 
 CONFIGS = os.path.join(ROOT, "examples", "configs")
 SHORT = ["--algorithm.steps", "2", "--algorithm.prompts-per-step", "4", "--generation.max-new-tokens", "8",
@@ -27,9 +27,6 @@ def _k8s_job(tmp_path) -> tuple:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["own_data", "smollm2_arithmetic", "k8s"])
 def test_shipped_separate_worker_configs_run_two_steps(name, tmp_path):
-    import ray
-
-    from cluster.jobs.cli import run
     from cluster.jobs.config import load_job_config
 
     if name == "k8s":
@@ -38,11 +35,7 @@ def test_shipped_separate_worker_configs_run_two_steps(name, tmp_path):
         path, cpu = os.path.join(CONFIGS, f"{name}.yaml"), []
     shipped = load_job_config(path)
     out = str(tmp_path / "run")
-    ray.shutdown()
-    try:
-        summary = run(["rl", path, "--logging.out", out, *SHORT, *cpu])
-    finally:
-        ray.shutdown()
+    summary = run_job(["rl", path, "--logging.out", out, *SHORT, *cpu])
     assert summary["rl_steps"] == 2 and summary["generation"] == "workers"
     assert summary["generators"] == shipped.cluster.generators and summary["trainer_ranks"] == shipped.cluster.trainers
     uses_reference = (shipped.algorithm.kl_coef or 0) > 0

@@ -9,22 +9,14 @@ import numpy as np
 import pytest
 import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_job
 
 DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
 OWN_DATA = os.path.join(ROOT, "examples", "configs", "own_data.yaml")
 
 
 def _run(args):
-    import ray
-
-    from cluster.jobs.cli import run
-
-    ray.shutdown()
-    try:
-        return run(["rl", *args])
-    finally:
-        ray.shutdown()
+    return run_job(["rl", *args])
 
 
 @pytest.mark.slow
