@@ -213,3 +213,34 @@ def test_the_sections_build_what_the_python_api_builds(tmp_path):
     calls = tools.config.parser('<tool_call name="calc">{"expression": "37*46"}</tool_call>')
     assert [c.name for c in calls] == ["calc"] and tools.config.executor(calls[0]).content == "1702"
     assert tools.config.executor(ToolCall("calc", {"expression": "1/0"})).is_error
+
+
+def test_a_users_tool_and_parser_from_files(tmp_path):
+    """``tools.use: [{name: path/file.py:function}]`` and ``tools.parser: path/file.py:function``:
+    the user's tool runs under its own name, with ``kwargs`` bound; their parser finds the
+    calls; both pickle (they travel to the generators)."""
+    import pickle
+
+    import cloudpickle
+
+    from cluster.jobs.extensions import build_tools
+
+    (tmp_path / "my_tools.py").write_text(
+        "from primitives.env.tools import ToolCall\n\n"
+        "def shout(arguments, suffix='!'):\n    return arguments['text'].upper() + suffix\n\n"
+        "def parse(text):\n"
+        "    return [ToolCall('shout', {'text': t[6:]}) for t in text.split() if t.startswith('SHOUT:')]\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"tools": {"use": [{"name": f"{tmp_path}/my_tools.py:shout",
+                                                       "kwargs": {"suffix": "?"}}],
+                                              "parser": f"{tmp_path}/my_tools.py:parse"}}))
+    tools = build_tools(load_job_config(str(path)))
+    assert tools.names == ("shout",)
+    calls = tools.config.parser("say SHOUT:hello then SHOUT:bye")
+    assert [tools.config.executor(c).content for c in calls] == ["HELLO?", "BYE?"]
+    copy = pickle.loads(cloudpickle.dumps(tools.config))
+    assert copy.executor(calls[0]).content == "HELLO?"
+    path.write_text(yaml.safe_dump({"tools": {"use": [{"name": f"{tmp_path}/my_tools.py:shout",
+                                                       "kwargs": {"volume": 11}}]}}))
+    with pytest.raises(ConfigErrors, match="tools.use.0 .*unknown argument 'volume'"):
+        build_tools(load_job_config(str(path)))
