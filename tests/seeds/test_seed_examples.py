@@ -431,6 +431,42 @@ def test_example_4_the_hand_loop_is_refused_at_the_float_loss(tiny_model_path, s
         compute_grpo_loss(batch, [0.0], kl_coef=0.1)
 
 
+def test_example_4_tool_use_on_the_loop_with_the_seeds_parser_and_executor(tiny_model_path, monkeypatch):
+    """The seed's parser, executor and reward on ``train(..., tools=ToolConfig(...))``: the
+    generator's turns scripted by context (a tool call, then, after the tool's answer, <done>)."""
+    import cluster.local
+    from primitives.env.tools import ToolConfig
+    from primitives.model.generation import GenerationOutput
+
+    def scripted(model, tokenizer, config, generator=None):
+        def generate_turn(context_ids):
+            seen = tokenizer.decode(context_ids.tolist())
+            text = "The sum is 579. <done>" if "<tool_response>" in seen else \
+                '<tool_call name="calculator">123+456</tool_call>'
+            ids = np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
+            return GenerationOutput(ids, np.full(len(ids), -0.5, np.float32), "stop", text)
+
+        return generate_turn
+
+    monkeypatch.setattr(cluster.local, "hf_turn_generator", scripted)
+
+    def stop_condition(conv: Conversation) -> bool:
+        return bool(conv.messages) and "<done>" in conv.messages[-1].content.lower()
+
+    model, _, _, optimizer = setup(tiny_model_path)
+    seen = []
+    final_state = train(initial_state=TrainingState(model=model, optimizer=optimizer),
+                        prompt_loader=lambda iteration: ["Calculate the sum of 123 and 456.", "Add 123 and 456."],
+                        num_iterations=1, gen_config=gen_config_of_example_1(max_new_tokens=32),
+                        algorithm_config=create_algorithm_config("grpo", {"kl_coef": 0.0}), reward_fn=tool_usage_reward,
+                        tools=ToolConfig(execute_tool_mock, parse_tool_calls_xml, stop_condition, max_turns=3),
+                        iteration_hook=lambda state, batch: seen.append(batch))
+    rollouts = seen[0].rollouts
+    assert len(rollouts) == 4 and [r.reward for r in rollouts] == pytest.approx([1.3] * 4)
+    assert all(r.tool_calls[0]["name"] == "calculator" and r.tool_results[0].get("success") for r in rollouts)
+    assert final_state.stats_history[0].custom_metrics["tools/calls_per_rollout"] == pytest.approx(1.0)
+
+
 # ----------------------------------------------------------------------------- Example 5
 def test_example_5_ema_reference_updates_through_train(tiny_model_path):
     """``create_ref_update_fn("ema", decay=0.995)`` passed as ``ref_model_update_fn``: after
@@ -464,6 +500,26 @@ def test_example_5_the_seeds_model_to_model_update_is_refused_naming_create_ref_
               prompt_loader=load_prompts, num_iterations=1, gen_config=gen_config_of_example_1(),
               algorithm_config=create_algorithm_config("grpo", {"kl_coef": 0.1}), reward_fn=correctness_reward,
               ref_model_update_fn=lambda ref, policy: ema_update(ref, policy, 0.995))
+
+
+def test_example_5_the_seeds_float_kl_functions_are_refused_as_kl_fn(tiny_model_path):
+    """README 2: ``truncated_kl(logprobs, ref_logprobs, threshold)`` sums ``exp(lp) * (lp - ref_lp)``
+    into a float; as a ``kl_fn`` it fails the algorithm's check before any step."""
+    def truncated_kl(logprobs: List[float], ref_logprobs: List[float], threshold: float = 1.0) -> float:
+        kl = 0.0
+        for lp, ref_lp in zip(logprobs, ref_logprobs):
+            prob = math.exp(lp)
+            token_kl = prob * (lp - ref_lp)
+            token_kl = min(token_kl, threshold)
+            kl += token_kl
+        return kl
+
+    model, _, ref_model, optimizer = setup(tiny_model_path)
+    with pytest.raises(ValueError, match=r"kl_fn .*truncated_kl fails on a small sample"):
+        train(initial_state=TrainingState(model=model, optimizer=optimizer, ref_model=ref_model),
+              prompt_loader=load_prompts, num_iterations=1, gen_config=gen_config_of_example_1(),
+              algorithm_config=create_algorithm_config("grpo", {"kl_coef": 0.1, "kl_fn": truncated_kl}),
+              reward_fn=correctness_reward)
 
 
 def test_example_5_custom_kl_rollout_parts(tiny_model_path):
