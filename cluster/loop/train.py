@@ -308,8 +308,9 @@ class Hooks(NamedTuple):
     ``eval_every`` / ``checkpoint_every`` steps (evaluation also at the last), and
     ``iteration_hook(state, batch)`` after every step's logger: ``state`` is the ``TrainState``
     after the step (its ``metrics_history[-1]`` the step's metrics), ``batch`` a
-    ``primitives.types.RolloutBatch`` of the step's trained rollouts, fetched whole from the
-    backend only when this hook is set (on Ray they travel to the driver for it)."""
+    ``primitives.types.RolloutBatch`` of the rollouts the step kept for its update (after the
+    filters; empty when the filters kept none), fetched whole from the backend only when this
+    hook is set (on Ray they travel to the driver for it)."""
 
     logger: Callable = noop_logger
     eval_fn: Optional[Callable] = None
