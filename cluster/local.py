@@ -26,13 +26,34 @@ from primitives.maths.batching import planned_batch, rollout_metrics
 from primitives.maths.filters import kept_indices
 from primitives.maths.kl import apply_ref_state, create_reference_model, ref_state_from_model
 from primitives.model.generation import generate_rollouts
-from primitives.model.logprobs import rollout_logprobs
+from primitives.model.logprobs import disable_dropout, rollout_logprobs
 from primitives.model.training import optim_step, sft_eval_loss, sft_forward_backward, train_on_batch
 from primitives.types import BatchPlan, GenerationConfig, ModelConfig, TrainState, planned_rollouts, summarize
 from rl_actors.common import load_causal_lm
 from rl_actors.deepspeed_rank import adamw
 from rl_actors.generator import rollout_sampler
 from rl_actors.trainer import TrainerConfig
+
+
+def loaded_tokenizer(model):
+    """The tokenizer of a loaded model's checkpoint directory (``model.name_or_path``); an
+    error naming ``tokenizer=`` when there is none."""
+    from transformers import AutoTokenizer
+
+    path = getattr(model, "name_or_path", "") or ""
+    if not os.path.isdir(path):
+        raise ValueError(f"LocalBackend: a loaded model needs its tokenizer (tokenizer=...); the model's "
+                         f"name_or_path {path!r} is not a local directory to load one from")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def freeze(model):
+    """``model`` frozen in place (no gradients, eval mode, dropout off): a reference."""
+    disable_dropout(model)
+    return create_reference_model(model, ref_model_fn=lambda m: m)
 
 
 class LocalRollouts(NamedTuple):
@@ -51,6 +72,13 @@ class LocalBackend:
     it at each sync); ``critic`` builds a value model from the policy (``"policy"``) or a
     reward-model directory, trained at ``critic_lr`` (default: the trainer's lr). ``trainer``
     holds the optimizer settings (AdamW, clipping, micro batch), as for a Ray trainer group.
+
+    In a notebook, ``model`` may also be a causal LM already loaded (trained in place, at its
+    own dtype and device) with its ``tokenizer`` (default: loaded from the model's
+    ``name_or_path``); ``optimizer`` then replaces the AdamW built from ``trainer`` (its own
+    learning rate stays unless the run's ``lr_schedule`` sets one), and ``reference_model``
+    is the reference to use instead of a frozen copy of the starting policy (it is frozen,
+    dropout off, in place).
     """
 
     name = "local"
@@ -59,7 +87,8 @@ class LocalBackend:
     def __init__(self, model, reward_fn: Callable, aggregate_fn: Optional[Callable] = None,
                  shaping_fn: Optional[Callable] = None, with_reference: bool = False,
                  ref_update_fn: Optional[Callable] = None, trainer: TrainerConfig = TrainerConfig(),
-                 critic: Optional[str] = None, critic_lr: Optional[float] = None, seed: int = 0):
+                 critic: Optional[str] = None, critic_lr: Optional[float] = None, seed: int = 0,
+                 tokenizer=None, optimizer=None, reference_model=None):
         check_arity(reward_fn, "reward_fn", None)
         if aggregate_fn is not None:
             check_arity(aggregate_fn, "aggregate_fn", [0.0])
@@ -67,15 +96,22 @@ class LocalBackend:
             check_arity(shaping_fn, "shaping_fn", None, 0.0)
         if ref_update_fn is not None:
             check_arity(ref_update_fn, "ref_update_fn", None, {}, 0, None)
-        config = model if isinstance(model, ModelConfig) else ModelConfig(model)
         torch.manual_seed(seed)
-        self.config, self.seed, self.trainer_config = config, seed, trainer
-        self.policy, self.tokenizer = load_causal_lm(config._replace(dtype="float32"), "local policy")
-        self.optimizer = adamw(self.policy.parameters(), trainer)
+        self.seed, self.trainer_config = seed, trainer
+        if isinstance(model, torch.nn.Module):
+            self.config = None
+            self.policy, self.tokenizer = model, tokenizer if tokenizer is not None else loaded_tokenizer(model)
+            disable_dropout(self.policy)
+        else:
+            self.config = model if isinstance(model, ModelConfig) else ModelConfig(model)
+            self.policy, self.tokenizer = load_causal_lm(self.config._replace(dtype="float32"), "local policy")
+        self.optimizer = optimizer if optimizer is not None else adamw(self.policy.parameters(), trainer)
         self.reward_fn, self.aggregate_fn, self.shaping_fn = reward_fn, aggregate_fn, shaping_fn
         self.reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
         self.reference = None
-        if with_reference or self.reward_needs_reference:
+        if reference_model is not None:
+            self.reference = freeze(reference_model)
+        elif with_reference or self.reward_needs_reference:
             self.reference = create_reference_model(self.policy)
         self.ref_update_fn = ref_update_fn
         self.ref_state = ref_state_from_model(self.reference) if ref_update_fn is not None else None

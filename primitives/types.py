@@ -76,11 +76,18 @@ class VLLMConfig(NamedTuple):
     enable_sleep_mode: bool = False  # GPU only: release GPU memory between generate calls
 
 
-class Rollout(NamedTuple):
-    """One sampled completion with everything the trainer needs.
+class Generation(NamedTuple):
+    """One completion as the seeds' ``Generation`` record names it: a read-only view built by
+    ``Rollout.generation`` from the rollout's own fields (it stores nothing of its own)."""
 
-    Per-token arrays all have length T (the completion) and are aligned token by token.
-    """
+    text: str  # Rollout.text
+    logprobs: np.ndarray  # (T,) float32 Rollout.logprobs
+    token_ids: np.ndarray  # (T,) int64 Rollout.completion_ids
+    finish_reason: str  # Rollout.finish_reason
+
+
+class RolloutFields(NamedTuple):
+    """The fields of a ``Rollout`` (see there)."""
 
     uid: str  # stable id "e{epoch}/i{index}/s{sample}": exact per-epoch accounting
     group: str  # id of the prompt this answers "e{epoch}/i{index}"; G rollouts share it
@@ -100,9 +107,121 @@ class Rollout(NamedTuple):
     answer: Any = None  # the reference answer of the task item (for verifiable rewards)
     metadata: Optional[dict] = None  # free-form, JSON-friendly
 
+
+# the seeds' Rollout fields (seeds/000 "Rollout") that are not ours, and what stands for each here
+SEED_ROLLOUT_NAMES = {
+    "generation": "the read-only view rollout.generation (text, token_ids, logprobs, finish_reason)",
+    "conversation": "the read-only view rollout.conversation (prompt + completion, or the multi-turn "
+                    "metadata['conversation'])",
+    "token_ids": "completion_ids (the read-only view rollout.token_ids reads it)",
+    "rewards": "reward (the scalar after aggregation) and reward_vector (the components); rollout.rewards "
+               "reads them",
+    "reward_metadata": "metadata",
+    "kl_divergence": "nothing per rollout: KL is computed in the loss from ref_logprobs by the algorithm's "
+                     "kl_fn (k1/k2/k3) and logged as kl/ref_k3 (seeds README errors 1 and 2)",
+    "per_token_kl": "nothing per rollout: primitives.maths.kl.per_token_kl(logprobs, ref_logprobs) computes "
+                    "it from ref_logprobs (k3 by default)",
+}
+
+
+class Rollout(RolloutFields):
+    """One sampled completion with everything the trainer needs.
+
+    Per-token arrays all have length T (the completion) and are aligned token by token.
+
+    The seeds' spellings read as views of these fields: ``rollout.generation`` (``.text``,
+    ``.token_ids``, ``.logprobs``, ``.finish_reason``), ``rollout.conversation``,
+    ``rollout.rewards`` and ``rollout.token_ids``. Their other names (``kl_divergence``,
+    ``reward_metadata``, ...) raise an error naming what stands for them here.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *args, **kwargs):
+        seed = sorted(k for k in kwargs if k in SEED_ROLLOUT_NAMES)
+        if seed:
+            raise TypeError(f"Rollout({', '.join(k + '=...' for k in seed)}): the seeds' fields; a Rollout here is "
+                            f"made by create_rollout(model, tokenizer, prompt, gen_config, ref_model=..., "
+                            f"reward_fn=...) (fields {', '.join(RolloutFields._fields)}). "
+                            + "; ".join(f"{k}: {SEED_ROLLOUT_NAMES[k]}" for k in seed))
+        return super().__new__(cls, *args, **kwargs)
+
+    def _replace(self, **kwargs) -> "Rollout":
+        """A new rollout with ``kwargs`` replaced (the rollout itself never changes: keep the
+        result). The seeds' ``rewards=<float>`` sets ``reward``."""
+        if "rewards" in kwargs and "reward" not in kwargs and isinstance(kwargs["rewards"], (int, float)) \
+                and not isinstance(kwargs["rewards"], bool):
+            kwargs["reward"] = float(kwargs.pop("rewards"))
+        seed = sorted(k for k in kwargs if k in SEED_ROLLOUT_NAMES)
+        if seed:
+            raise ValueError(f"Rollout._replace({', '.join(k + '=...' for k in seed)}): not fields here; "
+                             + "; ".join(f"{k}: {SEED_ROLLOUT_NAMES[k]}" for k in seed)
+                             + ". _replace returns a new rollout, it does not change this one: a reward function "
+                               "returns its reward (a vector of components, with aggregate_fn) and the scorer "
+                               "keeps it in reward / reward_vector (seeds README error 9)")
+        return super()._replace(**kwargs)
+
+    def __getattr__(self, name: str):
+        # only for names that are not attributes: the seeds' names get an error naming ours
+        view = getattr(type(self), name, None)
+        if isinstance(view, property):  # a view raised AttributeError inside: let that error through
+            return view.fget(self)
+        if name in SEED_ROLLOUT_NAMES:
+            raise AttributeError(f"'Rollout' object has no attribute '{name}' (the seeds' name); here: "
+                                 f"{SEED_ROLLOUT_NAMES[name]}")
+        raise AttributeError(f"'Rollout' object has no attribute '{name}'")
+
     @property
     def num_tokens(self) -> int:
         return int(len(self.completion_ids))
+
+    @property
+    def generation(self) -> Generation:
+        """The seeds' ``rollout.generation``: text, token ids, logprobs and finish reason."""
+        return Generation(self.text, self.logprobs, self.completion_ids, self.finish_reason)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The seeds' ``rollout.token_ids``: the completion's token ids, ``(T,) int64``."""
+        return self.completion_ids
+
+    @property
+    def rewards(self):
+        """The seeds' ``rollout.rewards``: the components as a list when the reward is a vector,
+        else the scalar reward (None before scoring)."""
+        if self.reward_vector is not None:
+            return [float(v) for v in np.asarray(self.reward_vector).ravel()]
+        return self.reward
+
+    @property
+    def conversation(self) -> Conversation:
+        """The seeds' ``rollout.conversation``: a multi-turn rollout's messages (its
+        ``metadata["conversation"]``: prompt, assistant turns and tool results); otherwise the
+        prompt (its messages, or a user message of its text) and an assistant message of the
+        completion."""
+        turns = (self.metadata or {}).get("conversation")
+        if turns is not None:
+            return Conversation(tuple(message_from_dict(m) for m in turns))
+        prompt = self.prompt
+        if hasattr(prompt, "prompt") and hasattr(prompt, "index"):  # a PromptItem
+            prompt = prompt.prompt
+        if isinstance(prompt, Conversation):
+            messages = tuple(prompt.messages)
+        elif isinstance(prompt, (list, tuple)):
+            messages = tuple(message_from_dict(m) if isinstance(m, dict) else m for m in prompt)
+        else:
+            messages = (Message("user", str(prompt)),)
+        return Conversation(messages + (Message("assistant", self.text),))
+
+
+def message_from_dict(d) -> Message:
+    """A ``Message`` of a chat dict (``{"role", "content", "tool_call_id"?, "name"?}``); a
+    ``Message`` passes through. Tool calls stay as the dicts they were."""
+    if isinstance(d, Message):
+        return d
+    calls = d.get("tool_calls")
+    return Message(d["role"], d.get("content") or "", tuple(calls) if calls else None, d.get("tool_call_id"),
+                   d.get("name"))
 
 
 class RolloutSummary(NamedTuple):
@@ -231,6 +350,36 @@ class Batch(BatchFields):
     def num_loss_sequences(self) -> int:
         """Rows with at least one loss token (a masked-out truncated row does not count)."""
         return int((self.loss_mask.sum(1) > 0).sum())
+
+
+class RolloutBatchFields(NamedTuple):
+    """The fields of a ``RolloutBatch`` (see there)."""
+
+    rollouts: tuple  # the rollouts, in order
+    batch_metadata: Optional[dict] = None  # free-form: e.g. the sampling temperature they were made at
+
+
+class RolloutBatch(RolloutBatchFields):
+    """Rollouts without padded arrays, as the seeds' ``Batch(rollouts, batch_metadata)`` has
+    them: what ``iteration_hook(state, batch)`` receives (the step's trained rollouts) and what
+    the seeds' ``create_batch_rollouts`` returns. ``len(batch)`` is the number of rollouts;
+    ``primitives.maths.batching.make_batch`` makes the trainer's ``Batch`` of them."""
+
+    __slots__ = ()
+
+    @classmethod
+    def _make(cls, iterable):
+        result = tuple.__new__(cls, iterable)  # __len__ counts rollouts: check the fields here
+        if tuple.__len__(result) != len(cls._fields):
+            raise TypeError(f"RolloutBatch expects {len(cls._fields)} fields, got {tuple.__len__(result)}")
+        return result
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    def filter(self, predicate: Callable[[Rollout], bool]) -> "RolloutBatch":
+        """A new batch of the rollouts for which ``predicate(rollout)`` is true."""
+        return self._replace(rollouts=tuple(r for r in self.rollouts if predicate(r)))
 
 
 class DataPosition(NamedTuple):

@@ -1,8 +1,8 @@
 """The layout's import rules (DESIGN section 2, invariant 11), read from the source: every
 ``import`` statement of every module, inside functions and ``TYPE_CHECKING`` blocks included.
 
-* Arrows only go down: jobs -> the wings (Ray, local) -> the loop -> rl_actors -> primitives;
-  a module imports nothing from a room above its own.
+* Arrows only go down: jobs and the seeds' facade (``rl_primitives``) -> the wings (Ray,
+  local) -> the loop -> rl_actors -> primitives; a module imports nothing from a room above its own.
 * The loop imports no Ray and names no wing; primitives import no Ray.
 * Inside primitives, the maths (``primitives.maths``) reads only the records, the hook checks,
   the padding layout and itself - no model, files, rewards or fixtures - and nothing but the
@@ -17,10 +17,10 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("primitives", "rl_actors", "cluster")
+PACKAGES = ("primitives", "rl_actors", "cluster", "rl_primitives")
 # rooms, highest first, by module-name prefix (the longest prefix that matches decides)
-ROOMS = {"cluster.jobs": 4, "cluster.__main__": 4, "cluster.ray_wing": 3, "cluster.local": 3, "cluster.loop": 2,
-         "rl_actors": 1, "primitives": 0}
+ROOMS = {"cluster.jobs": 4, "cluster.__main__": 4, "rl_primitives": 4, "cluster.ray_wing": 3, "cluster.local": 3,
+         "cluster.loop": 2, "rl_actors": 1, "primitives": 0}
 NO_RAY = ("cluster.loop", "primitives")
 
 
@@ -152,3 +152,4 @@ def test_the_checks_see_a_circle_and_an_upward_arrow():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert room("rl_actors.trainer") < room("cluster.ray_wing.groups")
     assert room("cluster.loop.train") < room("cluster.local") < room("cluster.jobs.cli")
+    assert room("cluster.local") < room("rl_primitives.loop") == room("cluster.jobs.cli")

@@ -39,9 +39,12 @@ def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks =
     if never stopped. Returns the last step's metrics.
     """
     num_steps, batch_size, lr_schedule, seed, log_every, start_step, progress = run
-    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks
+    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks[:5]
     if eval_fn is not None:
         raise ValueError("train_sft evaluates the held-out loss on eval_samples; hooks.eval_fn would be ignored")
+    if hooks.iteration_hook is not None:
+        raise ValueError("hooks.iteration_hook(state, batch) is the RL loop's (cluster.loop.train.train); train_sft "
+                         "calls logger(metrics) and checkpoint_fn only")
     if not samples:
         raise ValueError("train_sft: no samples")
     rng = np.random.default_rng(seed)

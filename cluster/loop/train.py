@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from tqdm import tqdm
 
 from cluster.loop.protocol import ActorFailure, plan_parts
-from primitives.hooks import call_hook, check_arity
+from primitives.hooks import call_hook, check_arity, fn_name
 from primitives.io.loggers import noop_logger
 from primitives.maths.algorithms import check_schedule, needs_values, uses_reference
 from primitives.maths.filters import by_group
@@ -26,7 +26,7 @@ from primitives.maths.metrics import (
     staleness_metrics,
     tool_metrics,
 )
-from primitives.types import BatchPlan, GenerationConfig, TrainState, group_id
+from primitives.types import BatchPlan, GenerationConfig, RolloutBatch, TrainState, group_id
 
 
 class Collection(NamedTuple):
@@ -230,6 +230,25 @@ def _seen(algo, checked: set) -> bool:
     return False
 
 
+def check_loader_shape(prompt_source: Callable) -> None:
+    """A one-argument ``prompt_loader(iteration)`` (the seeds' shape) given as the prompt source
+    is refused with the adapter that makes it one."""
+    import inspect
+
+    try:
+        sig = inspect.signature(prompt_source)
+        sig.bind(0)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, 1)
+    except TypeError:
+        raise ValueError(f"prompt_source: {fn_name(prompt_source)}{sig} takes one argument, the seeds' "
+                         f"prompt_loader(iteration) -> prompts; train calls prompt_source(position, n) -> (items, "
+                         f"position): wrap it as primitives.io.data.prompt_source_from_loader(loader) "
+                         f"(rl_primitives.train(prompt_loader=...) does this itself)") from None
+
+
 def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
                       eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
     """Every hook of ``train`` takes its documented arguments, and on a remote backend the ones that travel
@@ -239,6 +258,7 @@ def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Call
 
     first = check_schedule(algorithm_schedule)
     check_algorithm_for(backend, first)
+    check_loader_shape(prompt_source)
     check_arity(prompt_source, "prompt_source", None, 1)
     check_arity(logger, "logger", {})
     if eval_fn is not None:
@@ -285,13 +305,19 @@ class RLRun(NamedTuple):
 class Hooks(NamedTuple):
     """What ``train`` calls besides the backend: ``logger(metrics)`` after every step,
     ``eval_fn(backend, state) -> dict`` and ``checkpoint_fn(backend, state)`` every
-    ``eval_every`` / ``checkpoint_every`` steps (evaluation also at the last)."""
+    ``eval_every`` / ``checkpoint_every`` steps (evaluation also at the last), and
+    ``iteration_hook(state, batch)`` after every step's logger: ``state`` is the ``TrainState``
+    after the step (its ``metrics_history[-1]`` the step's metrics), ``batch`` a
+    ``primitives.types.RolloutBatch`` of the rollouts the step kept for its update (after the
+    filters; empty when the filters kept none), fetched whole from the backend only when this
+    hook is set (on Ray they travel to the driver for it)."""
 
     logger: Callable = noop_logger
     eval_fn: Optional[Callable] = None
     eval_every: int = 0
     checkpoint_fn: Optional[Callable] = None
     checkpoint_every: int = 0
+    iteration_hook: Optional[Callable] = None
 
 
 def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun, state: TrainState = TrainState(),
@@ -331,12 +357,14 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     """
     gen, num_steps, prompts_per_step, lr_schedule = run.gen, run.num_steps, run.prompts_per_step, run.lr_schedule
     max_staleness, component_names = run.max_staleness, run.component_names
-    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks
+    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks[:5]
     problems = run_errors(gen.temperature, max_staleness)
     if problems:
         raise ValueError("; ".join(problems))
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
     _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
+    if hooks.iteration_hook is not None:
+        check_arity(hooks.iteration_hook, "iteration_hook", TrainState(), RolloutBatch(()))
     if run.generator_policy is not None:
         check_arity(run.generator_policy, "generator_policy", (), 1)
         if not hasattr(backend, "scale_generators"):
@@ -384,6 +412,9 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
             metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
         state = state._replace(metrics_history=state.metrics_history + (metrics,))
         call_hook(logger, "logger", metrics)
+        if hooks.iteration_hook is not None:
+            trained_rollouts = tuple(backend.rollouts(rollouts)) if rollouts else ()
+            call_hook(hooks.iteration_hook, "iteration_hook", state, RolloutBatch(trained_rollouts))
         if "reward/mean" in metrics:  # a skipped step has no trained batch to describe
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         saved = checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0

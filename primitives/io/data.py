@@ -491,14 +491,64 @@ def take_prompts(items: Sequence[PromptItem], position: DataPosition, batch_size
     return out, DataPosition(epoch, offset)
 
 
-def make_prompt_source(items: Sequence[PromptItem], seed: int = 0, shuffle: bool = True):
-    """``prompt_source(position, batch_size) -> (items, next_position)`` over ``items``."""
-    items = list(items)
+def as_prompt_items(prompts: Sequence) -> list:
+    """``PromptItem``s of ``prompts``: items pass through; a bare prompt (a str or a
+    ``Conversation``, as the seeds keep prompts) becomes ``PromptItem(index=i, prompt=p)``
+    with ``i`` its position in ``prompts``, so each prompt has its own uid and group. Indices
+    must be distinct: two items of one index would share uids and a group."""
+    items = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, PromptItem):
+            items.append(p)
+        elif isinstance(p, (str, Conversation)):
+            items.append(PromptItem(index=i, prompt=p))
+        else:
+            raise ValueError(f"prompt {i}: {type(p).__name__} is not a prompt; expected a str, a "
+                             f"primitives.types.Conversation or a PromptItem")
+    seen: dict = {}
+    for k, it in enumerate(items):
+        if it.index in seen:
+            raise ValueError(f"prompts {seen[it.index]} and {k} have the same index {it.index}: their rollouts "
+                             f"would share uids and a group (give each item its own index)")
+        seen[it.index] = k
+    return items
+
+
+def make_prompt_source(items: Sequence, seed: int = 0, shuffle: bool = True):
+    """``prompt_source(position, batch_size) -> (items, next_position)`` over ``items``
+    (``PromptItem``s, or bare prompts - str or ``Conversation`` - numbered by position)."""
+    items = as_prompt_items(items)
     if not items:
         raise ValueError("make_prompt_source: empty prompt list")
 
     def prompt_source(position: DataPosition, batch_size: int):
         return take_prompts(items, position, batch_size, seed, shuffle)
+
+    return prompt_source
+
+
+def prompt_source_from_loader(loader: Callable[[int], Sequence]) -> Callable:
+    """The seeds' ``prompt_loader(iteration) -> prompts`` as a prompt source
+    (``prompt_source(position, n) -> (items, position)``).
+
+    The position's ``offset`` is the loader's iteration: each step calls ``loader(offset)``
+    once and takes every prompt it returns (``n`` is not consulted: the loader decides how
+    many), and the position after is ``offset + 1``, so resuming from a saved position calls
+    the loader where it stopped. The prompts of call ``k`` are served as epoch ``k`` (item
+    ``j`` has uid ``e{k}/i{j}/s{sample}``): every call's prompts are distinct rollouts, even
+    when the loader repeats a prompt text. The loader should be a function of its iteration
+    alone (no hidden counter: seeds README error 9)."""
+    from primitives.hooks import check_arity
+
+    check_arity(loader, "prompt_loader", 0)
+
+    def prompt_source(position: DataPosition, n: int):
+        iteration = position.offset
+        prompts = list(loader(iteration))
+        if not prompts:
+            raise ValueError(f"prompt_loader returned no prompts at iteration {iteration}")
+        items = [it._replace(epoch=iteration) for it in as_prompt_items(prompts)]
+        return items, DataPosition(0, iteration + 1)
 
     return prompt_source
 

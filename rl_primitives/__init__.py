@@ -1,0 +1,62 @@
+"""The seeds' API as their readers type it (``from rl_primitives import quick_start_training``),
+over this project's implementation: the user's design documents (``../shared/seeds/``) name
+these functions and records, and ``docs/seeds.md`` maps each to ours (preferred) and says
+which seed shapes are refused and why (the seeds' known errors, seeds README 1 to 9).
+
+A facade, the top of the import rooms (like ``cluster.jobs``): it imports the primitives, the
+loop and the local backend, and nothing imports it. Training runs in this process on
+``cluster.local.LocalBackend``; the same loop runs on Ray through ``rayrl rl job.yaml``.
+"""
+from primitives.env.rewards import compute_scalar_reward, compute_vector_reward
+from primitives.env.tools import ToolCall, ToolConfig, ToolResult, safe_calculate
+from primitives.io.data import PromptItem, make_prompt_source, prompt_source_from_loader
+from primitives.maths.algorithms import dapo, get_algorithm, grpo, online_dpo, piecewise_schedule
+from primitives.maths.kl import (
+    create_confidence_masked_kl,
+    create_ema_updater,
+    create_periodic_updater,
+    create_truncated_kl,
+)
+from primitives.model.rollouts import create_rollout, create_rollouts
+from primitives.types import Conversation, Generation, Message, ModelConfig, Rollout, RolloutBatch
+from rl_primitives.api import (
+    Batch,
+    GenerationConfig,
+    aggregate_vector_rewards,
+    compute_grpo_advantages,
+    compute_grpo_loss,
+    compute_per_token_kl,
+    compute_reward_model_score,
+    create_algorithm_config,
+    create_batch_rollouts,
+    create_multiturn_rollout,
+    create_ref_update_fn,
+    generate_with_logprobs,
+    get_reference_logprobs,
+)
+from rl_primitives.loop import (
+    TrainingState,
+    TrainingStats,
+    log_to_console,
+    quick_start_training,
+    save_checkpoint,
+    train,
+    training_iteration,
+    training_step,
+)
+from rl_primitives.utilities import inspect_rollout, plot_training_curves, validate_batch
+
+create_adaptive_kl = create_confidence_masked_kl  # the seeds' name (seeds/003): k3 on tokens the policy is sure of
+
+__all__ = [
+    "Batch", "Conversation", "Generation", "GenerationConfig", "Message", "ModelConfig", "PromptItem", "Rollout",
+    "RolloutBatch", "ToolCall", "ToolConfig", "ToolResult", "TrainingState", "TrainingStats",
+    "aggregate_vector_rewards", "compute_grpo_advantages", "compute_grpo_loss", "compute_per_token_kl",
+    "compute_reward_model_score", "compute_scalar_reward", "compute_vector_reward", "create_adaptive_kl",
+    "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_ema_updater",
+    "create_multiturn_rollout", "create_periodic_updater", "create_ref_update_fn", "create_rollout",
+    "create_rollouts", "create_truncated_kl", "dapo", "generate_with_logprobs", "get_algorithm",
+    "get_reference_logprobs", "grpo", "inspect_rollout", "log_to_console", "make_prompt_source", "online_dpo",
+    "piecewise_schedule", "plot_training_curves", "prompt_source_from_loader", "quick_start_training",
+    "safe_calculate", "save_checkpoint", "train", "training_iteration", "training_step", "validate_batch",
+]

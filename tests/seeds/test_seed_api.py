@@ -1,0 +1,278 @@
+"""The seeds' names over ours, piece by piece: the Rollout views and their refusals, bare
+prompts and ``prompt_loader(iteration)``, ``iteration_hook(state, batch)`` on the loop,
+the seeds' configs and factories, ``quick_start_training`` and the debugging utilities."""
+import copy
+import pickle
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+from primitives.io.data import PromptItem, make_prompt_source, prompt_source_from_loader
+from primitives.types import Conversation, DataPosition, Message, Rollout, RolloutBatch
+
+
+def rollout(**changes) -> Rollout:
+    fields = dict(uid="e0/i0/s0", group="e0/i0", prompt="2+2=", prompt_ids=np.arange(4),
+                  completion_ids=np.array([5, 6, 7]), loss_mask=np.ones(3, np.float32),
+                  logprobs=np.array([-0.1, -0.2, -0.3], np.float32), finish_reason="stop", text="4. yes", reward=1.0)
+    return Rollout(**{**fields, **changes})
+
+
+# ----------------------------------------------------------------------------- Rollout views
+def test_the_seeds_views_read_our_fields():
+    r = rollout()
+    g = r.generation
+    assert g.text == "4. yes" and g.finish_reason == "stop"
+    assert g.token_ids.tolist() == [5, 6, 7] and g.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert r.token_ids is r.completion_ids and r.rewards == 1.0
+    assert r._replace(reward_vector=np.array([0.5, 0.25], np.float32)).rewards == [0.5, 0.25]
+    assert [(m.role, m.content) for m in r.conversation.messages] == [("user", "2+2="), ("assistant", "4. yes")]
+    chat = Conversation((Message("system", "be brief"), Message("user", "hi")))
+    assert [m.role for m in rollout(prompt=chat).conversation.messages] == ["system", "user", "assistant"]
+    multi = rollout(metadata={"conversation": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                               {"role": "tool", "content": "3", "tool_call_id": "c0", "name": "calc"}]})
+    assert [(m.role, m.content) for m in multi.conversation.messages] == [("user", "q"), ("assistant", "a"),
+                                                                          ("tool", "3")]
+    assert multi.conversation.messages[2].tool_call_id == "c0"
+
+
+def test_unknown_seed_names_say_what_stands_for_them_and_other_names_stay_plain():
+    r = rollout()
+    with pytest.raises(AttributeError, match=r"no attribute 'kl_divergence' \(the seeds' name\); here: nothing per "
+                                             r"rollout.*kl_fn"):
+        r.kl_divergence  # noqa: B018
+    with pytest.raises(AttributeError, match=r"'reward_metadata' \(the seeds' name\); here: metadata"):
+        r.reward_metadata  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^'Rollout' object has no attribute 'nonsense'$"):
+        r.nonsense  # noqa: B018
+    assert getattr(r, "nonsense", 7) == 7 and not hasattr(r, "per_token_kl")
+    broken = rollout(metadata={"conversation": ["not a dict"]})
+    with pytest.raises(AttributeError, match="'str' object has no attribute 'get'"):  # the view's own error
+        broken.conversation  # noqa: B018
+
+
+def test_replace_maps_a_scalar_rewards_and_refuses_the_seeds_other_fields():
+    r = rollout(reward=None)
+    assert r._replace(rewards=0.75).reward == 0.75 and r.reward is None  # a new rollout; the old one stays
+    with pytest.raises(ValueError, match=r"rewards: reward .* and reward_vector"):
+        r._replace(rewards=[0.5, 1.0])
+    with pytest.raises(ValueError, match=r"reward_metadata: metadata\. _replace returns a new rollout.*error 9"):
+        r._replace(reward_metadata={"a": 1})
+    with pytest.raises(ValueError, match="unexpected field names"):
+        r._replace(not_a_field=1)
+
+
+def test_rollouts_and_rollout_batches_survive_pickling_copying_and_replace():
+    r = rollout(reward_vector=np.array([1.0, 0.0], np.float32), metadata={"turns": 2})
+    for clone in (pickle.loads(pickle.dumps(r)), cloudpickle.loads(cloudpickle.dumps(r)), copy.deepcopy(r)):
+        assert type(clone) is Rollout and clone._fields == r._fields
+        assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(clone, r))
+    batch = RolloutBatch((r, r._replace(uid="e0/i0/s1", reward=0.0)), {"temperature": 0.7})
+    assert len(batch) == 2 and len(batch.filter(lambda x: x.reward > 0.5)) == 1
+    again = pickle.loads(pickle.dumps(batch))
+    assert type(again) is RolloutBatch and len(again) == 2 and again.batch_metadata == {"temperature": 0.7}
+    assert batch._replace(batch_metadata=None).batch_metadata is None
+
+
+# ----------------------------------------------------------------------------- prompts
+def test_bare_prompts_get_distinct_indices_and_serve_epoch_after_epoch():
+    source = make_prompt_source(["plain", "strings", "here"], shuffle=False)
+    items, pos = source(DataPosition(), 4)
+    assert [(it.index, it.epoch, it.prompt) for it in items] == [(0, 0, "plain"), (1, 0, "strings"), (2, 0, "here"),
+                                                                 (0, 1, "plain")]
+    assert pos == DataPosition(1, 1)
+    with pytest.raises(ValueError, match="prompts 0 and 1 have the same index 3"):
+        make_prompt_source([PromptItem(3, "a"), PromptItem(3, "b")])
+    with pytest.raises(ValueError, match="prompt 1: int is not a prompt"):
+        make_prompt_source(["a", 5])
+
+
+def test_a_prompt_loader_becomes_a_resumable_prompt_source():
+    prompts = [f"p{i}" for i in range(6)]
+    calls = []
+
+    def load_prompts(iteration):
+        calls.append(iteration)
+        start = (iteration * 4) % len(prompts)
+        return prompts[start:start + 4]
+
+    source = prompt_source_from_loader(load_prompts)
+    first, pos = source(DataPosition(), 4)
+    second, pos2 = source(pos, 4)
+    assert [it.prompt for it in first] == ["p0", "p1", "p2", "p3"] and [it.prompt for it in second] == ["p4", "p5"]
+    assert [(it.epoch, it.index) for it in first + second] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    assert pos == DataPosition(0, 1) and pos2 == DataPosition(0, 2) and calls == [0, 1]
+    assert [it.prompt for it in source(pos2, 4)[0]] == load_prompts(2)  # resuming calls the loader where it stopped
+    with pytest.raises(ValueError, match="returned no prompts at iteration 5"):
+        prompt_source_from_loader(lambda it: [])(DataPosition(0, 5), 4)
+    with pytest.raises(ValueError, match="prompt_loader"):
+        prompt_source_from_loader(lambda: ["x"])
+
+
+# ----------------------------------------------------------------------------- the loop's hook
+def reward_len(r) -> float:
+    return float(len(r.text) % 3)
+
+
+def test_iteration_hook_sees_each_steps_state_and_trained_rollouts(tiny_model_path):
+    from cluster.local import LocalBackend
+    from cluster.loop.train import Hooks, RLRun, train
+    from primitives.maths.algorithms import constant_schedule, grpo
+    from primitives.types import GenerationConfig
+
+    backend = LocalBackend(tiny_model_path, reward_len, seed=0)
+    seen = []
+    state = train(backend, make_prompt_source(["a", "b", "c"], shuffle=False), constant_schedule(grpo(kl_coef=0.0)),
+                  RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=2, prompts_per_step=2,
+                        lr_schedule=lambda it: 1e-3, progress=False),
+                  hooks=Hooks(iteration_hook=lambda s, batch: seen.append((s, batch))))
+    assert len(seen) == 2 and seen[-1][0] == state
+    for it, (s, batch) in enumerate(seen):
+        assert isinstance(batch, RolloutBatch) and len(batch) == 4 and s.iteration == it + 1
+        assert s.metrics_history[-1]["step"] == it
+        assert s.metrics_history[-1]["reward/mean"] == pytest.approx(np.mean([r.reward for r in batch.rollouts]))
+        assert [r.reward for r in batch.rollouts] == [reward_len(r) for r in batch.rollouts]
+        assert {r.policy_version for r in batch.rollouts} == {it}
+    assert [r.prompt for r in seen[0][1].rollouts] == ["a", "a", "b", "b"]
+    assert [r.group for r in seen[1][1].rollouts] == ["e0/i2", "e0/i2", "e1/i0", "e1/i0"]
+
+
+def test_the_loop_refuses_a_bad_hook_and_a_one_argument_loader_before_any_step(tiny_model_path):
+    from cluster.local import LocalBackend
+    from cluster.loop.sft import SFTRun, train_sft
+    from cluster.loop.train import Hooks, RLRun, train
+    from primitives.maths.algorithms import constant_schedule, grpo
+    from primitives.types import GenerationConfig
+
+    backend = LocalBackend(tiny_model_path, reward_len, seed=0)
+    run = RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=1, prompts_per_step=2, lr_schedule=lambda it: 1e-3,
+                progress=False)
+
+    def load_prompts(iteration):
+        return ["a", "b"]
+
+    with pytest.raises(ValueError, match=r"prompt_loader\(iteration\) -> prompts.*prompt_source_from_loader\(loader\)"):
+        train(backend, load_prompts, constant_schedule(grpo(kl_coef=0.0)), run)
+    with pytest.raises(ValueError, match=r"iteration_hook: .* cannot be called with 2 argument"):
+        train(backend, make_prompt_source(["a"]), constant_schedule(grpo(kl_coef=0.0)), run,
+              hooks=Hooks(iteration_hook=lambda batch: None))
+    with pytest.raises(ValueError, match="iteration_hook.*train_sft calls"):
+        train_sft(backend, ["x"], SFTRun(1, 1, lambda s: 1e-3), Hooks(iteration_hook=lambda s, b: None))
+    assert backend.policy_version == 0  # nothing ran
+
+
+# ----------------------------------------------------------------------------- configs and factories
+def test_generation_config_reads_the_seeds_fields():
+    from rl_primitives import GenerationConfig
+
+    g = GenerationConfig(max_new_tokens=16, temperature=0.7, top_p=0.9, do_sample=True, num_return_sequences=4,
+                         stop_strings=["<done>"], logprobs=True, top_k=-1)
+    assert (g.max_new_tokens, g.temperature, g.top_p, g.n, g.stop, g.top_k) == (16, 0.7, 0.9, 4, ("<done>",), 0)
+    assert GenerationConfig(do_sample=False).temperature == 0.0 and GenerationConfig().n == 1
+    with pytest.raises(ValueError, match="custom_params.*use the fields"):
+        GenerationConfig(custom_params={"repetition_penalty": 1.1})
+    with pytest.raises(ValueError, match="n=2 and num_return_sequences=3 disagree"):
+        GenerationConfig(n=2, num_return_sequences=3)
+
+
+def test_create_algorithm_config_is_our_preset_and_reads_as_the_seeds_dict():
+    from rl_primitives import create_algorithm_config
+
+    algo = create_algorithm_config("grpo", {"kl_coef": 0.1}, entropy_coef=0.01)
+    assert algo.name == "grpo" and algo.kl_coef == 0.1 and algo.entropy_coef == 0.01
+    assert algo["algorithm"] == "grpo" and algo["params"]["kl_coef"] == 0.1 and algo[0] == "grpo"
+    ppo_like = create_algorithm_config("grpo", {"clip_epsilon": 0.3})
+    assert (ppo_like.clip_eps_low, ppo_like.clip_eps_high) == (0.3, 0.3)
+    with pytest.raises(ValueError, match="unknown AlgorithmConfig field"):
+        create_algorithm_config("grpo", {"kl_cof": 0.1})
+    with pytest.raises(ValueError, match=r"beta is the pairwise \(online DPO\) loss's"):
+        create_algorithm_config("grpo", {"beta": 0.1})
+
+
+def test_create_ref_update_fn_is_ours_with_an_explicit_step():
+    from primitives.maths.kl import RefState, fixed_reference
+    from rl_primitives import create_ref_update_fn
+
+    ref, policy = RefState({"w": torch.tensor([0.0, 2.0])}), {"w": torch.tensor([1.0, 0.0])}
+    ema = create_ref_update_fn("ema", decay=0.9)(ref, policy, 1, None)
+    assert ema.weights["w"].tolist() == pytest.approx([0.1, 1.8])
+    periodic = create_ref_update_fn("periodic", reset_every=2)
+    assert periodic(ref, policy, 1, None) is ref and periodic(ref, policy, 2, None).weights["w"].tolist() == [1.0, 0.0]
+    assert create_ref_update_fn("none") is fixed_reference
+    with pytest.raises(ValueError, match="unknown strategy 'emma'"):
+        create_ref_update_fn("emma")
+
+
+def test_quick_start_training_one_call(tiny_model_path, capsys):
+    from rl_primitives import quick_start_training
+
+    def my_reward(rollout):
+        return len(rollout.generation.text) / 100  # Simple length reward (seeds/003)
+
+    prompts = ["Explain quantum computing", "What is ML?"] * 50
+    final_state = quick_start_training(model_name=tiny_model_path, prompts=prompts, reward_fn=my_reward,
+                                       num_iterations=2, gen_config=None, prompts_per_step=3)
+    assert final_state.iteration == 2 and final_state.global_step == 2 and len(final_state.stats_history) == 2
+    means = [s.rewards_mean for s in final_state.stats_history]
+    assert all(0 < m <= 0.64 for m in means)  # 64 new tokens at most
+    assert final_state.loop_state.data_position == DataPosition(0, 6)  # 3 prompts a step, each its own index
+    with pytest.raises(ValueError, match="not a local model directory"):
+        quick_start_training(model_name="meta-llama/Llama-3-8B", prompts=prompts, reward_fn=my_reward)
+
+
+def test_a_loaded_model_needs_a_tokenizer_it_can_find(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from cluster.local import LocalBackend
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    backend = LocalBackend(model, reward_len)
+    assert backend.policy is model and backend.tokenizer.pad_token_id is not None
+    model.name_or_path = "meta-llama/Llama-3-8B"
+    with pytest.raises(ValueError, match=r"needs its tokenizer \(tokenizer=...\)"):
+        LocalBackend(model, reward_len)
+
+
+# ----------------------------------------------------------------------------- utilities
+def test_inspect_rollout_prints_every_field_with_arrays_summarised():
+    from rl_primitives.utilities import inspect_rollout
+
+    long = rollout(completion_ids=np.arange(50), loss_mask=np.r_[np.ones(30), np.zeros(20)].astype(np.float32),
+                   logprobs=-np.linspace(0.1, 5.0, 50).astype(np.float32), text="x" * 1000)
+    lines = []
+    text = inspect_rollout(long, write=lines.append)
+    assert lines == [text]
+    for field in Rollout._fields:
+        assert f"  {field} " in text or field in ("uid", "group", "policy_version")
+    assert "array(50,) int64 [0, 1, 2, 3, 4, 5, 6, 7] ... (+42)  min 0 mean 24.5 max 49" in text
+    assert "(+600 chars)" in text and "30 of 50 completion tokens in the loss" in text
+    assert "e0/i0/s0" in text.splitlines()[0]
+
+
+def test_validate_batch_reports_what_training_would_refuse():
+    from rl_primitives.utilities import validate_batch
+
+    good = RolloutBatch((rollout(), rollout(uid="e0/i0/s1", reward=0.0)))
+    report = validate_batch(good, group_size=2)
+    assert report["is_valid"] and report["groups"] == {"e0/i0": 2} and report["num_rollouts"] == 2
+    bad = validate_batch([rollout(), rollout(reward=None), rollout(uid="e0/i1/s0", group="e0/i1",
+                                                                    logprobs=np.zeros(2, np.float32))])
+    assert not bad["is_valid"] and bad["duplicate_uids"] == ["e0/i0/s0"]
+    assert [x["uid"] for x in bad["invalid_rollouts"]] == ["e0/i0/s0", "e0/i1/s0"]
+    assert any("reward is None" in p for x in bad["invalid_rollouts"] for p in x["problems"])
+    assert any("groups of one rollout ['e0/i1']" in p for p in bad["problems"])
+
+
+def test_plot_training_curves_from_stats_or_metrics(tmp_path):
+    from rl_primitives import TrainingStats
+    from rl_primitives.utilities import plot_training_curves
+
+    stats = [TrainingStats(1.0 / (i + 1), 0.5, 1e-5, 0.01 * i, 0.1 * i, 0.2) for i in range(4)]
+    path = plot_training_curves(stats, save_path=str(tmp_path / "curves.png"))
+    assert path.endswith("curves.png") and (tmp_path / "curves.png").stat().st_size > 1000
+    metrics = [{"step": i, "loss/total": 1.0, "reward/mean": 0.1 * i} for i in range(3)]
+    assert plot_training_curves(metrics, save_path=str(tmp_path / "m.png")).endswith("m.png")
+    with pytest.raises(ValueError, match="none of the keys"):
+        plot_training_curves(metrics, save_path=str(tmp_path / "x.png"), keys=["nope"])
