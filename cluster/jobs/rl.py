@@ -72,6 +72,7 @@ def run_rl(job: RLJob) -> dict:
     summary = {
         **{k: v for k, v in result.items() if k != "history"},
         "algorithm": job.algorithm.name, "sft_steps": job.sft.steps, "rl_steps": job.algorithm.steps,
+        **({"algorithms": list(dict.fromkeys(m["algorithm"] for m in history))} if job.schedule.phases else {}),
         "model": job.model.model_name_or_path, "train_prompts": len(inputs.train_items),
         "eval_prompts": len(inputs.eval_items), **inputs.info,
         "generators": job.cluster.trainers if job.cluster.generate_on_trainers else job.cluster.generators,
@@ -203,7 +204,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         startup["first_step"] = round(history[0]["time/step"], 3) if history else None
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
         if after:
-            print(f"eval accuracy after {algo.name}: {after['eval/accuracy']:.3f}", flush=True)
+            ran = " -> ".join(dict.fromkeys(m["algorithm"] for m in history)) or algo.name  # a schedule's phases
+            print(f"eval accuracy after {ran}: {after['eval/accuracy']:.3f}", flush=True)
         final, k = {}, ev.final_pass_k
         if k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
             sampled = run_eval(backend, state, gen, k, f"pass_at_{k}_step")

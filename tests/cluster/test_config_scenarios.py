@@ -51,6 +51,7 @@ def test_algorithm_switching_config_switches_at_the_phase_starts(tmp_path):
                     "--algorithm.steps", "3", "--algorithm.prompts-per-step", "8"])
     rows = _rows(out)
     assert summary["rl_steps"] == 3 and [r["algorithm"] for r in rows] == ["grpo", "dapo", "online_dpo"]
+    assert summary["algorithms"] == ["grpo", "dapo", "online_dpo"]
     assert "dpo/pairs" in rows[2] and rows[2]["dpo/pairs"] >= 1 and "dpo/pairs" not in rows[1]
     assert rows[1]["data/prompts_drawn"] >= 8  # DAPO's dynamic sampling counts what it drew
     assert rows[2]["batch/rows"] == 2 * rows[2]["dpo/pairs"]  # a pair per kept group
