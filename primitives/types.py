@@ -152,6 +152,7 @@ class Rollout(RolloutFields):
         if "rewards" in kwargs and "reward" not in kwargs and isinstance(kwargs["rewards"], (int, float)) \
                 and not isinstance(kwargs["rewards"], bool):
             kwargs["reward"] = float(kwargs.pop("rewards"))
+            kwargs.setdefault("reward_vector", None)  # a scalar replaces any components
         seed = sorted(k for k in kwargs if k in SEED_ROLLOUT_NAMES)
         if seed:
             raise ValueError(f"Rollout._replace({', '.join(k + '=...' for k in seed)}): not fields here; "

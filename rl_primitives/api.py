@@ -151,6 +151,11 @@ def create_ref_update_fn(strategy: str, **kwargs) -> Callable:
     """The seeds' factory: ``"ema"`` (``decay``) is ``create_ema_updater(decay)``,
     ``"periodic"`` (``reset_every``) is ``create_periodic_updater(every)`` keyed on the
     loop's step (not a closure counter), ``"none"`` is ``fixed_reference``."""
+    accepted = {"ema": ("decay",), "periodic": ("reset_every",), "none": ()}.get(strategy)
+    unknown = sorted(set(kwargs) - set(accepted or ()))
+    if accepted is not None and unknown:
+        raise ValueError(f"create_ref_update_fn({strategy!r}): unknown argument(s) {unknown}; "
+                         f"accepted: {', '.join(accepted) or 'none'}")
     if strategy == "ema":
         return create_ema_updater(float(kwargs.pop("decay", 0.999)))
     if strategy == "periodic":

@@ -156,14 +156,15 @@ def train(initial_state: TrainingState, prompt_loader, num_iterations: int, gen_
     if initial_state.model is None:
         raise ValueError("initial_state.model is None: give a loaded causal LM or a local model directory")
     schedule = as_schedule(algorithm_config)
-    first = schedule(0, {})
+    # the reference is made when any step may read it: the schedule over the run's iterations (with no metrics)
+    reads_reference = any(uses_reference(schedule(i, {})) for i in range(max(int(num_iterations), 1)))
     ref_update = check_ref_update_fn(ref_model_update_fn) if ref_model_update_fn is not None else None
     if isinstance(initial_state.model, str) and initial_state.optimizer is not None:
         raise ValueError("initial_state.optimizer is over a model's parameters, but initial_state.model is a path: "
                          "give the loaded model, or no optimizer")
     tools = _seed_tools(tools)
     backend = LocalBackend(initial_state.model, reward_fn, aggregate_fn, shaping_fn,
-                           with_reference=uses_reference(first) or ref_update is not None, ref_update_fn=ref_update,
+                           with_reference=reads_reference or ref_update is not None, ref_update_fn=ref_update,
                            trainer=trainer, seed=seed, tokenizer=initial_state.tokenizer,
                            optimizer=initial_state.optimizer, reference_model=initial_state.ref_model)
     source = as_prompt_source(prompt_loader)

@@ -83,7 +83,7 @@ def scaling_errors(cluster) -> list:
     if sc.policy not in SCALING_POLICIES and ":" not in sc.policy:
         return [f"cluster.scaling.policy '{sc.policy}' is unknown (built-in: {', '.join(SCALING_POLICIES)}; or "
                 "module:function)"]
-    if sc.policy == "idle":
+    if sc.policy == "idle" or ":" in sc.policy:  # a user policy's counts are kept within minimum, maximum
         top = sc.maximum or cluster.generators
         return failed_checks([
             (1 <= sc.minimum <= cluster.generators <= top,
@@ -187,20 +187,29 @@ def sft_errors(sft, in_rl_job: bool) -> list:
 def algorithm_errors(job: RLJob) -> list:
     """Checks of the algorithm record the section builds: it resolves, its functions take their
     documented arguments, it needs no critic, and each trainer rank gets rows."""
-    from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable, needs_values, pairwise
+    from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable
 
-    algo, gen = job.algorithm, job.generation
     try:
-        record = algorithm_of(algo)
+        record = algorithm_of(job.algorithm)
         check_algorithm_functions(record)
         check_algorithm_picklable(record)
     except ConfigErrors as e:
         return e.errors
     except ValueError as e:
         return [f"algorithm: {e}"]
+    return record_errors(job, record)
+
+
+def record_errors(job: RLJob, record, where: str = "") -> list:
+    """The job-level checks of one algorithm record the job may run (the algorithm section's,
+    or a schedule phase's, named ``where``): its critic, its rows per trainer rank, and vLLM's
+    truncated logprobs under its importance weight."""
+    from primitives.maths.algorithms import needs_values, pairwise
+
+    algo, gen = job.algorithm, job.generation
     rows = algo.prompts_per_step * (2 if pairwise(record) else gen.group_size)  # pairwise loss: a pair per prompt
     init = algo.critic_init
-    return failed_checks([
+    errors = failed_checks([
         (not needs_values(record) or init == "policy" or os.path.isdir(init),
          f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
         (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
@@ -210,6 +219,7 @@ def algorithm_errors(job: RLJob) -> list:
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
          "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
     ]) + behaviour_logprob_errors(job, record)
+    return [f"{where}: {e}" for e in errors] if where else errors
 
 
 def behaviour_logprob_errors(job: RLJob, record) -> list:

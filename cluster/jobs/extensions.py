@@ -20,20 +20,23 @@ def named_function(field: str, name: str, kwargs: Optional[dict], builtins: dict
     """The function a config field names: a built-in (``builtins[name]``: a factory called with
     ``kwargs`` when ``factories``, else a function with ``kwargs`` bound), or ``module:function``
     with ``kwargs`` bound. It must take ``args`` (the hook ``hook``'s arguments) and pickle
-    (it travels to the actors by value). A factory may make None (nothing to run)."""
+    (it travels to the actors by value). A factory may make None (nothing to run). A bound
+    function keeps its attributes (``needs_reference`` of a shaping function)."""
     kwargs = dict(kwargs or {})
     try:
-        if ":" in name:
-            fn = load_function(name)
-            check_kwargs(f"{field} {name!r}", fn, kwargs, skip_first=True)
-            fn = functools.partial(fn, **kwargs) if kwargs else fn
+        if ":" in name or not factories:
+            if ":" in name:
+                fn = load_function(name)
+            elif name in builtins:
+                fn = builtins[name]
+            else:
+                raise ValueError(unknown_name(name, builtins))
+            fn = bind_keywords(f"{field} {name!r}", fn, kwargs, len(args))
         elif name in builtins:
-            made = builtins[name]
-            check_kwargs(f"{field} {name!r}", made, kwargs, skip_first=not factories)
-            fn = made(**kwargs) if factories else (functools.partial(made, **kwargs) if kwargs else made)
+            check_kwargs(f"{field} {name!r}", builtins[name], kwargs)
+            fn = builtins[name](**kwargs)
         else:
-            raise ValueError(f"unknown name {name!r}{did_you_mean(name, builtins) or ''} (built-in: "
-                             f"{', '.join(builtins)}; or your own as module:function)")
+            raise ValueError(unknown_name(name, builtins))
         if fn is not None:
             check_arity(fn, f"{field}: {hook}", *args)
             check_picklable(fn, field)
@@ -43,14 +46,43 @@ def named_function(field: str, name: str, kwargs: Optional[dict], builtins: dict
     return fn
 
 
+def unknown_name(name: str, builtins: dict) -> str:
+    return (f"unknown name {name!r}{did_you_mean(name, builtins) or ''} (built-in: {', '.join(builtins) or 'none'}; "
+            "or your own as module:function)")
+
+
+def bind_keywords(what: str, fn: Callable, kwargs: dict, positional: int) -> Callable:
+    """``fn`` with ``kwargs`` bound as keyword arguments after its first ``positional``
+    parameters (the hook's own arguments, which the keywords may not name); its attributes
+    (e.g. ``needs_reference``) carried over."""
+    import inspect
+
+    if not kwargs:
+        return fn
+    params = list(inspect.signature(fn).parameters.values())
+    hook_params = [p.name for p in params[:positional]]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    for key in kwargs:
+        if key in hook_params or (key not in [p.name for p in params] and not takes_any):
+            accepted = [p.name for p in params[positional:] if p.kind is not p.VAR_POSITIONAL]
+            hint = did_you_mean(key, accepted) or ";"
+            raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
+                             f"{', '.join(accepted) or 'none'}")
+    bound = functools.partial(fn, **kwargs)
+    bound.__dict__.update(getattr(fn, "__dict__", {}))
+    return bound
+
+
 # ----------------------------------------------------------------------------- the algorithm schedule
 
 def phase_algorithms(job) -> list:
     """The algorithm section's record, then each phase's (a phase shares the section's
-    ppo_epochs, mini_batches, is_level and is_cap); each checked as the section is."""
+    ppo_epochs, mini_batches, is_level and is_cap); each checked as the section is (its
+    functions, its critic, its rows per trainer rank, vLLM's logprobs under its weight)."""
+    from cluster.jobs.checks import record_errors
     from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable
 
-    algos = [algorithm_of(job.algorithm)]
+    algos, errors = [algorithm_of(job.algorithm)], []
     for i, phase in enumerate(job.schedule.phases):
         where = f"schedule.phases.{i}"
         try:
@@ -60,7 +92,10 @@ def phase_algorithms(job) -> list:
             check_algorithm_picklable(record)
         except ValueError as e:
             raise ConfigErrors([str(e) if str(e).startswith(where) else f"{where}: {e}"]) from None
+        errors += record_errors(job, record, where)
         algos.append(record)
+    if errors:
+        raise ConfigErrors(errors)
     return algos
 
 
@@ -229,4 +264,16 @@ def build_generator_policy(job) -> Optional[Callable]:
     if sc.policy == "steps":
         counts = {0: cfg.generators, **{int(k): int(v) for k, v in (sc.at_steps or {}).items()}}
         return step_scaling_policy(sorted(counts.items()))
-    return named_function("cluster.scaling.policy", sc.policy, None, {}, "generator_policy", ((), 1))
+    user = named_function("cluster.scaling.policy", sc.policy, None, {}, "generator_policy", ((), 1))
+    return clamped_policy(user, sc.minimum, sc.maximum or cfg.generators)
+
+
+def clamped_policy(policy: Callable, lowest: int, highest: int) -> Callable:
+    """``policy`` whose counts stay within ``[lowest, highest]`` (a local Ray has room for ``highest``)."""
+    def within(history, current: int) -> int:
+        wanted = policy(history, current)
+        return min(max(wanted, lowest), highest) if isinstance(wanted, int) and not isinstance(wanted, bool) \
+            else wanted  # not a count: the loop names the error
+
+    within.__qualname__ = f"{getattr(policy, '__qualname__', 'policy')} within [{lowest}, {highest}]"
+    return within

@@ -320,6 +320,8 @@ class RayBackend:
         twice); surplus workers then leave, new ones join the weight broadcast and receive the
         current weights before their first rollout. Returns ``generators/count`` and
         ``time/scale``."""
+        import ray
+
         from cluster.ray_wing.handles import GeneratorWorkers
         from cluster.ray_wing.roles import scale_generator_group
 
@@ -332,6 +334,13 @@ class RayBackend:
         before, t0 = c.generators.size, time.perf_counter()
         if n != before:
             self.settle(in_flight)
+            unfinished = [call for coll in in_flight for call in coll.handle.phases[0][1] if call.rank >= n]
+            if unfinished and ray.wait([x.ref for x in unfinished], num_returns=len(unfinished), timeout=0,
+                                       fetch_local=False)[1]:
+                raise ActorFailure(f"generator workers {sorted({x.rank for x in unfinished})} still generate after "
+                                   f"{c.timeout_s:.0f}s; they cannot leave before their rollouts are done (raise "
+                                   "cluster.call_timeout_s if the work is simply long)", "generator",
+                                   unfinished[0].rank)
             self.cluster = scale_generator_group(self.cluster, n)
             if n > before:  # the kept ones hold these weights already; the broadcast reaches all
                 sync_weights(self.cluster, self.version, move_reference=False)
@@ -347,6 +356,8 @@ class RayBackend:
         failure that is not a dead, replaceable actor or exceeds ``max_actor_restarts``."""
         if not failure.replaceable:
             raise failure
+        if failure.role == "generator" and failure.rank >= self.cluster.generators.size:
+            return  # a worker that left when the generators shrank: only its work is redone, on those left
         if self.replaced_at.get((failure.role, failure.rank), -1) > since:
             return  # already replaced since the work was dispatched: only the work is redone
         if self.restarts >= self.max_actor_restarts:

@@ -12,8 +12,9 @@ class GeneratorScaling(NamedTuple):
     # when the generators wait (the idle/trainers and idle/generators shares); steps: the counts of at_steps; or
     # module:function policy(history, current) -> count, called before every step
     policy: str = "fixed"
-    minimum: int = 1  # idle: fewest generator workers
-    maximum: int = 0  # idle: most generator workers (0: cluster.generators); a local Ray is sized for the most
+    minimum: int = 1  # idle or module:function: fewest generator workers
+    maximum: int = 0  # idle or module:function: most generator workers (0: cluster.generators); a local Ray has
+    # room for them
     every: int = 5  # idle: decide every N steps, from the mean idle shares over them
     idle_threshold: float = 0.3  # idle: a role idle more than this share of the steps asks for a change
     at_steps: Optional[dict[str, int]] = None  # steps: {step: count}, from that step on; e.g. {0: 1, 10: 3}

@@ -289,11 +289,14 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
 
 
 def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
-    """The cluster with ``n`` generator workers: new ones are created, each in a placement
-    group of its own (on an autoscaling cluster, a pending group is what asks for a node),
-    and wait until they have loaded; surplus ones (the highest ranks) are killed and their own
-    placement groups removed. Every generator then (re)joins the weight-sync group; the caller
-    sends the current weights to the new ones, and must have let the surplus finish their work."""
+    """The cluster with ``n`` generator workers. New ones first fill the bundles of the role's
+    own placement group that earlier shrinks emptied; beyond its size each gets a placement
+    group of its own (on an autoscaling cluster, a pending group is what asks for a node).
+    They are waited for until loaded; if one fails, every new actor and group is removed
+    again. Surplus workers (the highest ranks) are killed and their own placement groups
+    removed (the role's group keeps its bundles for the run). Every generator then (re)joins
+    the weight-sync group; the caller sends the current weights to the new ones, and must
+    have let the surplus finish their work."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -301,20 +304,31 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
     actors = list(group.actors)
     slots = [group.slots[r] if r < len(group.slots) else None for r in range(group.size)]
     if n > group.size:
-        pgs = [placement_group([factory.spec.bundle()], strategy="PACK", name=f"rayrl-generator-{r}")
-               for r in range(group.size, n)]
-        _, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=cluster.timeout_s)
-        if pending:
-            for pg in pgs:
+        own = group.placement_group.bundle_count if group.placement_group is not None else 0
+        added = {r: placement_group([factory.spec.bundle()], strategy="PACK")
+                 for r in range(max(group.size, own), n)}
+        new, new_slots = [], []
+        try:
+            _, pending = ray.wait([pg.ready() for pg in added.values()], num_returns=len(added),
+                                  timeout=cluster.timeout_s)
+            if pending:
+                raise ValueError(f"cannot place {len(pending)} more generator worker(s) ({factory.spec.bundle()} "
+                                 f"each) within {cluster.timeout_s:.0f}s: the cluster lacks room (an autoscaler adds "
+                                 "nodes for pending placement groups; without one, free resources or scale less)")
+            for r in range(group.size, n):
+                slot = (added[r], 0) if r in added else None
+                new.append(factory.create(r, *(slot or (group.placement_group, r))))
+                new_slots.append(slot)
+            gather([Call(a.info.remote(), "generator", r, "info") for r, a in zip(range(group.size, n), new)],
+                   cluster.timeout_s)
+        except BaseException:
+            for actor in new:
+                ray.kill(actor, no_restart=True)
+            for pg in added.values():
                 remove_placement_group(pg)
-            raise ValueError(f"cannot place {n - group.size} more generator worker(s) ({factory.spec.bundle()} each) "
-                             f"within {cluster.timeout_s:.0f}s: the cluster lacks room (an autoscaler adds nodes for "
-                             "pending placement groups; without one, free resources or scale less)")
-        new = [factory.create(r, pg, 0) for r, pg in zip(range(group.size, n), pgs)]
-        gather([Call(a.info.remote(), "generator", r, "info") for r, a in zip(range(group.size, n), new)],
-               cluster.timeout_s)
+            raise
         actors += new
-        slots += [(pg, 0) for pg in pgs]
+        slots += new_slots
     else:
         for r in range(n, group.size):
             ray.kill(actors[r], no_restart=True)

@@ -19,16 +19,21 @@ def _mean(rows: Sequence[dict], key: str) -> float:
 
 def idle_scaling_policy(minimum: int, maximum: int, every: int = 5, threshold: float = 0.3) -> Callable:
     """Every ``every`` steps, one worker more or less by the idle shares of the last ``every``
-    steps (``idle/trainers`` and ``idle/generators``: the share of a step each role sat idle):
+    steps (``idle/trainers`` and ``idle/generators``: the share of a step each role sat idle;
+    a step that itself changed the count, logging ``time/scale``, is left out):
 
-    * the trainers waited more than ``threshold`` of the time, and more than the generators did:
-      generation is the bottleneck, add a worker (up to ``maximum``);
-    * the generators waited more than ``threshold``, and more than the trainers did: remove one
-      (down to ``minimum``);
+    * grow (up to ``maximum``) when the trainers waited more than ``threshold`` of the time,
+      and more than the generators did: generation is the bottleneck;
+    * shrink (down to ``minimum``) when the generators waited more than ``threshold`` and more
+      than the trainers, and the trainers would still wait at most ``threshold`` with one
+      worker less (their wait scaled by ``n / (n - 1)``, as generation gets that much slower);
     * otherwise keep the count.
 
     In synchronous RL both roles wait while the other works, so the rule compares them: it
-    grows the generators while generation takes longer than training."""
+    adds workers while generation takes longer than training, and removes one only where
+    that would not make the trainers wait past the threshold. A grow is never undone by the
+    next decision, nor a shrink (no oscillation; the tests check this over random phase
+    times)."""
     if not 1 <= minimum <= maximum:
         raise ValueError(f"idle_scaling_policy: need 1 <= minimum <= maximum, got {minimum} and {maximum}")
     if every < 1 or not 0.0 <= threshold < 1.0:
@@ -37,12 +42,15 @@ def idle_scaling_policy(minimum: int, maximum: int, every: int = 5, threshold: f
     def policy(history: Sequence[dict], current: int) -> int:
         if not history or next_step(history) % every:
             return current
-        window = list(history)[-every:]
+        window = [m for m in list(history)[-every:] if "time/scale" not in m]
+        if not window:
+            return current
         trainers, generators = _mean(window, "idle/trainers"), _mean(window, "idle/generators")
         if trainers > threshold and trainers > generators:
             return min(current + 1, maximum)
-        if generators > threshold and generators > trainers:
-            return max(current - 1, minimum)
+        if generators > threshold and generators > trainers and current > minimum \
+                and trainers * current / (current - 1) <= threshold:
+            return current - 1
         return min(max(current, minimum), maximum)
 
     policy.__qualname__ = f"idle_scaling_policy({minimum}, {maximum}, every={every}, threshold={threshold})"

@@ -91,8 +91,9 @@ def test_custom_kl_ema_config_moves_the_reference_towards_the_policy(tmp_path):
           "--sft.steps", "0", "--algorithm.steps", "3", "--algorithm.lr", "3e-3"])
     rows = _rows(out)
     assert rows[0]["loss/kl"] == 0.0 and rows[-1]["loss/kl"] > 0  # the policy leaves the reference
-    # each token's k3 capped at 0.02 (examples/custom_kl.py): the loss's KL, a mean over tokens, stays below
-    assert all(r["loss/kl"] <= 0.02 + 1e-9 and "kl/ref_k3" in r for r in rows)
+    # the loss's KL is the user's capped k3 (examples/custom_kl.py), not the plain k3 logged beside it: some
+    # tokens are over the cap of 0.02, so it is the smaller (with the built-in k3 the two are equal)
+    assert 0 < rows[-1]["loss/kl"] < rows[-1]["kl/ref_k3"]
 
     def weights(path):
         return {k: v.detach().numpy() for k, v in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
@@ -153,6 +154,8 @@ def test_a_reward_model_on_the_reward_workers_scores_reach_their_metric(tmp_path
     ({"schedule": {"kind": "piecewise", "phases": [{"start": 3, "name": "dapo", "overrides": {"ppo_epochs": 2}}]}},
      "schedule.phases.0.overrides.ppo_epochs: set algorithm.ppo_epochs instead (every phase shares it)"),
     ({"schedule": {"kind": "piecewise", "phases": [{"start": 3, "name": "dappo"}]}}, "schedule.phases.0: "),
+    ({"schedule": {"kind": "piecewise", "phases": [{"start": 2, "name": "ppo"}]}, "cluster": {"critics": 0}},
+     "schedule.phases.0: cluster.critics must be at least 1 for 'ppo'"),
     ({"reference": {"update": "ema", "kwargs": {"decai": 0.9}}},
      "reference.update 'ema': unknown argument 'decai'; did you mean 'decay'?"),
     ({"reference": {"update": "ema"}, "algorithm": {"kl_coef": 0.0}},
@@ -214,6 +217,58 @@ def test_the_sections_build_what_the_python_api_builds(tmp_path):
     calls = tools.config.parser('<tool_call name="calc">{"expression": "37*46"}</tool_call>')
     assert [c.name for c in calls] == ["calc"] and tools.config.executor(calls[0]).content == "1702"
     assert tools.config.executor(ToolCall("calc", {"expression": "1/0"})).is_error
+
+
+USER_HOOKS = """
+from primitives.maths.algorithms import dapo, grpo
+
+
+def schedule(iteration, last_metrics, switch_at=2):
+    return grpo(kl_coef=0.0) if iteration < switch_at else dapo()
+
+
+def ref_update(ref, policy_weights, step, kl, every=3):
+    return ref
+
+
+def shape(rollout, reward, bonus=0.0):
+    return reward + bonus
+
+
+shape.needs_reference = True
+
+
+def policy(history, current, step_up=1):
+    return current + step_up
+"""
+
+
+def test_user_functions_with_keywords_in_every_section(tmp_path):
+    """``module:function`` (here a file) with ``kwargs`` bound in the schedule, reference,
+    shaping and scaling sections: each takes its hook's arguments, keeps its attributes
+    (a shaping function's ``needs_reference`` starts a reference), and a user scaling
+    policy's counts stay within minimum and maximum."""
+    from cluster.jobs.inputs import job_extensions
+
+    hooks = tmp_path / "hooks.py"
+    hooks.write_text(USER_HOOKS)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"task": "arithmetic"}, "algorithm": {"kl_coef": 0.0, "steps": 4},
+        "schedule": {"kind": f"{hooks}:schedule", "kwargs": {"switch_at": 3}},
+        "reference": {"update": f"{hooks}:ref_update", "kwargs": {"every": 5}},
+        "shaping": [{"name": f"{hooks}:shape", "kwargs": {"bonus": 0.5}}],
+        "cluster": {"generators": 2, "scaling": {"policy": f"{hooks}:policy", "maximum": 3}}}))
+    built = job_extensions(load_job_config(str(path)))
+    assert [built["schedule"](i, {}).name for i in range(4)] == ["grpo"] * 3 + ["dapo"]
+    assert [a.name for a in built["algos"]] == ["grpo", "dapo"]
+    assert built["shaping_fn"](None, 1.0) == 1.5 and built["shaping_fn"].needs_reference  # a reference is made
+    assert built["ref_update_fn"]("r", {}, 1, None) == "r"
+    assert built["generator_policy"]([], 2) == 3 and built["generator_policy"]([], 3) == 3  # within maximum 3
+    hooks_bad = tmp_path / "bad.yaml"
+    hooks_bad.write_text(path.read_text().replace("switch_at", "reward"))
+    with pytest.raises(ConfigErrors, match=r"schedule.kind .*unknown argument 'reward'"):
+        job_extensions(load_job_config(str(hooks_bad)))
 
 
 def test_a_users_tool_and_parser_from_files(tmp_path):

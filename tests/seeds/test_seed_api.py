@@ -276,3 +276,13 @@ def test_plot_training_curves_from_stats_or_metrics(tmp_path):
     assert plot_training_curves(metrics, save_path=str(tmp_path / "m.png")).endswith("m.png")
     with pytest.raises(ValueError, match="none of the keys"):
         plot_training_curves(metrics, save_path=str(tmp_path / "x.png"), keys=["nope"])
+
+
+def test_create_ref_update_fn_names_an_argument_it_does_not_take():
+    from rl_primitives import create_ref_update_fn
+
+    with pytest.raises(ValueError, match=r"create_ref_update_fn\('ema'\): unknown argument\(s\) \['deacy'\]; "
+                                         "accepted: decay"):
+        create_ref_update_fn("ema", deacy=0.5)
+    with pytest.raises(ValueError, match="accepted: reset_every"):
+        create_ref_update_fn("periodic", every=2)
