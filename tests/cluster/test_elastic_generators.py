@@ -199,3 +199,43 @@ def test_a_job_file_scales_its_generators(tmp_path):
         rows = [r for r in map(json.loads, f) if "reward/mean" in r]
     assert [r["generators/count"] for r in rows] == [1.0, 2.0, 2.0]
     assert "time/scale" in rows[1] and "time/scale" not in rows[2]
+
+
+def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replaceable(ray_local, tiny_model_path):
+    """3 -> 1 -> 4 workers: ranks 1 and 2 come back into the start count's bundles (no new
+    placement group for them), rank 3 gets a group of its own; rank 3, killed, is replaced in
+    that group; 4 -> 2 removes it. Every worker holds the trainers' weights throughout."""
+    from ray.util import placement_group_table
+
+    from cluster.loop.protocol import ActorFailure
+    from tests.rl_actors.test_cluster_sync import _kill_and_wait as kill_and_wait
+
+    def live_groups() -> int:
+        return sum(pg["state"] == "CREATED" for pg in placement_group_table().values())
+
+    def same_weights(backend) -> bool:
+        c = backend.cluster
+        trainer = gather(fan_out(c.trainers, "weight_checksums"), c.timeout_s)[0]
+        return all(s == trainer for s in gather(fan_out(c.generators.group, "weight_checksums"), c.timeout_s))
+
+    cfg = ClusterConfig(generators=3, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
+    backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
+                                          with_reference=False, seed=0))
+    try:
+        at_start = live_groups()  # trainer, generator, reward
+        assert backend.scale_generators(1)["generators/count"] == 1.0 and live_groups() == at_start
+        backend.scale_generators(4)
+        group = backend.cluster.generators.group
+        assert group.size == 4 and group.slots[:3] == (None, None, None) and group.slots[3] is not None
+        assert live_groups() == at_start + 1 and same_weights(backend)
+        kill_and_wait(ray_local, group.actors[3])
+        backend.recover(ActorFailure("generator 3 died", "generator", 3, True), since=backend.restarts)
+        replaced = backend.cluster.generators.group
+        assert replaced.actors[3] != group.actors[3] and replaced.slot(3) == group.slot(3) and same_weights(backend)
+        backend.scale_generators(2)
+        assert live_groups() == at_start and backend.cluster.generators.size == 2 and same_weights(backend)
+        # a failure of a worker that left is only redone: nothing to replace
+        backend.recover(ActorFailure("generator 3 died", "generator", 3, True), since=backend.restarts)
+        assert backend.cluster.generators.size == 2
+    finally:
+        shutdown_cluster(backend.cluster)
