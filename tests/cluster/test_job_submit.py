@@ -1,6 +1,7 @@
 """`ray job submit` against a real local head (`ray start --head` on loopback, free ports):
 the short default job (`python -m cluster rl examples/configs/default.yaml`) succeeds and
-writes its summary and resolved config; then the head is stopped."""
+writes its summary and resolved config, and so does a user's own script (an example); then
+the head is stopped."""
 import json
 import os
 import secrets
@@ -16,7 +17,7 @@ from tests.conftest import ROOT
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def _stop_head(temp_dir: str, timeout_s: float = 60.0) -> None:
+def _stop_head(temp_dir: str, timeout_s: float = 10.0) -> None:
     """Stop only the Ray processes of this head (their command lines name its temp dir);
     `ray stop` would stop every Ray on the machine."""
     import psutil
@@ -32,8 +33,9 @@ def _stop_head(temp_dir: str, timeout_s: float = 60.0) -> None:
         p.kill()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
+    """One head for the module's submissions (each job is a driver of its own on it)."""
     import shutil
     import tempfile
 
