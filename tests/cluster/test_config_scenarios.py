@@ -144,6 +144,26 @@ def test_a_reward_model_on_the_reward_workers_scores_reach_their_metric(tmp_path
     np.testing.assert_allclose(totals, exact + 0.5 * got, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_job_file_scales_its_generators(tmp_path):
+    """``cluster.scaling`` through ``rayrl rl``: the default job on 1 generator worker, 2 from
+    step 1 on (``policy: steps``); the local Ray was started with room for the second. (Here,
+    not beside the other scaling tests: a job shuts its Ray down, and theirs is shared.)"""
+    with open(os.path.join(CONFIGS, "default.yaml")) as f:
+        values = yaml.safe_load(f)
+    values["cluster"].update(generate_on_trainers=False, generators=1,
+                             scaling={"policy": "steps", "at_steps": {1: 2}})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = str(tmp_path / "run")
+    run_job(["rl", str(path), "--logging.out", out, "--sft.steps", "30", "--algorithm.steps", "3",
+             "--eval.enabled", "False", "--algorithm.prompts-per-step", "8"])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "reward/mean" in r]
+    assert [r["generators/count"] for r in rows] == [1.0, 2.0, 2.0]
+    assert "time/scale" in rows[1] and "time/scale" not in rows[2]
+
+
 # ----------------------------------------------------------------------------- errors before Ray
 @pytest.mark.parametrize("sections,message", [
     ({"schedule": {"kind": "piecewize"}}, "schedule.kind 'piecewize' is unknown; did you mean 'piecewise'?"),

@@ -176,31 +176,6 @@ def test_scaling_settings_are_checked_before_ray():
     assert any("cluster.scaling" in e and "would be ignored" in e for e in rl_errors(hosted))
 
 
-@pytest.mark.slow
-def test_a_job_file_scales_its_generators(tmp_path):
-    """``cluster.scaling`` through ``rayrl rl``: the default job on 1 generator worker, 2 from
-    step 1 on (``policy: steps``); the local Ray was started with room for the second."""
-    import json
-
-    import yaml
-
-    from tests.conftest import ROOT, run_job
-
-    with open(os.path.join(ROOT, "examples", "configs", "default.yaml")) as f:
-        values = yaml.safe_load(f)
-    values["cluster"].update(generate_on_trainers=False, generators=1,
-                             scaling={"policy": "steps", "at_steps": {1: 2}})
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(values))
-    out = str(tmp_path / "run")
-    run_job(["rl", str(path), "--logging.out", out, "--sft.steps", "30", "--algorithm.steps", "3",
-             "--eval.enabled", "False", "--algorithm.prompts-per-step", "8"])
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if "reward/mean" in r]
-    assert [r["generators/count"] for r in rows] == [1.0, 2.0, 2.0]
-    assert "time/scale" in rows[1] and "time/scale" not in rows[2]
-
-
 def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replaceable(ray_local, tiny_model_path):
     """3 -> 1 -> 4 workers: ranks 1 and 2 come back into the start count's bundles (no new
     placement group for them), rank 3 gets a group of its own; rank 3, killed, is replaced in
