@@ -382,19 +382,12 @@ def scripted_turns(monkeypatch):
     """The model's turns scripted (a random tiny model never writes a tool call): a calculator
     call, then an answer ending in <done>. Everything else - parsing, execution, the chat
     template, masks, the seed's reward - is real."""
-    from primitives.model.generation import GenerationOutput
+    from tests.primitives.test_tools import _scripted_turns
 
     script = ['<tool_call name="calculator">123+456</tool_call>', "The sum is 579. <done>"]
 
     def scripted(model, tokenizer, config, generator=None):
-        turns = iter(script)
-
-        def generate_turn(context_ids):
-            text = next(turns)
-            ids = np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
-            return GenerationOutput(ids, np.full(len(ids), -0.5, np.float32), "stop", text)
-
-        return generate_turn
+        return _scripted_turns(tokenizer, script)
 
     monkeypatch.setattr(seed_api, "hf_turn_generator", scripted)
 
