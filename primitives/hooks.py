@@ -159,22 +159,40 @@ def call_hook(fn: Callable, what: str, *args, where: str = ""):
         raise UserFunctionError(message) from e
 
 
-def arguments_of(fn: Callable, skip_first: bool = False) -> str:
-    """``fn``'s parameters as ``"a, b=1.0"`` for error messages."""
-    params = list(inspect.signature(fn).parameters.values())[int(skip_first):]
+def arguments_of(fn: Callable, skip: int = 0) -> str:
+    """``fn``'s parameters after the first ``skip`` as ``"a, b=1.0"`` for error messages."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
     return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params)
 
 
-def check_kwargs(what: str, fn: Callable, kwargs: dict, skip_first: bool = False) -> None:
-    """A ``ValueError`` naming ``what`` and ``fn``'s accepted arguments unless ``fn`` takes ``kwargs``."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+def check_kwargs(what: str, fn: Callable, kwargs: dict, positional: int = 0) -> None:
+    """A ``ValueError`` naming ``what`` and ``fn``'s accepted arguments unless ``fn`` can be
+    called with ``positional`` arguments (a hook's own, which ``kwargs`` may not name) and
+    ``kwargs``."""
+    params = list(inspect.signature(fn).parameters.values())
+    own = [p.name for p in params[:positional]]
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
         for key in kwargs:
-            if key not in params or (skip_first and key == next(iter(params))):
-                hint = did_you_mean(key, list(params)[int(skip_first):]) or ";"
+            if key in own or key not in [p.name for p in params]:
+                hint = did_you_mean(key, [p.name for p in params[positional:]]) or ";"
                 raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
-                                 f"{arguments_of(fn, skip_first) or 'none'}")
+                                 f"{arguments_of(fn, positional) or 'none'}")
     try:
-        inspect.signature(fn).bind(*([None] if skip_first else []), **kwargs)
+        inspect.signature(fn).bind(*[None] * positional, **kwargs)
     except TypeError as e:
-        raise ValueError(f"{what}: {e}; accepted arguments: {arguments_of(fn, skip_first) or 'none'}") from None
+        raise ValueError(f"{what}: {e}; accepted arguments: {arguments_of(fn, positional) or 'none'}") from None
+
+
+def bind_keywords(what: str, fn: Callable, kwargs: dict, positional: int) -> Callable:
+    """``fn`` with ``kwargs`` bound as keyword arguments after its first ``positional``
+    parameters (a hook's own arguments: a reward's rollout, a shaping function's rollout and
+    reward, ...), checked by ``check_kwargs``; the bound function keeps ``fn``'s attributes
+    (e.g. ``needs_reference``). Without ``kwargs``, ``fn`` itself."""
+    import functools
+
+    check_kwargs(what, fn, kwargs, positional)
+    if not kwargs:
+        return fn
+    bound = functools.partial(fn, **kwargs)
+    bound.__dict__.update(getattr(fn, "__dict__", {}))
+    return bound

@@ -8,11 +8,17 @@ or a function that cannot take the hook's arguments is a ``ConfigErrors`` naming
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple, Optional
 
 from cluster.jobs.checks import ConfigErrors, algorithm_of
-from primitives.hooks import check_arity, check_kwargs, check_picklable, did_you_mean, load_function
+from primitives.hooks import (
+    bind_keywords,
+    check_arity,
+    check_kwargs,
+    check_picklable,
+    did_you_mean,
+    load_function,
+)
 
 
 def named_function(field: str, name: str, kwargs: Optional[dict], builtins: dict, hook: str, args: tuple,
@@ -49,28 +55,6 @@ def named_function(field: str, name: str, kwargs: Optional[dict], builtins: dict
 def unknown_name(name: str, builtins: dict) -> str:
     return (f"unknown name {name!r}{did_you_mean(name, builtins) or ''} (built-in: {', '.join(builtins) or 'none'}; "
             "or your own as module:function)")
-
-
-def bind_keywords(what: str, fn: Callable, kwargs: dict, positional: int) -> Callable:
-    """``fn`` with ``kwargs`` bound as keyword arguments after its first ``positional``
-    parameters (the hook's own arguments, which the keywords may not name); its attributes
-    (e.g. ``needs_reference``) carried over."""
-    import inspect
-
-    if not kwargs:
-        return fn
-    params = list(inspect.signature(fn).parameters.values())
-    hook_params = [p.name for p in params[:positional]]
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
-    for key in kwargs:
-        if key in hook_params or (key not in [p.name for p in params] and not takes_any):
-            accepted = [p.name for p in params[positional:] if p.kind is not p.VAR_POSITIONAL]
-            hint = did_you_mean(key, accepted) or ";"
-            raise ValueError(f"{what}: unknown argument {key!r}{hint} accepted arguments: "
-                             f"{', '.join(accepted) or 'none'}")
-    bound = functools.partial(fn, **kwargs)
-    bound.__dict__.update(getattr(fn, "__dict__", {}))
-    return bound
 
 
 # ----------------------------------------------------------------------------- the algorithm schedule

@@ -21,8 +21,8 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from primitives.hooks import arguments_of as _arguments
+from primitives.hooks import bind_keywords, did_you_mean, load_function
 from primitives.hooks import check_kwargs as _check_kwargs
-from primitives.hooks import did_you_mean, load_function
 from primitives.maths.shaping import overlong_penalty
 
 
@@ -588,13 +588,13 @@ def _builtin_reward(name: str, kwargs: dict) -> Callable:
 
 def _user_reward(name: str, kwargs: dict) -> Callable:
     """The user function ``module:function`` with ``kwargs`` bound, named ``name`` in errors."""
-    fn = _load_user_function(name, "reward function")
-    _check_kwargs(f"reward function {name!r}", fn, kwargs, skip_first=True)
+    bound = bind_keywords(f"reward function {name!r}", _load_user_function(name, "reward function"), kwargs,
+                          positional=1)
 
     def reward_fn(rollout):
-        return fn(rollout, **kwargs)
+        return bound(rollout)
 
-    reward_fn.__qualname__ = name
+    reward_fn.__qualname__ = name  # errors name the spec (module:function)
     return reward_fn
 
 
