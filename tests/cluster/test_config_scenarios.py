@@ -58,19 +58,26 @@ def test_algorithm_switching_config_switches_at_the_phase_starts(tmp_path):
 
 
 @pytest.mark.slow
-def test_tool_use_config_masks_tool_tokens_and_logs_tool_statistics(tmp_path):
+@pytest.mark.parametrize("on_trainers", [False, True], ids=["generator_workers", "generate_on_trainers"])
+def test_tool_use_config_masks_tool_tokens_and_logs_tool_statistics(tmp_path, on_trainers):
     """After a short SFT stage on the task's demonstrations the model calls the tools; the
     tools' output is in the rollouts but not in the loss, so the trainers' logprobs on the loss
-    tokens equal the generator's (a tool token scored as the policy's would not)."""
+    tokens equal the generator's (a tool token scored as the policy's would not). As shipped
+    (a generator worker) and with the conversations run on the trainer ranks."""
     out = str(tmp_path / "run")
+    layout = ["--cluster.generate-on-trainers", "True", "--cluster.generators", "0"] if on_trainers else []
     summary = _run([os.path.join(CONFIGS, "tool_use.yaml"), "--logging.out", out, "--eval.enabled", "False",
-                    "--sft.steps", "300", "--algorithm.steps", "2"])
+                    "--sft.steps", "300", "--algorithm.steps", "2", *layout])
     rows = _rows(out)
     assert summary["rl_steps"] == 2 and len(rows) == 2
+    assert summary["generation"] == ("trainers" if on_trainers else "workers")
     for r in rows:
         assert {"tools/calls_per_rollout", "tools/success_rate", "tools/rollouts_with_calls"} <= set(r)
-        assert r["tools/calls_per_rollout"] > 0 and r["tools/untrained_tokens"] > 0, r
-        assert r["mismatch/max_abs_logp_diff"] < 1e-4, r
+        assert r["tools/calls_per_rollout"] > 0 and r["tools/untrained_tokens"] > 0, r  # tool output: mask 0
+        # the policy's tokens are scored alike by generator and trainers. A hosted generator decodes each turn
+        # incrementally against a KV cache of a ~100-token conversation, the trainer in one packed pass: their
+        # float32 sums differ by up to 1.2e-4 (measured; 3.7e-5 on a generator worker)
+        assert r["mismatch/max_abs_logp_diff"] < (1e-3 if on_trainers else 1e-4), r
 
 
 @pytest.mark.slow
