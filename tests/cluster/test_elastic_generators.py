@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
-from cluster.ray_wing.groups import fan_out, gather
+from cluster.ray_wing.groups import call, fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
@@ -179,7 +179,9 @@ def test_scaling_settings_are_checked_before_ray():
 def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replaceable(ray_local, tiny_model_path):
     """3 -> 1 -> 4 workers: ranks 1 and 2 come back into the start count's bundles (no new
     placement group for them), rank 3 gets a group of its own; rank 3, killed, is replaced in
-    that group; 4 -> 2 removes it. Every worker holds the trainers' weights throughout."""
+    that group; 4 -> 2 removes it. Every worker holds the trainers' weights throughout. A
+    policy-tracking (EMA) reference worker is in the weight broadcast too: it rejoins the
+    re-formed group each time, and a step's sync after the changes reaches it."""
     from ray.util import placement_group_table
 
     from cluster.loop.protocol import ActorFailure
@@ -194,10 +196,12 @@ def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replac
         return all(s == trainer for s in gather(fan_out(c.generators.group, "weight_checksums"), c.timeout_s))
 
     cfg = ClusterConfig(generators=3, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
+    from primitives.maths.kl import create_ema_updater
+
     backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
-                                          with_reference=False, seed=0))
+                                          with_reference=True, ref_update_fn=create_ema_updater(0.5), seed=0))
     try:
-        at_start = live_groups()  # trainer, generator, reward
+        at_start = live_groups()  # trainer, generator, reward, reference
         assert backend.scale_generators(1)["generators/count"] == 1.0 and live_groups() == at_start
         backend.scale_generators(4)
         group = backend.cluster.generators.group
@@ -209,6 +213,12 @@ def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replac
         assert replaced.actors[3] != group.actors[3] and replaced.slot(3) == group.slot(3) and same_weights(backend)
         backend.scale_generators(2)
         assert live_groups() == at_start and backend.cluster.generators.size == 2 and same_weights(backend)
+        c = backend.cluster
+        assert c.sync_address.world_size == 1 + 2 + 1  # trainer rank 0, two generators, the reference
+        # a step's sync (the reference moves): a rank missing from the re-formed group would stall the broadcast
+        assert backend.sync(version=1, step=1, kl=None)["sync/bytes"] > 0 and same_weights(backend)
+        ref = gather([call(c.reference.group, 0, "weight_checksums")], c.timeout_s)[0]
+        assert ref == gather(fan_out(c.trainers, "weight_checksums"), c.timeout_s)[0]  # EMA of equal weights
         # a failure of a worker that left is only redone: nothing to replace
         backend.recover(ActorFailure("generator 3 died", "generator", 3, True), since=backend.restarts)
         assert backend.cluster.generators.size == 2
