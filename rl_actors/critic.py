@@ -40,7 +40,14 @@ from primitives.model.value import (
 )
 from primitives.types import Batch, BatchPlan, ModelConfig, planned_rollouts
 from rl_actors.common import check_model_path, planned_inputs
-from rl_actors.deepspeed_rank import DeepSpeedRank, TrainerConfig, micro_batch_count, passes, rendezvous_endpoint
+from rl_actors.deepspeed_rank import (
+    DeepSpeedRank,
+    TrainerConfig,
+    micro_batch_count,
+    passes,
+    rendezvous_endpoint,
+    snapshot_bytes,
+)
 
 
 def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:
@@ -183,6 +190,17 @@ class CriticWorker:
                 json.dump({"steps": self.ds.steps, "init": self.init}, f)
 
         return self.ds.save(path, write)
+
+    def snapshot(self) -> tuple:
+        """``(bytes, part)``: this rank's part of the critic group's in-memory snapshot
+        (``DeepSpeedRank.snapshot``) and its size."""
+        part = self.ds.snapshot()
+        return snapshot_bytes(part), part
+
+    def restore(self, *parts: dict) -> bool:
+        """Become this rank of the critic group whose snapshot ``parts`` are given (all ranks together)."""
+        self.ds.restore(parts)
+        return True
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore the value model, its optimizer, the step count and the RNG (all ranks

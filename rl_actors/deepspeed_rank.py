@@ -27,11 +27,16 @@ two share.
 * **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and its RNG
   state into one temporary directory that rank 0 moves into the checkpoint in a single
   rename (``primitives.io.checkpoint.atomic_directory``); nothing is ever half-written.
+* **Snapshots.** ``snapshot`` is the same DeepSpeed checkpoint of one rank held in memory:
+  its files as bytes, returned to the driver, so the part lives in the object store, outside
+  this process, and outlives it. A new group of the same size and ZeRO stage ``restore``s
+  every rank from all the parts (DeepSpeed reads every rank's optimizer file when it loads).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from contextlib import nullcontext
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -307,3 +312,76 @@ class DeepSpeedRank:
         self.steps = int((client or {}).get("steps", 0))
         rng = torch.load(os.path.join(path, "deepspeed", f"rng_rank{self.rank}.pt"), weights_only=False)
         restore_rng_state(rng["rng"])
+
+    # --------------------------------------------------------------- in-memory snapshots
+    def snapshot(self) -> dict:
+        """This rank's part of the group's state: its DeepSpeed checkpoint files (weights and
+        optimizer shards, as ``save`` writes them) as bytes, the step count and the RNG. All ranks
+        call it together (the save is collective); returned to the driver, the part lives in
+        the object store and outlives this process (``restore``)."""
+        tmp = tempfile.mkdtemp(prefix=f"snapshot-{self.role}{self.rank}-", dir=scratch_dir())
+        try:
+            self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps}, save_latest=False)
+            files = read_tree(tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"rank": self.rank, "world_size": self.world_size, "zero_stage": self.config.zero_stage,
+                "files": files, "steps": self.steps, "rng": capture_rng_state()}
+
+    def restore(self, parts: Sequence[dict]) -> None:
+        """Become rank ``self.rank`` of the group whose ``snapshot`` parts (one per rank, any
+        order) are given: weights, optimizer, step count and RNG exactly as they were. All ranks
+        call it together, in a group of the snapshot's size and ZeRO stage."""
+        ranks = sorted(p["rank"] for p in parts)
+        if ranks != list(range(self.world_size)) or {p["zero_stage"] for p in parts} != {self.config.zero_stage}:
+            raise ValueError(f"{self.role} {self.rank}: a snapshot of ranks {ranks} (ZeRO "
+                             f"{sorted({p['zero_stage'] for p in parts})}) does not fit a group of {self.world_size} "
+                             f"ranks under ZeRO-{self.config.zero_stage}")
+        tmp = tempfile.mkdtemp(prefix=f"restore-{self.role}{self.rank}-", dir=scratch_dir())
+        try:
+            for part in parts:
+                write_tree(tmp, part["files"])
+            self.engine.load_checkpoint(tmp, tag="engine")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        mine = next(p for p in parts if p["rank"] == self.rank)
+        self.steps = int(mine["steps"])
+        restore_rng_state(mine["rng"])
+
+
+def scratch_dir() -> str:
+    """Where a snapshot's files pass through: shared memory (``/dev/shm``) where the machine has
+    it, so that nothing touches a disk, else the temporary directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def read_tree(directory: str) -> dict:
+    """Every file under ``directory`` as ``{relative path: bytes}``."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                files[os.path.relpath(full, directory)] = f.read()
+    return files
+
+
+def write_tree(directory: str, files: dict) -> None:
+    """The inverse of ``read_tree``: ``{relative path: bytes}`` written under ``directory``."""
+    for rel, data in files.items():
+        full = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+
+
+def snapshot_bytes(part) -> int:
+    """The bytes a snapshot part holds: its files and tensors, in nested dicts."""
+    if isinstance(part, bytes):
+        return len(part)
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    if isinstance(part, dict):
+        return sum(snapshot_bytes(v) for v in part.values())
+    return 0

@@ -93,6 +93,23 @@ class Reference:
     def checksums(self) -> dict:
         return tensor_checksums(self.model.named_parameters())
 
+    def snapshot(self) -> dict:
+        """What the reference is now, for a replacement to become (``restore``): its weights
+        (tensors by name, in the model's dtype) and, when it tracks the policy, the update
+        function's state."""
+        if self.state is not None:
+            return {"weights": {k: v.detach().cpu().clone() for k, v in self.state.weights.items()},
+                    "last_reset_step": self.state.last_reset_step}
+        return {"weights": {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}}
+
+    def restore(self, snap: dict) -> None:
+        """Become the reference ``snapshot`` described: the same weights and update state."""
+        state = RefState(snap["weights"], int(snap.get("last_reset_step", 0)))
+        apply_ref_state(self.model, state)
+        if self.state is not None:
+            self.state = RefState({k: v.to(self.model.device).clone() for k, v in state.weights.items()},
+                                  state.last_reset_step)
+
 
 class RefLogprobWorker:
     """The reference as an actor of its own (one of ``cluster.reference_workers``)."""
@@ -129,6 +146,12 @@ class RefLogprobWorker:
         return self.reference.rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
                                              self.micro_batch_size)
 
+    def logprobs_counted(self, rollouts: Sequence, temperature: float) -> tuple:
+        """``(count, logprobs)``: as two results, the driver waits for the small count (and
+        sees a failure there) while the arrays stay in the object store for the trainer ranks."""
+        arrays = self.logprobs(rollouts, temperature)
+        return len(arrays), arrays
+
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
         self.sync_group, self.sync_rank = init_sync_group(address, rank), rank
         return True
@@ -163,4 +186,15 @@ class RefLogprobWorker:
 
     def load_weights_from(self, path: str) -> bool:
         self.reference.load_from(path)
+        return True
+
+    def snapshot(self) -> tuple:
+        """``(bytes, state)``: what this reference is now (``Reference.snapshot``) and its size."""
+        from rl_actors.deepspeed_rank import snapshot_bytes
+
+        state = self.reference.snapshot()
+        return snapshot_bytes(state), state
+
+    def restore(self, snap: dict) -> bool:
+        self.reference.restore(snap)
         return True

@@ -55,6 +55,7 @@ from rl_actors.deepspeed_rank import (
     micro_batch_count,
     passes,
     rendezvous_endpoint,
+    snapshot_bytes,
 )
 from rl_actors.generator import GeneratorWorker
 from rl_actors.reference import Reference
@@ -301,6 +302,11 @@ class TrainerWorker:
         return self._held_reference().rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
                                                      self.config.micro_batch_size)
 
+    def reference_logprobs_counted(self, rollouts: Sequence, temperature: float) -> tuple:
+        """``(count, reference logprobs)`` as two results (``RefLogprobWorker.logprobs_counted``)."""
+        arrays = self.reference_logprobs(rollouts, temperature)
+        return len(arrays), arrays
+
     def with_reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """The rollouts with ``ref_logprobs`` set (new records)."""
         return self._held_reference().scored(rollouts, self.tokenizer.pad_token_id, temperature,
@@ -362,6 +368,23 @@ class TrainerWorker:
                 json.dump(train_state or {}, f)
 
         return self.ds.save(path, write)
+
+    def snapshot(self) -> tuple:
+        """``(bytes, part)``: this rank's part of the group's in-memory snapshot
+        (``DeepSpeedRank.snapshot``) and its size; rank 0's part also holds the reference it
+        keeps (every rank's copy is the same)."""
+        part = self.ds.snapshot()
+        if self.reference is not None and self.rank == 0:
+            part["reference"] = self.reference.snapshot()
+        return snapshot_bytes(part), part
+
+    def restore(self, *parts: dict) -> bool:
+        """Become this rank of the group whose snapshot ``parts`` are given (all ranks together):
+        weights, optimizer, step count, RNG and the reference copy as they were."""
+        self.ds.restore(parts)
+        if self.reference is not None:
+            self.reference.restore(next(p["reference"] for p in parts if "reference" in p))
+        return True
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore weights, optimizer, step count and RNG; returns the saved ``train_state``."""

@@ -14,19 +14,26 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 from primitives.types import BatchPlan, GenerationConfig, RolloutSummary, TrainState
 
+# the roles a backend of actors rebuilds when one of their actors dies or stops answering
+RECOVERABLE_ROLES = ("generator", "reward", "reference", "trainer", "critic")
+
 
 class ActorFailure(RuntimeError):
-    """An actor died, raised, or did not answer in time; the message names role and rank."""
+    """An actor died, raised, or did not answer in time (``stuck``); the message names role and rank."""
 
-    def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False):
+    def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False, stuck: bool = False,
+                 actor_id: str = "", late: tuple = ()):
         super().__init__(message)
-        self.role, self.rank, self.died = role, rank, died
+        self.role, self.rank, self.died, self.stuck = role, rank, died, stuck
+        self.actor_id = actor_id  # the dead actor, where the backend knows it (it may be one the call read from)
+        # (role, rank) of every actor that did not answer in time: in a collective, the stuck one and its waiting peers
+        self.late = late or ((role, rank),)
 
     @property
     def replaceable(self) -> bool:
-        """A dead generator or reward worker can be replaced and its step retried; a raising
-        user function (a bug) or a trainer/reference failure cannot."""
-        return self.died and self.role in ("generator", "reward")
+        """A dead or stuck actor of any role is replaced (a stuck one killed first) and its work
+        done again; a raising user function (a bug) is not."""
+        return (self.died or self.stuck) and self.role in RECOVERABLE_ROLES
 
 
 class Held(NamedTuple):

@@ -370,6 +370,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         if not hasattr(backend, "scale_generators"):
             raise ValueError(f"generator_policy: the {backend.name} backend has no generator workers to scale")
     queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
+    if hasattr(backend, "prepare_recovery"):  # a backend that survives actor deaths keeps their state from here
+        backend.prepare_recovery()
     backend.busy()  # start the idle clocks
     t_clock = time.perf_counter()
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if run.progress else {"disable": True}))
@@ -403,6 +405,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         metrics.update({f"idle/{role}": max(0.0, 1.0 - seconds / (now - t_clock)) for role, seconds in busy.items()})
         t_clock = now
         metrics.update({**trained, "step": it, "algorithm": algo.name, "time/step": time.perf_counter() - t_step})
+        if hasattr(backend, "fault_metrics"):  # recoveries so far (restarts by role, seconds lost)
+            metrics.update(backend.fault_metrics())
         if tools is not None:
             metrics.update(tool_metrics([r.summary for r in rollouts]))
         state = state._replace(iteration=it + 1, global_step=state.global_step + int(updated),

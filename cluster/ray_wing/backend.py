@@ -5,9 +5,12 @@ Rollouts move between actors as ObjectRefs and never through the driver: ``gener
 ``reference_logprobs`` and ``score`` chain calls without waiting; ``fetch`` waits for them,
 phase by phase, timing each, and fetches only the reward workers' summaries; the trainer
 (and critic) ranks receive the chunks by reference and build the step's batch themselves. A
-dead or failing actor surfaces as an ``ActorFailure`` that names its role and rank;
-``recover`` replaces a dead generator or reward worker, and the loop generates the lost
-prompts again.
+dead, stuck or failing actor surfaces as an ``ActorFailure`` that names its role and rank;
+``recover`` replaces a dead or stuck actor of any role and the loop does the lost work again:
+a generator, reward or reference worker is replaced (a reference restored to the
+reference's current weights); a trainer or critic group is rebuilt whole and restored from
+the in-memory snapshot and the log of updates since (``cluster.ray_wing.recovery``), so the
+run goes on with the weights an undisturbed run has.
 """
 from __future__ import annotations
 
@@ -18,9 +21,16 @@ from typing import NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
 
-from cluster.loop.protocol import ActorFailure, Held, StepResult, plan_parts
-from cluster.ray_wing.groups import call, call_split, fan_out, gather, split_evenly
-from cluster.ray_wing.roles import RLCluster, replace_actor
+from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure, Held, StepResult, plan_parts
+from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, gather, split_evenly
+from cluster.ray_wing.recovery import (
+    Snapshot,
+    Update,
+    restore_group,
+    restore_reference_workers,
+    take_snapshot,
+)
+from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, rebuild_group, replace_actor
 from primitives.io.checkpoint import state_from_json, state_to_json
 from primitives.types import BatchPlan, GenerationConfig, TrainState, planned_rollouts
 
@@ -139,11 +149,15 @@ class RayBackend:
     name = "ray"
     remote = True  # functions travel to the actors: they must pickle
 
-    def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3):
+    def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3, snapshot_every: int = 1):
         self.cluster, self.max_actor_restarts, self.restarts = cluster, max_actor_restarts, 0
         self.replaced_at: dict = {}  # (role, rank) -> the restarts count its last replacement made
         self.version = 0  # the policy version the generators hold (the last sync's)
-
+        self.snapshot_every = snapshot_every  # steps between in-memory snapshots (0: none: a trainer death ends it)
+        self.snapshot: Optional[Snapshot] = None
+        self.log: list = []  # Updates since the snapshot
+        self.faults: list = []  # one record per recovery: role, rank, what happened, seconds
+        self.snapshot_costs: list = []  # (seconds, bytes) of each snapshot taken
     @property
     def pad_token_id(self) -> int:
         return self.cluster.pad_token_id
@@ -199,8 +213,8 @@ class RayBackend:
         chunks = [x.ref for x in refs.phases[-1][1]]
         ref = [self.cluster.reference.logprobs(i, x, temperature) for i, x in enumerate(chunks)]
         reward, data = self._score(chunks)
-        return RolloutRefs(refs.phases, (("ref", ref), ("reward", reward)),
-                           tuple((d, r.ref) for d, r in zip(data, ref)))
+        return RolloutRefs(refs.phases, (("ref", [count for count, _ in ref]), ("reward", reward)),
+                           tuple((d, arrays) for d, (_, arrays) in zip(data, ref)))
 
     def fetch(self, refs: RolloutRefs) -> tuple:
         """``(Held rollouts, {"time/<phase>": seconds})``: waits for every phase (each timed from
@@ -214,11 +228,13 @@ class RayBackend:
             times[f"time/{name}"], before = done[name] - before, done[name]
         times.update({f"time/{name}": done[name] - before for name, _ in refs.branches})
         summary_calls = (refs.branches[-1] if refs.branches else refs.phases[-1])[1]
-        try:
-            chunks = gather(summary_calls, self.cluster.timeout_s)
+        try:  # every phase had its time in wait_each: what is not done now is stuck
+            chunks = gather(summary_calls, 0)
+            for _, calls in refs.branches[:-1]:  # the reference's counts: a failure there, not in the train step
+                gather(calls, 0)
         except ActorFailure:
             for _, calls in phases:  # the earliest failure names its actor
-                gather(calls, self.cluster.timeout_s)
+                gather(calls, 0)
             raise
         with_ref = bool(refs.branches)  # the reference's arrays join the rollouts where they are trained
         return [Held(s._replace(has_ref=True) if with_ref else s, part, i)
@@ -255,13 +271,35 @@ class RayBackend:
                    lr: Optional[float], with_critic: bool = False) -> StepResult:
         """The planned batch on every trainer rank (and the critic ranks when ``with_critic``),
         concurrently; each rank builds the batch from the parts and value shares it receives by
-        reference."""
+        reference. If a rank of either group dies or stops answering, its group is rebuilt,
+        both groups are restored to the state before the step (``recover``), the value shares
+        are computed again and the step is made again with the same rollouts."""
+        parts = [tuple(p) for p in parts]
+        while True:
+            t0 = time.perf_counter()
+            try:
+                result = self._train_call(plan, parts, values, algo, temperature, lr, with_critic)
+            except ActorFailure as failure:
+                self.recover(failure, since=self.restarts, lost=time.perf_counter() - t0)
+                values = self.values(plan, parts) if values is not None else None
+                continue
+            if result.batch_metrics is not None:
+                self.log.append(Update(plan, tuple(parts), tuple(v.ref for v in values or ()), algo, temperature, lr,
+                                       with_critic))
+            return result
+
+    def _train_call(self, plan: BatchPlan, parts: list, values: Optional[list], algo, temperature: float,
+                    lr: Optional[float], with_critic: bool) -> StepResult:
         c = self.cluster
         trailing = [*flat_parts(parts), *[v.ref for v in values or ()]]
         calls = fan_out(c.trainers, "train_planned", plan, algo, temperature, lr, len(parts), *trailing)
         critic_calls = fan_out(c.critics, "value_step_planned", plan, algo, len(parts), *trailing) \
             if with_critic else []  # at the critic's lr
-        results = gather(calls + list(values or ()) + critic_calls, c.timeout_s)
+        try:
+            results = gather(calls + list(values or ()) + critic_calls, c.timeout_s)
+        except ActorFailure:
+            gather(list(values or ()), 0)  # a critic that died computing values is the failure, not its readers
+            raise
         policy = results[: len(calls)]
         return StepResult([updates for updates, _ in policy], results[len(results) - len(critic_calls):]
                           if with_critic else None, policy[0][1])
@@ -280,17 +318,85 @@ class RayBackend:
         return gather(fan_out(c.trainers, "sft_eval", *[ray.put(a) for a in arrays]), c.timeout_s)
 
     def sync(self, version: int, step: int, kl: Optional[float]) -> dict:
-        out = sync_weights(self.cluster, version, step, kl)
+        """The step's weights to the generators (and a tracking reference), then, every
+        ``snapshot_every`` steps, a new in-memory snapshot. If an actor dies or stops answering
+        during the sync it is replaced (a trainer group rebuilt and brought to the state after
+        the step; a tracking reference restored to before its move) and the sync made again."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                out = sync_weights(self.cluster, version, step, kl)
+                break
+            except ActorFailure as failure:
+                if self.recover(failure, since=self.restarts, send_weights=False,
+                                lost=time.perf_counter() - t0) not in DEEPSPEED_ROLES:
+                    self._restore_tracking_reference()  # (a rebuilt group was restored to the step's end already)
         self.version = version
+        if self.log and self.cluster.reference is not None and self.cluster.reference.tracks:
+            self.log[-1] = self.log[-1]._replace(moved=(step, kl))
+        if self.snapshot_every and (len(self.log) >= self.snapshot_every or self._reference_workers_track()):
+            out.update(self.take_snapshot())
         return out
 
     def save(self, path: str, state: TrainState) -> str:
-        return save_cluster_checkpoint(self.cluster, path, state)
+        while True:
+            try:
+                return save_cluster_checkpoint(self.cluster, path, state)
+            except ActorFailure as failure:  # a trainer or critic that died writing: rebuilt, and the save made again
+                self.recover(failure, since=self.restarts)
 
     def load(self, path: str) -> TrainState:
         state = load_cluster_checkpoint(self.cluster, path)
         self.version = state.policy_version
+        self.snapshot, self.log = None, []  # the next one is of the loaded state
         return state
+
+    # ------------------------------------------------------------------ snapshots
+    def prepare_recovery(self) -> None:
+        """Snapshot the stateful roles as they are before the first step (after an SFT stage, a
+        checkpoint load, the critic's creation), unless snapshots are off or one is current."""
+        if self.snapshot_every and (self.snapshot is None or self.log):
+            self.take_snapshot()
+
+    def take_snapshot(self) -> dict:
+        """A new in-memory snapshot of the trainer and critic ranks (and the reference workers);
+        the log of updates starts again. Returns ``faults/snapshot_s`` and ``faults/snapshot_mb``."""
+        before = self.snapshot
+        fresh_reference = self._reference_workers_track() or (before is None and self._has_reference_workers())
+        self.snapshot = take_snapshot(self.cluster, fresh_reference)
+        if not fresh_reference and before is not None:  # a fixed reference: its state once
+            self.snapshot = self.snapshot._replace(reference=before.reference)
+        self.log = []
+        self.snapshot_costs.append((self.snapshot.seconds, self.snapshot.nbytes))
+        return {"faults/snapshot_s": self.snapshot.seconds, "faults/snapshot_mb": self.snapshot.nbytes / 2 ** 20}
+
+    def _has_reference_workers(self) -> bool:
+        return self.cluster.reference is not None and self.cluster.reference.where == "workers"
+
+    def _reference_workers_track(self) -> bool:
+        """Reference workers that move every step: their state is snapshotted after every sync."""
+        return self._has_reference_workers() and self.cluster.reference.tracks
+
+    def _restore_tracking_reference(self) -> None:
+        """After a failed sync: a tracking reference may have moved on some ranks; every copy goes
+        back to before the step's move (workers: the snapshot, taken after every move; on the
+        trainers: the trainer ranks' snapshot and log, without the step's move)."""
+        ref = self.cluster.reference
+        if ref is None or not ref.tracks or self.snapshot is None:
+            return
+        if ref.where == "workers":
+            restore_reference_workers(self.cluster, self.snapshot)
+        else:
+            restore_group(self.cluster, "trainer", self.snapshot, self.log)
+
+    def fault_metrics(self) -> dict:
+        """``faults/restarts/<role>`` (actors replaced or groups rebuilt so far) and
+        ``faults/seconds_lost`` (failed attempts and recoveries, so far)."""
+        out = {"faults/seconds_lost": sum(f["seconds"] + f["lost"] for f in self.faults)}
+        for f in self.faults:
+            key = f"faults/restarts/{f['role']}"
+            out[key] = out.get(key, 0.0) + 1.0
+        return out
 
     # ------------------------------------------------------------------ idle clocks
     def busy(self) -> dict:
@@ -348,26 +454,100 @@ class RayBackend:
         return {"generators/count": float(n), "time/scale": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ recovery
-    def recover(self, failure: ActorFailure, since: int, send_weights: bool = True) -> None:
-        """Replace the dead generator or reward worker of ``failure`` (a new generator receives
-        the current weights, labelled with the last sync's version, unless ``send_weights`` is
-        false: the next sync brings them),
-        unless it was replaced after ``since`` (a ``restarts`` count) already; re-raise a
-        failure that is not a dead, replaceable actor or exceeds ``max_actor_restarts``."""
+    def recover(self, failure: ActorFailure, since: int, send_weights: bool = True,
+                lost: float = 0.0) -> Optional[str]:
+        """Replace the dead or stuck actor of ``failure`` (a stuck one is killed first), unless it
+        was replaced after ``since`` (a ``restarts`` count) already; the caller then does the
+        lost work again. ``lost``: seconds of work the failure threw away (logged).
+
+        * A generator receives the current weights, labelled with the last sync's version
+          (unless ``send_weights`` is false: the next sync brings them); a reward worker
+          needs nothing.
+        * A reference worker becomes the snapshot's reference (the reference's current
+          weights: fixed, or where its last move left it).
+        * A trainer or critic rank: its whole group is rebuilt (``roles.rebuild_group``); then
+          both groups are restored to the snapshot and the updates of the log made again, so
+          they hold the state after the last finished update; a rebuilt trainer group's hosted
+          generators get the version.
+        * Actors that did not answer in time together (a collective: the stuck one and the
+          peers waiting for it; which is which cannot be told from outside) are all replaced.
+
+        Returns the last role recovered (a reference on the trainer ranks is the trainers'),
+        None when nothing was to do. Re-raises a failure that is not of a dead or stuck actor
+        (a user function that raised), or that exceeds ``max_actor_restarts``, or of a
+        trainer, critic or reference when no snapshot is kept."""
         if not failure.replaceable:
             raise failure
-        if failure.role == "generator" and failure.rank >= self.cluster.generators.size:
-            return  # a worker that left when the generators shrank: only its work is redone, on those left
-        if self.replaced_at.get((failure.role, failure.rank), -1) > since:
-            return  # already replaced since the work was dispatched: only the work is redone
+        targets = failure.late if failure.stuck and not failure.died else ((failure.role, failure.rank),)
+        if failure.actor_id:  # the actor that died (the call may have read its result)
+            where = self.locate(failure.actor_id)
+            if where is None:
+                return None  # one replaced already: only the work is redone
+            targets = (where,)
+        done = None
+        for role, rank in targets:
+            if role == "reference" and self.cluster.reference.where == "trainers":
+                role = "trainer"  # the reference copy lives in the trainer ranks
+            if role in RECOVERABLE_ROLES:
+                done = self._recover_one(failure, role, rank, since, send_weights, lost) or done
+        return done
+
+    def _recover_one(self, failure: ActorFailure, role: str, rank: int, since: int, send_weights: bool,
+                     lost: float) -> Optional[str]:
+        if role == "generator" and rank >= self.cluster.generators.size:
+            return None  # a worker that left when the generators shrank: only its work is redone, on those left
+        key = (role, -1 if role in DEEPSPEED_ROLES else rank)  # a DeepSpeed group is rebuilt whole
+        if self.replaced_at.get(key, -1) > since:
+            return None  # already replaced since the work was dispatched: only the work is redone
         if self.restarts >= self.max_actor_restarts:
-            raise failure
+            raise ActorFailure(f"{failure} (after {self.restarts} recoveries, cluster.max_restarts)", failure.role,
+                               rank, failure.died, failure.stuck) from failure
+        if (role in DEEPSPEED_ROLES or role == "reference") and self.snapshot is None:
+            raise ActorFailure(f"{failure} (no snapshot to restore a {role} from: cluster.snapshot_every is 0)",
+                               failure.role, rank, failure.died, failure.stuck) from failure
         self.restarts += 1
-        self.replaced_at[(failure.role, failure.rank)] = self.restarts
-        tqdm.write(f"{failure}; replacing it and generating its prompts again")
-        self.cluster = replace_actor(self.cluster, failure.role, failure.rank)
-        if failure.role == "generator" and send_weights:
-            sync_weights(self.cluster, self.version, move_reference=False)
+        self.replaced_at[key] = self.restarts
+        stuck = failure.stuck and not failure.died
+        tqdm.write(f"{failure}\n{role} {rank} {'stopped answering: killing it' if stuck else 'died'}; "
+                   f"{'rebuilding the ' + role + ' group' if role in DEEPSPEED_ROLES else 'replacing it'} "
+                   "and doing its work again")
+        t0 = time.perf_counter()
+        if role in DEEPSPEED_ROLES:
+            self.cluster = rebuild_group(self.cluster, role)
+            self._restore_groups()
+            if role == "trainer" and self.cluster.generators.where == "trainers":  # hosted generators: the version
+                gather(self.cluster.generators.receive_weights((), 0, self.version), self.cluster.timeout_s)
+        else:
+            self.cluster = replace_actor(self.cluster, role, rank)
+            if role == "reference":
+                gather([call(self.cluster.reference.group, rank, "restore", self.snapshot.reference)],
+                       self.cluster.timeout_s)
+            if role == "generator" and send_weights:
+                sync_weights(self.cluster, self.version, move_reference=False)
+        seconds = time.perf_counter() - t0
+        self.faults.append({"role": role, "rank": rank, "stuck": stuck, "seconds": seconds, "lost": lost,
+                            "replayed": len(self.log)})
+        tqdm.write(f"{role} {rank}: recovered in {seconds:.1f} s")
+        return role
+
+    def locate(self, dead_id: str) -> Optional[tuple]:
+        """``(role, rank)`` of the actor with id ``dead_id`` in the cluster as it is now; None
+        when no current actor has it (it was replaced already)."""
+        c = self.cluster
+        groups = [getattr(c.generators, "group", None), c.rewards, getattr(c.reference, "group", None), c.trainers,
+                  c.critics]
+        for group in groups:
+            for rank, actor in enumerate(group.actors if group is not None else ()):
+                if actor_id(actor) == dead_id:
+                    return group.role, rank
+        return None
+
+    def _restore_groups(self) -> None:
+        """Both DeepSpeed groups (trainer, critic) to the state after the last finished update:
+        the snapshot, then the log's updates made again."""
+        restore_group(self.cluster, "trainer", self.snapshot, self.log)
+        if self.cluster.critics is not None:
+            restore_group(self.cluster, "critic", self.snapshot, self.log)
 
     def settle(self, collections: Sequence) -> None:
         """Wait for the generation of the collections in flight (``cluster.loop.train.Collection``;

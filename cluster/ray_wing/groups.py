@@ -6,6 +6,7 @@ an ``ActorFailure`` that names its role and rank. The driver decides when to gat
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from cluster.loop.protocol import ActorFailure
@@ -47,6 +48,7 @@ class Call(NamedTuple):
     role: str
     rank: int
     method: str
+    actor_id: str = ""  # the actor's id (hex): a death reported with another id is of an actor the call read from
 
 
 def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_kwargs: Callable[[int], dict],
@@ -71,15 +73,22 @@ def create_group(actor_cls, spec: RoleSpec, placement_group, make_kwargs: Callab
     return WorkerGroup(spec.name, tuple(actors), placement_group)
 
 
+def actor_id(actor) -> str:
+    """The Ray actor id of a handle, as Ray's errors name it (hex)."""
+    return actor._actor_id.hex()
+
+
 def call(group: WorkerGroup, rank: int, method: str, *args, **kwargs) -> Call:
-    return Call(getattr(group.actors[rank], method).remote(*args, **kwargs), group.role, rank, method)
+    actor = group.actors[rank]
+    return Call(getattr(actor, method).remote(*args, **kwargs), group.role, rank, method, actor_id(actor))
 
 
 def call_split(group: WorkerGroup, rank: int, method: str, *args) -> tuple:
     """``(Call of the first result, ref of the second)`` of a method that returns two values
     (a summary the driver fetches, and data it leaves in the object store)."""
-    first, second = getattr(group.actors[rank], method).options(num_returns=2).remote(*args)
-    return Call(first, group.role, rank, method), second
+    actor = group.actors[rank]
+    first, second = getattr(actor, method).options(num_returns=2).remote(*args)
+    return Call(first, group.role, rank, method, actor_id(actor)), second
 
 
 def fan_out(group: WorkerGroup, method: str, *args, **kwargs) -> list:
@@ -114,19 +123,26 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-    refs = [c.ref for c in calls]
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = [c for c in calls if c.ref in set(pending)]
-        names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
-        raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
-                           f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank)
+    by_ref = {c.ref: c for c in calls}
+    pending, deadline = list(by_ref), time.monotonic() + timeout_s
+    while pending:  # a dead actor fails the wait at once: its peers may wait for it in a collective
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()),
+                                  fetch_local=False)
+        if not ready:
+            late = [c for c in calls if c.ref in set(pending)]
+            names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
+            raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
+                               f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank,
+                               stuck=True, late=tuple(dict.fromkeys((c.role, c.rank) for c in late)))
+        died = _died(by_ref[ready[0]])
+        if died is not None:
+            raise died
     out = []
     for c in calls:
         try:
             out.append(ray.get(c.ref, timeout=timeout_s))
         except RayActorError as e:
-            raise ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(e)}", c.role, c.rank, True) from e
+            raise _death(c, e) from e
         except RayTaskError as e:
             cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
             raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
@@ -134,6 +150,33 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
             raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s",
                                c.role, c.rank) from e
     return out
+
+
+def _died(c: Call) -> Optional[ActorFailure]:
+    """The failure of a finished call whose actor died (None otherwise), without fetching its
+    result: an actor's death is reported as its call's error, which is small."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(c.ref, timeout=0)
+    except RayActorError as e:
+        return _death(c, e)
+    except Exception:
+        return None
+    return None
+
+
+def _death(c: Call, error) -> ActorFailure:
+    """The ``ActorFailure`` of a call that failed with an actor's death: its own actor's, or
+    (another actor id in the error) that of an actor whose result it read, which the failure
+    then names by id (the backend knows its role)."""
+    dead = getattr(error, "actor_id", None) or ""
+    if dead and c.actor_id and dead != c.actor_id:
+        return ActorFailure(f"{c.role} {c.rank}.{c.method}: an actor whose result it read died: {_cause(error)}",
+                            c.role, c.rank, True, actor_id=dead)
+    return ActorFailure(f"{c.role} {c.rank} died during {c.method}: {_cause(error)}", c.role, c.rank, True,
+                        actor_id=dead)
 
 
 def _cause(error: Exception) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from cluster.ray_wing.groups import Call, WorkerGroup, call, fan_out
+from cluster.ray_wing.groups import Call, WorkerGroup, call, call_split, fan_out
 
 
 def generate_call(group: WorkerGroup, rank: int, items: Sequence, gen, tools=None) -> Call:
@@ -102,9 +102,10 @@ class ReferenceWorkers(NamedTuple):
     def size(self) -> int:
         return self.group.size
 
-    def logprobs(self, i: int, rollouts, temperature: float) -> Call:
-        """Reference logprobs ``(T_i,)`` of a chunk of rollouts (chunk ``i`` goes to rank ``i mod size``)."""
-        return call(self.group, i % self.size, "logprobs", rollouts, temperature)
+    def logprobs(self, i: int, rollouts, temperature: float) -> tuple:
+        """``(Call of the count, ref of the arrays)``: reference logprobs ``(T_i,)`` of a chunk of
+        rollouts (chunk ``i`` goes to rank ``i mod size``); the driver waits for the count only."""
+        return call_split(self.group, i % self.size, "logprobs_counted", rollouts, temperature)
 
     def with_ref_logprobs(self, i: int, rollouts, temperature: float) -> Call:
         """The chunk's rollouts with ``ref_logprobs`` set."""
@@ -148,8 +149,8 @@ class ReferenceOnTrainers(NamedTuple):
     def size(self) -> int:
         return self.trainers.size
 
-    def logprobs(self, i: int, rollouts, temperature: float) -> Call:
-        return call(self.trainers, i % self.size, "reference_logprobs", rollouts, temperature)
+    def logprobs(self, i: int, rollouts, temperature: float) -> tuple:
+        return call_split(self.trainers, i % self.size, "reference_logprobs_counted", rollouts, temperature)
 
     def with_ref_logprobs(self, i: int, rollouts, temperature: float) -> Call:
         return call(self.trainers, i % self.size, "with_reference_logprobs", rollouts, temperature)

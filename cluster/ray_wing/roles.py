@@ -182,21 +182,25 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     reward_args = lambda r: dict(reward_fn=reward_fn, aggregate_fn=aggregate_fn,  # noqa: E731
                                  shaping_fn=shaping_fn, rank=r, num_threads=threads)
     hosted = cfg.generate_on_trainers
-    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"], lambda r: dict(
+    trainer_args = lambda r: dict(  # noqa: E731
         model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed, num_threads=threads,
-        reference=on_trainers, ref_update_fn=ref_update_fn if on_trainers else None, host_generator=hosted))
+        reference=on_trainers, ref_update_fn=ref_update_fn if on_trainers else None, host_generator=hosted)
+    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"], trainer_args)
     # generation on the trainer ranks: a failure names the trainer, which is not replaceable
     generators = GeneratorsOnTrainers(trainers) if hosted \
         else GeneratorWorkers(create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args))
     rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
     tracks = with_reference and ref_update_fn is not None
     reference = None
+    factories = {"reward": RoleFactory(RewardWorker, spec["reward"], reward_args),
+                 "trainer": RoleFactory(TrainerWorker, spec["trainer"], trainer_args)}
     if on_trainers:
         reference = ReferenceOnTrainers(trainers, tracks)
     elif "reference" in spec:
-        reference = ReferenceWorkers(create_group(RefLogprobWorker, spec["reference"], pgs["reference"], lambda r: dict(
-            model=model, rank=r, ref_update_fn=ref_update_fn, num_threads=threads)), tracks)
-    factories = {"reward": RoleFactory(RewardWorker, spec["reward"], reward_args)}
+        ref_args = lambda r: dict(model=model, rank=r, ref_update_fn=ref_update_fn, num_threads=threads)  # noqa: E731
+        reference = ReferenceWorkers(create_group(RefLogprobWorker, spec["reference"], pgs["reference"], ref_args),
+                                     tracks)
+        factories["reference"] = RoleFactory(RefLogprobWorker, spec["reference"], ref_args)
     if not hosted:
         factories["generator"] = RoleFactory(GeneratorWorker, spec["generator"], gen_args)
     marks.append(("actors_created", time.time()))
@@ -266,18 +270,26 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     return cluster._replace(sync_address=sync)
 
 
-def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
-    """A new actor of ``role`` in the dead one's bundle; generators rejoin weight sync (the
-    caller then sends the current weights)."""
+def _kill(actor) -> None:
+    """Kill ``actor`` (a stuck one too: Ray ends its process), if it is not gone already."""
     import ray
 
-    if not cluster.factories or role not in cluster.factories:
-        raise ValueError(f"no way to replace a {role}: only generators and reward workers are replaceable")
-    group = cluster.generators.group if role == "generator" else cluster.rewards
     try:
-        ray.kill(group.actors[rank], no_restart=True)
+        ray.kill(actor, no_restart=True)
     except Exception:  # already gone
         pass
+
+
+def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
+    """A new generator, reward or reference worker in the old one's bundle (the old one killed,
+    if it still runs: a stuck actor); generators and a tracking reference rejoin weight sync
+    (the caller then sends the current weights, or restores the reference)."""
+    if not cluster.factories or role not in cluster.factories or role in DEEPSPEED_ROLES:
+        raise ValueError(f"no way to replace a {role}: only generator, reward and reference workers are replaced "
+                         "one by one (a trainer or critic group is rebuilt whole: rebuild_group)")
+    group = {"generator": getattr(cluster.generators, "group", None), "reward": cluster.rewards,
+             "reference": getattr(cluster.reference, "group", None)}[role]
+    _kill(group.actors[rank])
     actor = cluster.factories[role].create(rank, *group.slot(rank))
     gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
     actors = list(group.actors)
@@ -285,7 +297,38 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     group = group._replace(actors=tuple(actors))
     if role == "reward":
         return cluster._replace(rewards=group)
+    if role == "reference":
+        return join_weight_sync(cluster._replace(reference=cluster.reference._replace(group=group)))
     return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
+
+
+DEEPSPEED_ROLES = ("trainer", "critic")
+
+
+def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
+    """Every rank of the ``role`` group (trainer or critic) anew, in the same bundles: the old
+    ranks are killed (one rank's death leaves its peers' process group broken, some of them
+    waiting in a collective), the new ones rendezvous and build their engines from the model as
+    the group first did; the caller restores their state (``recovery.restore_group``). The
+    roles hosted on the trainer ranks (generation, the reference copy) move with them, and
+    the weight-sync group is formed again around the new trainer rank 0."""
+    group = cluster.trainers if role == "trainer" else cluster.critics
+    if role not in DEEPSPEED_ROLES or group is None or not cluster.factories or role not in cluster.factories:
+        raise ValueError(f"no {role} group to rebuild")
+    for actor in group.actors:
+        _kill(actor)
+    factory = cluster.factories[role]
+    group = group._replace(actors=tuple(factory.create(r, *group.slot(r)) for r in range(group.size)))
+    master = gather([call(group, 0, "endpoint")], cluster.timeout_s)[0]
+    gather(fan_out(group, "setup", *master), cluster.timeout_s)
+    if role == "critic":
+        return cluster._replace(critics=group)
+    generators, reference = cluster.generators, cluster.reference
+    if isinstance(generators, GeneratorsOnTrainers):
+        generators = GeneratorsOnTrainers(group)
+    if isinstance(reference, ReferenceOnTrainers):
+        reference = reference._replace(trainers=group)
+    return join_weight_sync(cluster._replace(trainers=group, generators=generators, reference=reference))
 
 
 def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
@@ -353,12 +396,13 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
     spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
     free = ray.available_resources()  # what the other roles left (build_rl_cluster(reserve_critics=True))
     check_fits([spec], free, [free])
-    critics = create_group(CriticWorker, spec, create_placement_group(spec),
-                           lambda r: dict(model=model, rank=r, world_size=cfg.critics, config=critic_cfg,
-                                               seed=seed, num_threads=cfg.threads_per_actor, init=init))
+    critic_args = lambda r: dict(model=model, rank=r, world_size=cfg.critics, config=critic_cfg,  # noqa: E731
+                                 seed=seed, num_threads=cfg.threads_per_actor, init=init)
+    critics = create_group(CriticWorker, spec, create_placement_group(spec), critic_args)
     master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]
     gather(fan_out(critics, "setup", *master), cluster.timeout_s)
-    return cluster._replace(critics=critics)
+    factories = {**(cluster.factories or {}), "critic": RoleFactory(CriticWorker, spec, critic_args)}
+    return cluster._replace(critics=critics, factories=factories)
 
 
 def shutdown_cluster(cluster: RLCluster) -> None:
