@@ -191,6 +191,10 @@ class CriticWorker:
 
         return self.ds.save(path, write)
 
+    def full_state(self, rank0_only: bool = False) -> dict:
+        """Every parameter of the value model, gathered, as numpy fp32 (collective under ZeRO-3)."""
+        return self.ds.full_state(rank0_only)
+
     def snapshot(self) -> tuple:
         """``(bytes, part)``: this rank's part of the critic group's in-memory snapshot
         (``DeepSpeedRank.snapshot``) and its size."""

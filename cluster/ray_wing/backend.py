@@ -229,12 +229,13 @@ class RayBackend:
         times.update({f"time/{name}": done[name] - before for name, _ in refs.branches})
         summary_calls = (refs.branches[-1] if refs.branches else refs.phases[-1])[1]
         try:  # every phase had its time in wait_each: what is not done now is stuck
-            chunks = gather(summary_calls, 0)
+            waited = self.cluster.timeout_s
+            chunks = gather(summary_calls, 0, waited)
             for _, calls in refs.branches[:-1]:  # the reference's counts: a failure there, not in the train step
-                gather(calls, 0)
+                gather(calls, 0, waited)
         except ActorFailure:
             for _, calls in phases:  # the earliest failure names its actor
-                gather(calls, 0)
+                gather(calls, 0, waited)
             raise
         with_ref = bool(refs.branches)  # the reference's arrays join the rollouts where they are trained
         return [Held(s._replace(has_ref=True) if with_ref else s, part, i)

@@ -118,8 +118,10 @@ def kill_group(group: WorkerGroup) -> None:
         remove_placement_group(pg)
 
 
-def gather(calls: Sequence[Call], timeout_s: float) -> list:
-    """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor."""
+def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = None) -> list:
+    """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor. A dead actor
+    fails it at once; calls unanswered after ``timeout_s`` fail it as stuck (``waited_s``: the
+    wait to report, when the calls were waited for before, elsewhere)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -131,7 +133,7 @@ def gather(calls: Sequence[Call], timeout_s: float) -> list:
         if not ready:
             late = [c for c in calls if c.ref in set(pending)]
             names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
-            raise ActorFailure(f"no answer within {timeout_s:.0f}s from: {names} (stuck or too slow; "
+            raise ActorFailure(f"no answer within {waited_s or timeout_s:.0f}s from: {names} (stuck or too slow; "
                                f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank,
                                stuck=True, late=tuple(dict.fromkeys((c.role, c.rank) for c in late)))
         died = _died(by_ref[ready[0]])

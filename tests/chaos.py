@@ -1,0 +1,54 @@
+"""Kill Ray actors from outside, by PID, as a failing machine would: find an actor's process by
+the title Ray gives it (``ray::<Class>`` idle, ``ray::<Class>.<method>`` while it runs a call)
+and send it a signal. No Ray API is used: the run under test learns of the death as it would
+of a real one."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from typing import Optional
+
+import psutil
+
+ROLE_CLASSES = {"trainer": "TrainerWorker", "critic": "CriticWorker", "reference": "RefLogprobWorker",
+                "generator": "GeneratorWorker", "reward": "RewardWorker"}
+
+
+def actor_pids(cls: str, method: str = "") -> list:
+    """PIDs of this machine's processes running actor class ``cls`` (and, given, inside a call
+    of ``method``), oldest first."""
+    want = f"ray::{cls}.{method}" if method else f"ray::{cls}"
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        title = " ".join(p.info["cmdline"] or ())
+        if title.startswith(want) and (method or title[len(want):len(want) + 1] in ("", " ", ".")):
+            found.append((p.info["create_time"], p.info["pid"]))
+    return [pid for _, pid in sorted(found)]
+
+
+def signal_when(cls: str, method: str, sig: int = signal.SIGKILL, timeout_s: float = 120.0,
+                pick: Optional[random.Random] = None) -> dict:
+    """Start a thread that waits until an actor of ``cls`` runs ``method`` and sends its process
+    ``sig``; returns a dict the thread fills with ``pid`` (and ``at``, a ``time.time()``) once
+    it has, so a test can wait for it and, after SIGSTOP, see which process it stopped."""
+    done: dict = {}
+
+    def watch() -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            pids = actor_pids(cls, method)
+            if pids:
+                pid = (pick or random).choice(pids)
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    continue
+                done.update(pid=pid, at=time.time())
+                return
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done

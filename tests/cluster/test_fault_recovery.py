@@ -1,0 +1,178 @@
+"""Invariant 10: any single worker's death is survived, trainer and critic ranks included, and the
+run ends with the weights of an undisturbed run.
+
+Each test runs the same few RL steps twice on fresh clusters: once undisturbed, once with one
+actor killed (SIGKILL) or stopped (SIGSTOP) from outside, by PID, while it runs a chosen call
+(``tests.chaos``). The disturbed run must recover (``faults/*`` name the role) and end with the
+policy's, the critic's and the reference's weights of the undisturbed run within 1e-5.
+"""
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from cluster.loop.protocol import ActorFailure
+from cluster.loop.train import Hooks, RLRun, train
+from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.groups import call, fan_out, gather
+from cluster.ray_wing.roles import add_critics, build_rl_cluster, shutdown_cluster
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
+from primitives.io.data import make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo, ppo
+from primitives.maths.kl import create_ema_updater
+from primitives.types import GenerationConfig
+from rl_actors.trainer import TrainerConfig
+from tests.chaos import signal_when
+
+ITEMS = make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=3))[0]
+STEPS = 6
+
+
+def _reward(rollout):
+    return float(int(rollout.completion_ids.sum()) % 3)
+
+
+def _build(path, trainers=2, zero=2, tracking=True, critic=False, timeout=120.0):
+    cfg = ClusterConfig(generators=1, trainers=trainers, zero_stage=zero, critics=2, call_timeout_s=timeout)
+    cluster = build_rl_cluster(path, cfg, TrainerConfig(zero_stage=zero, lr=1e-3, micro_batch_size=4), _reward,
+                               with_reference=True, ref_update_fn=create_ema_updater(0.5) if tracking else None,
+                               reserve_critics=critic)
+    if critic:
+        cluster = add_critics(cluster, cluster_model(path), cfg, TrainerConfig(zero_stage=zero, lr=1e-3,
+                                                                                 micro_batch_size=4))
+    sync_weights(cluster, 0, move_reference=False)
+    return cluster
+
+
+def cluster_model(path):
+    from primitives.types import ModelConfig
+
+    return ModelConfig(path)
+
+
+def _run(path, kill=None, snapshot_every=1, prompts=4, n=2, algo=None, **build):
+    """Weights (policy, critic, reference) and metrics after ``STEPS`` steps; ``kill`` is
+    ``(class, method, signal)``, sent once the run's second step has begun."""
+    cluster = _build(path, **build)
+    backend = RayBackend(cluster, max_actor_restarts=4, snapshot_every=snapshot_every)
+    armed = {}
+
+    def logger(m):
+        if kill is not None and m["step"] == 1 and not armed:
+            armed.update(signal_when(*kill))
+
+    try:
+        state = train(backend, make_prompt_source(ITEMS, seed=4), constant_schedule(algo or grpo(kl_coef=0.05)),
+                      RLRun(GenerationConfig(max_new_tokens=4, n=n), num_steps=STEPS, prompts_per_step=prompts,
+                            lr_schedule=lambda s: 1e-3, progress=False), hooks=Hooks(logger=logger))
+        c = backend.cluster
+        weights = {"policy": gather(fan_out(c.trainers, "full_state"), c.timeout_s)[0]}
+        if c.critics is not None:
+            weights["critic"] = gather(fan_out(c.critics, "full_state"), c.timeout_s)[0]
+        weights["reference"] = gather([call(c.reference.group, 0, "snapshot")], c.timeout_s)[0][1]["weights"]
+        return weights, state.metrics_history, backend
+    finally:
+        shutdown_cluster(backend.cluster)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    out = 0.0
+    for role in a:
+        for name in a[role]:
+            x, y = np.asarray(a[role][name], dtype=np.float64), np.asarray(b[role][name], dtype=np.float64)
+            out = max(out, float(np.abs(x - y).max()))
+    return out
+
+
+_UNDISTURBED: dict = {}
+
+
+def _undisturbed(path, key, **kwargs):
+    if key not in _UNDISTURBED:
+        _UNDISTURBED[key] = _run(path, **kwargs)
+    return _UNDISTURBED[key]
+
+
+@pytest.mark.parametrize("kill", [("TrainerWorker", "train_planned"), ("TrainerWorker", "send_weights"),
+                                  ("RefLogprobWorker", "receive_weights"), ("RefLogprobWorker", "logprobs_counted"),
+                                  ("GeneratorWorker", "receive_weights")],
+                         ids=["trainer-in-train-step", "trainer-in-sync", "reference-in-its-move",
+                              "reference-scoring", "generator-in-sync"])
+def test_killed_actor_is_recovered_with_undisturbed_weights(ray_local, tiny_model_path, kill):
+    """A trainer rank (in its update, or sending weights), the EMA reference (while it moves, or
+    scores) and a generator (receiving weights) are killed mid-call; the run recovers from
+    the snapshot and the log and ends where the undisturbed run does."""
+    base, base_history, _ = _undisturbed(tiny_model_path, "grpo")
+    weights, history, backend = _run(tiny_model_path, kill=(*kill, signal.SIGKILL))
+    role = {"TrainerWorker": "trainer", "RefLogprobWorker": "reference", "GeneratorWorker": "generator"}[kill[0]]
+    assert [f["role"] for f in backend.faults] == [role]
+    assert history[-1][f"faults/restarts/{role}"] == 1.0 and history[-1]["faults/seconds_lost"] > 0
+    assert _max_diff(base, weights) <= 1e-5
+    for before, after in zip(base_history, history, strict=True):  # every step trained the same batch
+        assert after["batch/rows"] == before["batch/rows"]
+        assert after["reward/mean"] == pytest.approx(before["reward/mean"], abs=1e-6)
+        assert after["loss/policy"] == pytest.approx(before["loss/policy"], abs=1e-5)
+
+
+@pytest.mark.parametrize("kill", [("CriticWorker", "value_step_planned"), ("CriticWorker", "values_planned"),
+                                  ("TrainerWorker", "train_planned")],
+                         ids=["critic-in-its-update", "critic-computing-values", "trainer-beside-the-critic"])
+def test_ppo_critic_or_trainer_killed_gives_undisturbed_policy_and_critic(ray_local, tiny_model_path, kill):
+    """PPO with a 2-rank critic group: a critic rank dies in its update or computing values, or a
+    trainer rank while the critic updates beside it; both groups go back to the snapshot and
+    the step is made once."""
+    algo = ppo(kl_coef=0.05)
+    base, _, _ = _undisturbed(tiny_model_path, "ppo", critic=True, tracking=False, algo=algo)
+    weights, history, backend = _run(tiny_model_path, kill=(*kill, signal.SIGKILL), critic=True, tracking=False,
+                                     algo=algo)
+    assert [f["role"] for f in backend.faults] == ["critic" if kill[0] == "CriticWorker" else "trainer"]
+    assert _max_diff(base, weights) <= 1e-5
+    assert history[-1]["critic/grad_norm"] > 0
+
+
+def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, tiny_model_path):
+    """ZeRO-3 over 3 trainer ranks, 8 rows a step (3, 3, 2), a snapshot every 3 steps: a rank
+    killed at step 2 or later is restored from the older snapshot and the updates since are
+    made again from the log."""
+    kwargs = dict(trainers=3, zero=3, tracking=False, snapshot_every=3)
+    base, _, _ = _undisturbed(tiny_model_path, "zero3", **kwargs)
+    weights, history, backend = _run(tiny_model_path, kill=("TrainerWorker", "train_planned", signal.SIGKILL),
+                                     **kwargs)
+    assert [f["role"] for f in backend.faults] == ["trainer"]
+    assert _max_diff(base, weights) <= 1e-5
+    assert sum("faults/snapshot_s" in m for m in history) == STEPS // 3  # after steps 3 and 6
+
+
+def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_path, capsys):
+    """A generator that stops answering (SIGSTOP) mid-generation is caught by the call timeout,
+    killed, replaced and named in the log; the run's weights are the undisturbed run's."""
+    base, _, _ = _undisturbed(tiny_model_path, "grpo")
+    t0 = time.time()
+    weights, _, backend = _run(tiny_model_path, kill=("GeneratorWorker", "generate", signal.SIGSTOP), timeout=20.0)
+    assert [(f["role"], f["stuck"]) for f in backend.faults] == [("generator", True)]
+    out = capsys.readouterr()
+    assert "no answer within 20s from: generator 0.generate" in out.out + out.err
+    assert "generator 0 stopped answering: killing it" in out.out + out.err
+    assert _max_diff(base, weights) <= 1e-5
+    assert time.time() - t0 < 180
+
+
+def test_recoveries_are_bounded_and_a_raising_function_is_not_retried(ray_local, tiny_model_path):
+    """``max_actor_restarts`` bounds the recoveries (the error says so); a user function that
+    raises is a bug, reported at once, never retried."""
+    cluster = _build(tiny_model_path, tracking=False)
+    backend = RayBackend(cluster, max_actor_restarts=0)
+    try:
+        signal_when("TrainerWorker", "train_planned")
+        with pytest.raises(ActorFailure, match=r"trainer \d died .*after 0 recoveries, cluster.max_restarts"):
+            train(backend, make_prompt_source(ITEMS, seed=4), constant_schedule(grpo()),
+                  RLRun(GenerationConfig(max_new_tokens=4, n=2), num_steps=3, prompts_per_step=4,
+                        lr_schedule=lambda s: 1e-3, progress=False))
+        failure = ActorFailure("reward 0 failed in score: ZeroDivisionError", "reward", 0)
+        assert not failure.replaceable
+        with pytest.raises(ActorFailure, match="ZeroDivisionError"):
+            backend.recover(failure, since=0)
+    finally:
+        shutdown_cluster(backend.cluster)
