@@ -17,14 +17,16 @@ ROLE_CLASSES = {"trainer": "TrainerWorker", "critic": "CriticWorker", "reference
                 "generator": "GeneratorWorker", "reward": "RewardWorker"}
 
 
-def actor_pids(cls: str, method: str = "") -> list:
-    """PIDs of this machine's processes running actor class ``cls`` (and, given, inside a call
-    of ``method``), oldest first."""
+def actor_pids(cls: str, method: str = "", since: float = 0.0) -> list:
+    """PIDs of this machine's live processes running actor class ``cls`` (and, given, inside a
+    call of ``method``), started after ``since`` (a ``time.time()``: an earlier run's workers
+    may linger), oldest first."""
     want = f"ray::{cls}.{method}" if method else f"ray::{cls}"
     found = []
-    for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
+    for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
         title = " ".join(p.info["cmdline"] or ())
-        if title.startswith(want) and (method or title[len(want):len(want) + 1] in ("", " ", ".")):
+        if (title.startswith(want) and (method or title[len(want):len(want) + 1] in ("", " ", "."))
+                and p.info["create_time"] >= since and p.info["status"] != psutil.STATUS_ZOMBIE):
             found.append((p.info["create_time"], p.info["pid"]))
     return [pid for _, pid in sorted(found)]
 

@@ -109,6 +109,9 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
         (cluster.zero_stage in (1, 2, 3), f"cluster.zero_stage must be 1, 2 or 3, got {cluster.zero_stage}"),
         (cluster.placement in ("PACK", "SPREAD"), f"cluster.placement must be PACK or SPREAD, got {cluster.placement}"),
         (cluster.call_timeout_s > 0, "cluster.call_timeout_s must be positive"),
+        (cluster.max_restarts >= 0, f"cluster.max_restarts must be >= 0, got {cluster.max_restarts}"),
+        (cluster.snapshot_every >= 0, f"cluster.snapshot_every must be >= 0 (0: no snapshots), got "
+                                      f"{cluster.snapshot_every}"),
         (cluster.micro_batch_size >= 1, "cluster.micro_batch_size must be at least 1"),
         (cluster.threads_per_actor >= 1, "cluster.threads_per_actor must be at least 1"),
     ]

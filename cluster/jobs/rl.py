@@ -3,6 +3,7 @@ evaluation, the final pass@k and model, and the summary.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Optional
@@ -161,7 +162,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                                           needs_reference(algos, inputs.shaping_fn),
                                           ref_update_fn=inputs.ref_update_fn, aggregate_fn=inputs.aggregate_fn,
                                           shaping_fn=inputs.shaping_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb,
-                                          reserve_critics=any_needs_values(algos)))
+                                          reserve_critics=any_needs_values(algos)),
+                         max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every)
 
     def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
         return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
@@ -170,6 +172,10 @@ def train_rl(inputs: RLInputs, logger) -> dict:
 
     def save(b, s):
         b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
+
+    def ledger(step, groups):  # which prompts each step trained (a resumed run appends: the last line of a step holds)
+        with open(os.path.join(out, "trained_groups.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "groups": groups}) + "\n")
 
     built, skipped = time.time(), 0.0  # skipped: SFT and evaluation seconds, training rather than start-up
     try:
@@ -199,7 +205,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                       state=start_state,
                       hooks=Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
                                   eval_every=ev.every or algo.steps, checkpoint_fn=save,
-                                  checkpoint_every=job.checkpoint.every), tools=tools)
+                                  checkpoint_every=job.checkpoint.every, ledger=ledger), tools=tools)
         history = list(state.metrics_history[len(start_state.metrics_history):])
         startup["first_step"] = round(history[0]["time/step"], 3) if history else None
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
@@ -212,6 +218,11 @@ def train_rl(inputs: RLInputs, logger) -> dict:
             final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
                      "eval/pass_temperature": gen.temperature}
         backend.save(os.path.join(out, "final_model"), state)
+        faults = backend.fault_summary()
+        for f in faults["recoveries"]:
+            print(f"survived: {f['role']} {f['rank']} {'stopped answering' if f['stuck'] else 'died'} after "
+                  f"{f['version']} updates; recovered in {f['seconds']:.1f} s"
+                  f"{', ' + str(f['replayed']) + ' update(s) made again' if f['replayed'] else ''}", flush=True)
         c = backend.cluster
         reference = c.reference.where if c.reference is not None else None
         generation = c.generators.where
@@ -219,7 +230,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     finally:
         shutdown_cluster(backend.cluster)
     return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
-            **accuracy_figures(before, after), **final, "cluster_started_at": cluster_start,
+            **accuracy_figures(before, after), **final, "faults": faults, "cluster_started_at": cluster_start,
             "startup": startup, "history": history}
 
 

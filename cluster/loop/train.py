@@ -310,7 +310,9 @@ class Hooks(NamedTuple):
     after the step (its ``metrics_history[-1]`` the step's metrics), ``batch`` a
     ``primitives.types.RolloutBatch`` of the rollouts the step kept for its update (after the
     filters; empty when the filters kept none), fetched whole from the backend only when this
-    hook is set (on Ray they travel to the driver for it)."""
+    hook is set (on Ray they travel to the driver for it). ``ledger(step, groups)`` after
+    every step gets the ids of the prompt groups the step trained (``group_id``: epoch and
+    index), in order: an audit that every prompt is trained once per epoch, whatever died."""
 
     logger: Callable = noop_logger
     eval_fn: Optional[Callable] = None
@@ -318,6 +320,7 @@ class Hooks(NamedTuple):
     checkpoint_fn: Optional[Callable] = None
     checkpoint_every: int = 0
     iteration_hook: Optional[Callable] = None
+    ledger: Optional[Callable] = None
 
 
 def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun, state: TrainState = TrainState(),
@@ -365,6 +368,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
     if hooks.iteration_hook is not None:
         check_arity(hooks.iteration_hook, "iteration_hook", TrainState(), RolloutBatch(()))
+    if hooks.ledger is not None:
+        check_arity(hooks.ledger, "ledger", 0, [])
     if run.generator_policy is not None:
         check_arity(run.generator_policy, "generator_policy", (), 1)
         if not hasattr(backend, "scale_generators"):
@@ -416,6 +421,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
             metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
         state = state._replace(metrics_history=state.metrics_history + (metrics,))
         call_hook(logger, "logger", metrics)
+        if hooks.ledger is not None:
+            call_hook(hooks.ledger, "ledger", it, list(dict.fromkeys(r.group for r in rollouts)) if updated else [])
         if hooks.iteration_hook is not None:
             trained_rollouts = tuple(backend.rollouts(rollouts)) if rollouts else ()
             call_hook(hooks.iteration_hook, "iteration_hook", state, RolloutBatch(trained_rollouts))

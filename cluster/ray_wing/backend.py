@@ -19,6 +19,7 @@ import shutil
 import time
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure, Held, StepResult, plan_parts
@@ -364,7 +365,14 @@ class RayBackend:
         the log of updates starts again. Returns ``faults/snapshot_s`` and ``faults/snapshot_mb``."""
         before = self.snapshot
         fresh_reference = self._reference_workers_track() or (before is None and self._has_reference_workers())
-        self.snapshot = take_snapshot(self.cluster, fresh_reference)
+        while True:
+            try:
+                self.snapshot = take_snapshot(self.cluster, fresh_reference)
+                break
+            except ActorFailure as failure:  # the old snapshot and the log still hold the state: recover, again
+                if before is None:
+                    raise
+                self.recover(failure, since=self.restarts)
         if not fresh_reference and before is not None:  # a fixed reference: its state once
             self.snapshot = self.snapshot._replace(reference=before.reference)
         self.log = []
@@ -527,7 +535,7 @@ class RayBackend:
                 sync_weights(self.cluster, self.version, move_reference=False)
         seconds = time.perf_counter() - t0
         self.faults.append({"role": role, "rank": rank, "stuck": stuck, "seconds": seconds, "lost": lost,
-                            "replayed": len(self.log)})
+                            "replayed": len(self.log), "version": self.version})
         tqdm.write(f"{role} {rank}: recovered in {seconds:.1f} s")
         return role
 
@@ -542,6 +550,23 @@ class RayBackend:
                 if actor_id(actor) == dead_id:
                     return group.role, rank
         return None
+
+    def fault_summary(self) -> dict:
+        """What the run survived, for its summary: each recovery (role, rank, stuck or dead, the
+        policy version it happened at, seconds to recover, updates made again), restarts and
+        median recovery seconds by role, seconds lost, and the snapshots' median cost."""
+        by_role: dict = {}
+        for f in self.faults:
+            by_role.setdefault(f["role"], []).append(f["seconds"])
+        costs = self.snapshot_costs
+        return {"recoveries": [{k: round(v, 3) if isinstance(v, float) else v for k, v in f.items()}
+                               for f in self.faults],
+                "restarts": {role: len(xs) for role, xs in by_role.items()},
+                "recovery_s_median": {role: round(float(np.median(xs)), 3) for role, xs in by_role.items()},
+                "seconds_lost": round(sum(f["seconds"] + f["lost"] for f in self.faults), 3),
+                "snapshot_every": self.snapshot_every,
+                "snapshot_s_median": round(float(np.median([t for t, _ in costs])), 4) if costs else None,
+                "snapshot_mb": round(costs[-1][1] / 2 ** 20, 2) if costs else None}
 
     def _restore_groups(self) -> None:
         """Both DeepSpeed groups (trainer, critic) to the state after the last finished update:

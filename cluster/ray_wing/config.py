@@ -42,7 +42,12 @@ class ClusterConfig(NamedTuple):
     threads_per_actor: int = 1  # torch threads in each actor
     ray_address: Optional[str] = None  # Ray address to join (default: RAY_ADDRESS, else a local Ray)
     local_cpus: Optional[int] = None  # logical CPUs of a local Ray (default: enough for all actors)
-    call_timeout_s: float = 600.0  # bound on every wait for actors; a dead or stuck actor fails the job
+    call_timeout_s: float = 600.0  # bound on every wait for actors; one that does not answer in it is taken for stuck:
+    # killed and replaced like a dead one (raise it for work that is simply long)
+    max_restarts: int = 10  # actor replacements and group rebuilds a run survives in all; one more ends it, named
+    snapshot_every: int = 1  # steps between in-memory snapshots of the trainer and critic ranks, outside them (in Ray's
+    # object store), from which a group is rebuilt when a rank dies (the updates since are made again); 0: none, and
+    # a trainer, critic or reference death ends the run
     sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
