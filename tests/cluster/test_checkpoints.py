@@ -1,5 +1,9 @@
 """Checkpoints by time as well as by step count (``Hooks.checkpoint_minutes``), in the RL
-loop and the SFT loop on the local backend, under a clock the test moves."""
+loop and the SFT loop on the local backend, under a clock the test moves; ``checkpoint.resume
+auto`` resolved before anything loads; a killed job continues from its newest checkpoint."""
+import json
+import os
+import sys
 import types
 
 import numpy as np
@@ -7,14 +11,20 @@ import pytest
 
 import cluster.loop.sft as sft_loop
 import cluster.loop.train as rl_loop
+from cluster.jobs.checks import ConfigErrors
+from cluster.jobs.config import CheckpointConfig, DataConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
+from cluster.jobs.inputs import prepare_rl, prepare_sft
 from cluster.local import LocalBackend
 from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks, RLRun, checkpoint_due, train
 from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
 from primitives.io.data import SFTSample, make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
-from primitives.types import GenerationConfig, TrainState
+from primitives.types import GenerationConfig, ModelConfig, TrainState
 from rl_actors.trainer import TrainerConfig
+from tests.conftest import ROOT, run_job
+
+DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
 
 STEP_S = 40.0  # each step of the fake clock takes 40 s
 
@@ -105,3 +115,109 @@ def test_a_negative_checkpoint_minutes_is_refused(tiny_model_path):
         _rl(None, 1, Hooks(checkpoint_minutes=-1.0))
     with pytest.raises(ValueError, match="checkpoint_minutes must be >= 0"):
         train_sft(None, ["a sample"], SFTRun(1, 1, lambda step: 1e-3), Hooks(checkpoint_minutes=-1.0))
+
+
+# ----------------------------------------------------------------------------- jobs: resume auto, keep
+
+
+def _plant(directory, name: str, complete: bool = True) -> str:
+    """A directory shaped like a cluster checkpoint (train_state.json, deepspeed/), or like
+    half of one (deepspeed/ only)."""
+    path = os.path.join(directory, name)
+    os.makedirs(os.path.join(path, "deepspeed"))
+    if complete:
+        with open(os.path.join(path, "train_state.json"), "w") as f:
+            json.dump({}, f)
+    return path
+
+
+def _rl_job(tmp_path, model, **checkpoint):
+    return RLJob(model=ModelConfig(model), data=DataConfig(task="arithmetic"), sft=SFTConfig(steps=3),
+                 checkpoint=CheckpointConfig(**checkpoint), logging=LoggingConfig(out=str(tmp_path / "out")))
+
+
+def test_resume_auto_is_a_fresh_start_with_sft_when_the_run_has_no_checkpoint(tmp_path, tiny_model_path, capsys):
+    """No <out>/checkpoints, or only leftovers and half-written ones in it: ``auto`` is None, said
+    so, and the SFT stage's samples are loaded (the stage runs)."""
+    inputs = prepare_rl(_rl_job(tmp_path, tiny_model_path, resume="auto"))
+    assert inputs.job.checkpoint.resume is None and len(inputs.sft_samples) > 0
+    checkpoints = str(tmp_path / "out" / "checkpoints")
+    _plant(checkpoints, "step_4.tmp")
+    _plant(checkpoints, "step_5.tmp-x1")
+    _plant(checkpoints, "step_6", complete=False)
+    inputs = prepare_rl(_rl_job(tmp_path, tiny_model_path, resume="auto"))
+    assert inputs.job.checkpoint.resume is None and len(inputs.sft_samples) > 0
+    assert f"no checkpoint in {checkpoints}: a fresh start" in capsys.readouterr().out
+
+
+def test_resume_auto_resolves_to_the_newest_complete_checkpoint_before_loading(tmp_path, tiny_model_path, capsys):
+    """step_10 over step_9 (a leftover step_11.tmp and a half-written step_12 aside), chosen in
+    ``prepare_rl`` and ``prepare_sft``; the RL job then loads no SFT samples (no SFT again)."""
+    checkpoints = str(tmp_path / "out" / "checkpoints")
+    for name in ("step_9", "step_10", "step_11.tmp"):
+        _plant(checkpoints, name)
+    _plant(checkpoints, "step_12", complete=False)
+    newest = os.path.join(checkpoints, "step_10")
+    inputs = prepare_rl(_rl_job(tmp_path, tiny_model_path, resume="auto"))
+    assert inputs.job.checkpoint.resume == newest and inputs.sft_samples == []
+    assert f"checkpoint.resume auto: resuming from {newest}" in capsys.readouterr().out
+    sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+    sft_job = SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=2, path=str(tmp_path / "sft.jsonl")),
+                     checkpoint=CheckpointConfig(resume="auto"), logging=LoggingConfig(out=str(tmp_path / "out")))
+    assert prepare_sft(sft_job).job.checkpoint.resume == newest
+
+
+def test_resume_alias_on_the_command_line():
+    from cluster.jobs.cli import parse
+
+    for args in (["--resume", "auto"], ["--resume=auto"], ["--checkpoint.resume", "auto"]):
+        for command in ("rl", "sft"):
+            assert parse([command, *args])[1].checkpoint.resume == "auto"
+    assert parse(["rl", "--resume", "runs/x/checkpoints/step_4"])[1].checkpoint.resume == "runs/x/checkpoints/step_4"
+
+
+@pytest.mark.parametrize("field,value", [("every", -1), ("minutes", -0.5), ("keep", -2)])
+def test_a_negative_checkpoint_setting_fails_before_ray(tmp_path, tiny_model_path, field, value, monkeypatch):
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    for prepare, job in ((prepare_rl, _rl_job(tmp_path, tiny_model_path, **{field: value})),
+                         (prepare_sft, SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=1, path="x"),
+                                              checkpoint=CheckpointConfig(**{field: value})))):
+        with pytest.raises(ConfigErrors, match=f"checkpoint.{field} must be >= 0"):
+            prepare(job)
+    assert "ray" not in sys.modules
+
+
+@pytest.mark.slow
+def test_a_killed_run_continues_with_resume_auto(tmp_path, capsys):
+    """``rayrl rl ... --resume auto`` three ways: on an empty output directory a fresh start
+    (SFT, then RL from step 0), writing a checkpoint every step and keeping the newest 2; after
+    a write killed mid-way (a leftover ``step_9.tmp`` shaped like a checkpoint) and a
+    half-written ``step_7``, the same command continues from ``step_3`` - metrics from step 3
+    on, no SFT again - and keeps pruning; leftovers are never touched."""
+    out = str(tmp_path / "run")
+    checkpoints = os.path.join(out, "checkpoints")
+    command = ["rl", DEFAULT, "--logging.out", out, "--resume", "auto", "--checkpoint.every", "1", "--sft.steps", "5",
+               "--eval.enabled", "False", "--eval.final-pass-k", "0", "--algorithm.prompts-per-step", "8"]
+
+    def rows():
+        return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+    run_job([*command, "--algorithm.steps", "3"])
+    assert "a fresh start" in capsys.readouterr().out
+    first = rows()
+    assert any("loss/sft" in r for r in first)
+    assert [r["step"] for r in first if "reward/mean" in r] == [0, 1, 2]
+    assert sorted(os.listdir(checkpoints)) == ["step_2", "step_3"]  # keep 2
+    _plant(checkpoints, "step_9.tmp")
+    _plant(checkpoints, "step_7", complete=False)
+
+    summary = run_job([*command, "--algorithm.steps", "5"])
+    assert f"resuming from {os.path.join(checkpoints, 'step_3')}" in capsys.readouterr().out
+    second = rows()
+    assert [r["step"] for r in second if "reward/mean" in r] == [3, 4]
+    assert not any("loss/sft" in r for r in second)
+    assert summary["rl_steps"] == 5 and summary["median_over_rl_steps"]
+    assert sorted(os.listdir(checkpoints)) == ["step_4", "step_5", "step_7", "step_9.tmp"]
+    with open(os.path.join(checkpoints, "step_5", "train_state.json")) as f:
+        assert json.load(f)["iteration"] == 5
