@@ -56,6 +56,15 @@ def failed_checks(pairs) -> list:
     return [msg for ok, msg in pairs if not ok]
 
 
+def checkpoint_errors(ckpt) -> list:
+    """The problems of a job's ``checkpoint`` section (the resume directory is checked once resolved)."""
+    return failed_checks([
+        (ckpt.every >= 0, f"checkpoint.every must be >= 0 (0: not by count), got {ckpt.every}"),
+        (ckpt.minutes >= 0, f"checkpoint.minutes must be >= 0 (0: not by time), got {ckpt.minutes}"),
+        (ckpt.keep >= 0, f"checkpoint.keep must be >= 0 (0: keep every checkpoint), got {ckpt.keep}"),
+    ])
+
+
 GENERATOR_FIELDS = ("generators", "generator_cpus", "generator_gpus", "vllm", "scaling")
 
 
@@ -282,7 +291,6 @@ def rl_errors(job: RLJob) -> list:
                                           "completion; set eval.temperature > 0 for pass@k"),
         (ev.max_items is None or ev.max_items >= 1, "eval.max_items must be at least 1"),
         (ev.final_pass_k >= 0, "eval.final_pass_k must be >= 0"),
-        (job.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
         ((data.task is None) != (data.path is None), "data: give either task (a generated task) or path (a prompt "
                                                      f"file), not {'both' if data.task else 'neither'}"),
         (data.task is None or (data.eval_set, data.fields, data.format, data.split) == (
@@ -290,7 +298,8 @@ def rl_errors(job: RLJob) -> list:
          "data.eval_set, fields, format and split apply to a prompt file (data.path); a task brings its own "
          "prompts, formatted, and its eval prompts"),
         (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
-    ]) + cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
+    ]) + checkpoint_errors(job.checkpoint)
+    errors += cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
     return errors + ([] if any(e.startswith("algorithm.") for e in errors) else algorithm_errors(job))
 
 

@@ -2,6 +2,7 @@
 
     rayrl rl job.yaml [--section.field VALUE ...] [--print-config] [--help]
     rayrl sft job.yaml [...]
+    rayrl rl job.yaml --resume auto      (--checkpoint.resume auto: continue from the run's newest checkpoint)
     python -m cluster rl job.yaml            (the same, from a checkout; what `ray job submit` runs)
 
 The YAML file mirrors the records of ``cluster/jobs/config.py``; without a file the records'
@@ -17,7 +18,17 @@ from typing import Optional, Sequence
 
 from cluster.jobs.config import JOBS, ConfigError, dump_config, load_job_config, parse_overrides
 
-USAGE = "usage: rayrl {rl,sft} [CONFIG.yaml] [--section.field VALUE ...] [--print-config] [--help]"
+USAGE = "usage: rayrl {rl,sft} [CONFIG.yaml] [--section.field VALUE ...] [--resume auto] [--print-config] [--help]"
+ALIASES = {"--resume": "--checkpoint.resume"}  # short names on the command line
+
+
+def expand_aliases(args: Sequence[str]) -> list:
+    """``args`` with each short name (``ALIASES``) written out, also as ``--name=VALUE``."""
+    out = []
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        out.append(ALIASES[name] + eq + value if name in ALIASES else arg)
+    return out
 
 
 def parse(argv: Optional[Sequence[str]] = None, prog: str = "rayrl"):
@@ -32,14 +43,15 @@ def parse(argv: Optional[Sequence[str]] = None, prog: str = "rayrl"):
     command, args = args[0], args[1:]
     path = args.pop(0) if args and not args[0].startswith("-") else None
     print_only = "--print-config" in args
-    args = [a for a in args if a != "--print-config"]
+    args = expand_aliases([a for a in args if a != "--print-config"])
     job_type = JOBS[command]
     try:
         default = load_job_config(path, job_type)
     except ConfigError as e:
         raise SystemExit(f"{prog} {command}: {e}") from None
-    description = (job_type.__doc__ or "").strip() + (f" Config file: {path}." if path else " No config file: "
-                                                      "the defaults below.")
+    source = f" Config file: {path}." if path else " No config file: the defaults below."
+    description = (job_type.__doc__ or "").strip() + source + \
+        " --resume auto (--checkpoint.resume auto) continues from the run's newest checkpoint."
     job = parse_overrides(job_type, default, args, prog=f"{prog} {command}{' ' + path if path else ''}",
                           description=description)
     return command, job, print_only

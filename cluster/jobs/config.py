@@ -139,8 +139,13 @@ class EvalConfig(NamedTuple):
 
 
 class CheckpointConfig(NamedTuple):
-    every: int = 0  # checkpoint every N steps into <out>/checkpoints/step_N (0: only the final model)
-    resume: Optional[str] = None  # a checkpoint directory written by this job: continue exactly from it
+    every: int = 0  # checkpoint every N steps into <out>/checkpoints/step_N (0: not by count)
+    # also checkpoint after the first step that ends this many minutes after the start or the last checkpoint (0: off)
+    minutes: float = 10.0
+    keep: int = 2  # keep the newest N checkpoints in <out>/checkpoints (0: all); final_model/ is written apart, always
+    # a checkpoint directory written by this job: continue exactly from it. auto: the newest complete one in
+    # <logging.out>/checkpoints, or a fresh start when there is none (a restarted job's command)
+    resume: Optional[str] = None
 
 
 class LoggingConfig(NamedTuple):

@@ -11,6 +11,7 @@ from cluster.jobs.checks import (
     ConfigErrors,
     algorithm_of,
     checked,
+    checkpoint_errors,
     cluster_errors,
     failed_checks,
     raise_if,
@@ -41,11 +42,30 @@ MODEL_CACHE_ENV = "RAYRL_MODEL_CACHE"  # where the embedded SmolLM2 is converted
 
 def with_resolved_paths(job):
     """``job`` with logging.out and checkpoint.resume absolute (inside ``ray job submit`` under
-    $RAYRL_OUTPUT_ROOT, not Ray's temporary copy of the checkout)."""
-    ckpt = job.checkpoint
-    resume = resolve_output_dir(ckpt.resume) if ckpt.resume else None
-    return job._replace(logging=job.logging._replace(out=resolve_output_dir(job.logging.out)),
-                        checkpoint=ckpt._replace(resume=resume))
+    $RAYRL_OUTPUT_ROOT, not Ray's temporary copy of the checkout), and ``resume: auto``
+    resolved (``resolve_resume``)."""
+    out = resolve_output_dir(job.logging.out)
+    return job._replace(logging=job.logging._replace(out=out),
+                        checkpoint=job.checkpoint._replace(resume=resolve_resume(job.checkpoint.resume, out)))
+
+
+RESUME_AUTO = "auto"  # checkpoint.resume: the newest complete checkpoint of the run, if any
+
+
+def resolve_resume(resume: Optional[str], out: str) -> Optional[str]:
+    """The checkpoint a job continues from: ``resume`` made absolute, or for ``auto`` the newest
+    complete ``step_N`` in ``<out>/checkpoints`` (leftovers of a killed write are skipped), or
+    None - a fresh start - when there is none. So a driver that was killed continues when
+    the same command runs again with ``--checkpoint.resume auto``. Says which it chose."""
+    from primitives.io.checkpoint import latest_checkpoint
+
+    if resume != RESUME_AUTO:
+        return resolve_output_dir(resume) if resume else None
+    directory = os.path.join(out, "checkpoints")
+    found = latest_checkpoint(directory)
+    chosen = f"resuming from {found}" if found else f"no checkpoint in {directory}: a fresh start"
+    print(f"checkpoint.resume auto: {chosen}", flush=True)
+    return found
 
 
 def model_dir_errors(path: str) -> list:
@@ -292,7 +312,7 @@ def prepare_sft(job: SFTJob) -> SFTInputs:
     job = with_resolved_paths(job)
     errors = sft_errors(job.sft, in_rl_job=False) + cluster_errors(job.cluster, rl_roles=False,
                                                                    base=SFTJob._field_defaults["cluster"])
-    errors += model_errors(job.model) + failed_checks([(job.checkpoint.every >= 0, "checkpoint.every must be >= 0")])
+    errors += model_errors(job.model) + checkpoint_errors(job.checkpoint)
     if job.checkpoint.resume:
         errors += resume_errors(job.checkpoint.resume)
     raise_if(errors)

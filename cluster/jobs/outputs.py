@@ -51,6 +51,18 @@ def finish_output(job, metrics_path: str, plot_keys, title: str, summary: dict) 
     return summary
 
 
+def save_step_checkpoint(backend, out: str, state, keep: int) -> str:
+    """Checkpoint ``backend`` with ``state`` into ``<out>/checkpoints/step_N`` (N:
+    ``state.iteration``), then remove the older ones there beyond the newest ``keep`` (0: keep all)."""
+    from primitives.io.checkpoint import prune_checkpoints
+
+    directory = os.path.join(out, "checkpoints")
+    path = os.path.join(directory, f"step_{state.iteration}")
+    backend.save(path, state)
+    prune_checkpoints(directory, keep, path)
+    return path
+
+
 def phase_means(history) -> dict:
     return {k.replace("time/", "time_") + "_mean_s": round(float(np.mean([m[k] for m in history if k in m])), 4)
             for k in PHASES if any(k in m for m in history)}

@@ -19,6 +19,7 @@ from cluster.jobs.outputs import (
     medians,
     phase_means,
     process_start_time,
+    save_step_checkpoint,
     start_output,
     startup_figures,
 )
@@ -171,7 +172,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                         tools=tools)
 
     def save(b, s):
-        b.save(os.path.join(out, "checkpoints", f"step_{s.iteration}"), s)
+        save_step_checkpoint(b, out, s, job.checkpoint.keep)
 
     def ledger(step, groups):  # which prompts each step trained (a resumed run appends: the last line of a step holds)
         with open(os.path.join(out, "trained_groups.jsonl"), "a") as f:
@@ -205,7 +206,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                       state=start_state,
                       hooks=Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
                                   eval_every=ev.every or algo.steps, checkpoint_fn=save,
-                                  checkpoint_every=job.checkpoint.every, ledger=ledger), tools=tools)
+                                  checkpoint_every=job.checkpoint.every,
+                                  checkpoint_minutes=job.checkpoint.minutes, ledger=ledger), tools=tools)
         history = list(state.metrics_history[len(start_state.metrics_history):])
         startup["first_step"] = round(history[0]["time/step"], 3) if history else None
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)

@@ -11,12 +11,13 @@ from cluster.jobs.config import (
     SFTJob,
 )
 from cluster.jobs.inputs import prepare_sft
-from cluster.jobs.outputs import finish_output, start_output
+from cluster.jobs.outputs import finish_output, save_step_checkpoint, start_output
 
 
 def run_sft(job: SFTJob) -> dict:
     """The SFT job: check and load (no Ray), train on the trainer group with eval loss,
-    checkpoints every ``checkpoint.every`` steps and the final model (HF in ``final_model/hf``)."""
+    checkpoints every ``checkpoint.every`` steps or ``checkpoint.minutes`` (the newest
+    ``checkpoint.keep`` kept) and the final model (HF in ``final_model/hf``)."""
     from cluster.loop.sft import SFTRun, evaluate_sft, train_sft
     from cluster.loop.train import Hooks
     from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint
@@ -38,13 +39,14 @@ def run_sft(job: SFTJob) -> dict:
                                 f"{sft.steps}; raise sft.steps to train on"])
         backend = RayBackend(cluster)
         before = evaluate_sft(backend, eval_samples)["eval/loss_sft"] if eval_samples else None
-        save = lambda b, step: b.save(  # noqa: E731
-            os.path.join(out, "checkpoints", f"step_{step}"), TrainState(iteration=step, global_step=step))
+        save = lambda b, step: save_step_checkpoint(  # noqa: E731
+            b, out, TrainState(iteration=step, global_step=step), job.checkpoint.keep)
         last = train_sft(backend, samples,
                          SFTRun(sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=job.seed,
                                 start_step=first),
                          Hooks(logger=logger, eval_every=sft.eval_every or sft.steps, checkpoint_fn=save,
-                               checkpoint_every=job.checkpoint.every), eval_samples=eval_samples)
+                               checkpoint_every=job.checkpoint.every, checkpoint_minutes=job.checkpoint.minutes),
+                         eval_samples=eval_samples)
         backend.save(os.path.join(out, "final_model"), TrainState(iteration=sft.steps, global_step=sft.steps))
     finally:
         shutdown_cluster(cluster)

@@ -2,12 +2,13 @@
 (its ``sft_step`` and ``sft_eval``): a trainer group or one process."""
 from __future__ import annotations
 
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from cluster.loop.train import Hooks
+from cluster.loop.train import Hooks, checkpoint_due
 from primitives.io.data import SFTSample, collate_sft
 from primitives.maths.metrics import merge_metrics
 
@@ -28,15 +29,17 @@ def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks =
               eval_samples: Sequence[SFTSample] = ()) -> dict:
     """Supervised fine-tuning on ``backend``'s trainer ranks (``cluster.loop.protocol``; the
     weights stay there: a sync sends them on), with the settings of ``run`` and the ``hooks``
-    (the RL loop's ``Hooks`` record: ``logger``, ``eval_every``, ``checkpoint_fn``, ``checkpoint_every``).
+    (the RL loop's ``Hooks`` record: ``logger``, ``eval_every``, ``checkpoint_fn``, ``checkpoint_every``,
+    ``checkpoint_minutes``).
 
     Each step draws ``run.batch_size`` samples (seeded, without replacement within the step);
     every trainer rank takes its share and the loss is normalised by the step's global
     target-token count. With ``eval_samples``, the held-out loss (``eval/loss_sft``) is
     logged every ``hooks.eval_every`` steps and at the end; ``hooks.checkpoint_fn(backend,
-    step)`` runs every ``hooks.checkpoint_every`` steps. ``run.start_step`` continues a run
-    from a checkpoint: the draws of the steps before it are replayed, so the run goes on as
-    if never stopped. Returns the last step's metrics.
+    step)`` runs every ``hooks.checkpoint_every`` steps and after the first step that ends
+    ``hooks.checkpoint_minutes`` after the start or the last checkpoint. ``run.start_step``
+    continues a run from a checkpoint: the draws of the steps before it are replayed, so the
+    run goes on as if never stopped. Returns the last step's metrics.
     """
     num_steps, batch_size, lr_schedule, seed, log_every, start_step, progress = run
     logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks[:5]
@@ -47,12 +50,15 @@ def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks =
                          "calls logger(metrics) and checkpoint_fn only")
     if not samples:
         raise ValueError("train_sft: no samples")
+    if hooks.checkpoint_minutes < 0:
+        raise ValueError(f"hooks.checkpoint_minutes must be >= 0, got {hooks.checkpoint_minutes}")
     rng = np.random.default_rng(seed)
     pad = backend.pad_token_id
     size = min(batch_size, len(samples))
     for _ in range(start_step):
         rng.choice(len(samples), size, replace=False)
     metrics: dict = {}
+    last_saved = time.perf_counter()
     bar = tqdm(range(start_step, num_steps), desc="sft", unit="step", **({} if progress else {"disable": True}))
     for step in bar:
         picked = rng.choice(len(samples), size, replace=False)
@@ -65,8 +71,10 @@ def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks =
             bar.set_postfix(eval_loss=f"{metrics['eval/loss_sft']:.4f}")
         if step % log_every == 0 or last or evaluated:
             logger(metrics)
-        if checkpoint_fn is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+        if checkpoint_fn is not None and checkpoint_due(step + 1, checkpoint_every, hooks.checkpoint_minutes,
+                                                        last_saved):
             checkpoint_fn(backend, step + 1)
+            last_saved = time.perf_counter()
     return metrics
 
 

@@ -305,7 +305,10 @@ class RLRun(NamedTuple):
 class Hooks(NamedTuple):
     """What ``train`` calls besides the backend: ``logger(metrics)`` after every step,
     ``eval_fn(backend, state) -> dict`` and ``checkpoint_fn(backend, state)`` every
-    ``eval_every`` / ``checkpoint_every`` steps (evaluation also at the last), and
+    ``eval_every`` / ``checkpoint_every`` steps (evaluation also at the last);
+    ``checkpoint_fn`` also after the first step that ends ``checkpoint_minutes`` or more
+    after the loop started or after the last checkpoint (``time.perf_counter``; 0: off),
+    so a long run keeps a recent checkpoint whatever its step time; and
     ``iteration_hook(state, batch)`` after every step's logger: ``state`` is the ``TrainState``
     after the step (its ``metrics_history[-1]`` the step's metrics), ``batch`` a
     ``primitives.types.RolloutBatch`` of the rollouts the step kept for its update (after the
@@ -319,8 +322,16 @@ class Hooks(NamedTuple):
     eval_every: int = 0
     checkpoint_fn: Optional[Callable] = None
     checkpoint_every: int = 0
+    checkpoint_minutes: float = 0.0
     iteration_hook: Optional[Callable] = None
     ledger: Optional[Callable] = None
+
+
+def checkpoint_due(steps_done: int, every: int, minutes: float, since: float) -> bool:
+    """Whether a checkpoint is due after ``steps_done`` steps: every ``every`` steps, or once
+    ``minutes`` have passed since ``since`` (a ``time.perf_counter()`` reading: the loop's
+    start or the last checkpoint). 0 turns a rule off."""
+    return bool(every and steps_done % every == 0) or bool(minutes and time.perf_counter() - since >= 60 * minutes)
 
 
 def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun, state: TrainState = TrainState(),
@@ -336,7 +347,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
       function. An algorithm whose advantage reads values trains the critic too.
     * ``tools`` (a ``primitives.env.tools.ToolConfig``) makes rollouts multi-turn tool use.
     * ``eval_fn(backend, state) -> dict`` and ``checkpoint_fn(backend, state)`` run every
-      ``eval_every`` / ``checkpoint_every`` steps; ``logger(metrics)`` after every step.
+      ``eval_every`` / ``checkpoint_every`` steps (``checkpoint_fn`` also every
+      ``checkpoint_minutes``); ``logger(metrics)`` after every step.
     * On a backend of actors, a generator or reward worker that dies is replaced and the step's prompts are
       collected again, so no prompt is lost or trained twice.
     * ``component_names`` (``build_reward``'s labels) name the logged ``reward/<name>``.
@@ -362,6 +374,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     max_staleness, component_names = run.max_staleness, run.component_names
     logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks[:5]
     problems = run_errors(gen.temperature, max_staleness)
+    if hooks.checkpoint_minutes < 0:
+        problems.append(f"hooks.checkpoint_minutes must be >= 0, got {hooks.checkpoint_minutes}")
     if problems:
         raise ValueError("; ".join(problems))
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
@@ -378,7 +392,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     if hasattr(backend, "prepare_recovery"):  # a backend that survives actor deaths keeps their state from here
         backend.prepare_recovery()
     backend.busy()  # start the idle clocks
-    t_clock = time.perf_counter()
+    t_clock = last_saved = time.perf_counter()
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if run.progress else {"disable": True}))
     for it in bar:
         t_step = time.perf_counter()
@@ -428,9 +442,11 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
             call_hook(hooks.iteration_hook, "iteration_hook", state, RolloutBatch(trained_rollouts))
         if "reward/mean" in metrics:  # a skipped step has no trained batch to describe
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-        saved = checkpoint_fn is not None and checkpoint_every and (it + 1) % checkpoint_every == 0
+        saved = checkpoint_fn is not None and checkpoint_due(it + 1, checkpoint_every, hooks.checkpoint_minutes,
+                                                             last_saved)
         if saved:
             call_hook(checkpoint_fn, "checkpoint_fn", backend, state)
+            last_saved = time.perf_counter()
         if evaluated or saved:  # neither counts in the next step's idle shares
             backend.busy()
             t_clock = time.perf_counter()

@@ -1,13 +1,17 @@
 """Atomic checkpoints: HF-format model, optimizer, ``TrainState`` and every RNG state.
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so
-a crash leaves either the previous checkpoint or the new one, never half of one.
+a crash leaves either the previous checkpoint or the new one, never half of one. A run's
+``step_N`` checkpoints are found (``latest_checkpoint``) and kept bounded
+(``prune_checkpoints``) by their names and contents alone, so leftovers of a killed write
+(``step_N.tmp``, ``step_N.tmp-*``, ``step_N.old-*``) are never taken for a checkpoint.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from typing import Callable, Optional
@@ -121,3 +125,53 @@ def load_checkpoint(path: str, model=None, optimizer=None, restore_rng: bool = T
         meta = json.load(f)
     state = state_from_json(meta["state"]) if meta["state"] is not None else None
     return state, meta.get("extra", {})
+
+
+STEP_DIR = re.compile(r"step_(\d+)")  # the name of a step checkpoint, exactly
+
+
+def is_cluster_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds a finished cluster checkpoint: ``train_state.json`` and ``deepspeed/``
+    (what the trainer ranks write last, inside the atomic rename)."""
+    return os.path.isfile(os.path.join(path, "train_state.json")) and os.path.isdir(os.path.join(path, "deepspeed"))
+
+
+def step_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint named exactly ``step_N`` in ``directory``,
+    by step (numeric: step_10 after step_9); [] when there is no such directory."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = STEP_DIR.fullmatch(name)
+        path = os.path.join(directory, name)
+        if match and is_cluster_checkpoint(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """The path of the newest complete ``step_N`` checkpoint in ``directory`` (a run's
+    ``<out>/checkpoints``), or None when there is none: what ``checkpoint.resume auto``
+    continues from."""
+    found = step_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(directory: str, keep: int, written: str) -> list[str]:
+    """Remove the complete ``step_N`` checkpoints of ``directory`` older than the newest
+    ``keep`` (0: keep all), never ``written`` (the one just saved, wherever its step falls);
+    returns the paths removed. Each is first renamed to a ``.old-`` sibling, so a kill during
+    the removal leaves a leftover that no reader takes for a checkpoint."""
+    if keep <= 0:
+        return []
+    written = os.path.abspath(written)
+    removed = []
+    for _, path in step_checkpoints(directory)[:-keep]:
+        if os.path.abspath(path) == written:
+            continue
+        old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=directory)
+        os.rename(path, os.path.join(old, "ckpt"))
+        shutil.rmtree(old)
+        removed.append(path)
+    return removed

@@ -97,6 +97,9 @@ def test_rayjob_runs_the_general_job_with_its_config_from_the_configmap(tmp_path
     command, job, _ = parse(["rl", str(tmp_path / key), *argv[5:]])
     assert rl_errors(job) == []
     assert job.cluster.pin_roles and job.cluster.generator_gpus == 1 and job.cluster.trainer_gpus == 1
+    # a retried driver (backoffLimit) continues from the newest checkpoint, which is on the shared volume
+    assert job_manifest["spec"]["backoffLimit"] > 0 and job.checkpoint.resume == "auto"
+    assert not os.path.isabs(job.logging.out)  # under RAYRL_OUTPUT_ROOT, checked below
     # outputs and the converted model go to the volume every pod mounts
     env = yaml.safe_load(job_manifest["spec"]["runtimeEnvYAML"])["env_vars"]
     groups = [head] + [g["template"]["spec"] for g in job_manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"]]

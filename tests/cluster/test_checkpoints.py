@@ -1,0 +1,223 @@
+"""Checkpoints by time as well as by step count (``Hooks.checkpoint_minutes``), in the RL
+loop and the SFT loop on the local backend, under a clock the test moves; ``checkpoint.resume
+auto`` resolved before anything loads; a killed job continues from its newest checkpoint."""
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cluster.loop.sft as sft_loop
+import cluster.loop.train as rl_loop
+from cluster.jobs.checks import ConfigErrors
+from cluster.jobs.config import CheckpointConfig, DataConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
+from cluster.jobs.inputs import prepare_rl, prepare_sft
+from cluster.local import LocalBackend
+from cluster.loop.sft import SFTRun, train_sft
+from cluster.loop.train import Hooks, RLRun, checkpoint_due, train
+from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.io.data import SFTSample, make_prompt_source
+from primitives.maths.algorithms import constant_schedule, grpo
+from primitives.types import GenerationConfig, ModelConfig, TrainState
+from rl_actors.trainer import TrainerConfig
+from tests.conftest import ROOT, run_job
+
+DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
+
+STEP_S = 40.0  # each step of the fake clock takes 40 s
+
+
+class StepClock:
+    """``time.perf_counter`` of the loops: each step ends ``STEP_S`` seconds after the last
+    (the logger moves it to ``(step + 1) * STEP_S``); between, every reading adds a microsecond,
+    so the clock only goes forward."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def step_ended(self, metrics: dict) -> None:
+        self.now = (metrics["step"] + 1) * STEP_S
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = StepClock()
+    fake = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    monkeypatch.setattr(rl_loop, "time", fake)
+    monkeypatch.setattr(sft_loop, "time", fake)
+    return clock
+
+
+def test_checkpoint_due_by_steps_or_by_minutes(clock):
+    clock.now = 100.0
+    assert checkpoint_due(4, every=2, minutes=0.0, since=99.0)
+    assert not checkpoint_due(3, every=2, minutes=0.0, since=0.0)  # time is off
+    assert not checkpoint_due(3, every=0, minutes=1.0, since=50.0)  # 50 s < 60 s
+    assert checkpoint_due(3, every=0, minutes=1.0, since=40.0)  # 60 s
+    assert checkpoint_due(3, every=5, minutes=0.5, since=60.0)  # 40 s >= 30 s
+    assert not checkpoint_due(3, every=0, minutes=0.0, since=-1e9)
+
+
+def _rl(backend, steps: int, hooks: Hooks, state: TrainState = TrainState()):
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=1))[0]
+    gen = GenerationConfig(max_new_tokens=3, n=2, temperature=1.0)
+    return train(backend, make_prompt_source(items, seed=0), constant_schedule(grpo(kl_coef=0.0)),
+                 RLRun(gen, num_steps=steps, prompts_per_step=2, lr_schedule=lambda step: 1e-3, progress=False),
+                 state=state, hooks=hooks)
+
+
+@pytest.mark.parametrize("every,minutes,saved", [
+    (0, 1.5, [3, 6]),  # 120 s since the start at step 3 (90 s is due), then 120 s since that save
+    (4, 1.5, [3, 4, 7]),  # a save by count restarts the time rule too
+    (0, 0.0, []),  # both off
+    (3, 0.0, [3, 6]),  # by count alone
+])
+def test_the_rl_loop_checkpoints_by_time(tiny_model_path, clock, every, minutes, saved):
+    """Steps of 40 s on the local backend: with ``checkpoint_minutes`` 1.5 the loop saves after
+    the first step that ends 90 s or more after its start or its last save."""
+    backend = LocalBackend(tiny_model_path, arithmetic_reward, trainer=TrainerConfig(lr=1e-3), seed=0)
+    saves = []
+    hooks = Hooks(logger=clock.step_ended, checkpoint_fn=lambda b, state: saves.append(state.iteration),
+                  checkpoint_every=every, checkpoint_minutes=minutes)
+    state = _rl(backend, 7, hooks)
+    assert state.iteration == 7 and saves == saved
+
+
+def test_a_resumed_rl_loop_counts_time_from_its_own_start(tiny_model_path, clock):
+    """The time rule counts from the loop's start, not from step 0's: a loop resumed at step 4
+    with the clock at 160 s saves 90 s later (step 7 ends at 280 s), not at its first step."""
+    backend = LocalBackend(tiny_model_path, arithmetic_reward, trainer=TrainerConfig(lr=1e-3), seed=0)
+    saves = []
+    clock.now = 4 * STEP_S
+    _rl(backend, 8, Hooks(logger=clock.step_ended, checkpoint_fn=lambda b, s: saves.append(s.iteration),
+                          checkpoint_minutes=1.5), state=TrainState(iteration=4))
+    assert saves == [7]
+
+
+def test_the_sft_loop_checkpoints_by_time(tiny_model_path, clock):
+    backend = LocalBackend(tiny_model_path, arithmetic_reward, trainer=TrainerConfig(lr=1e-3), seed=0)
+    ids = np.arange(3, 11, dtype=np.int64)
+    samples = [SFTSample(ids + i, np.array([0.0] * 4 + [1.0] * 4, dtype=np.float32)) for i in range(4)]
+    saves = []
+    train_sft(backend, samples, SFTRun(7, 2, lambda step: 1e-3, progress=False),
+              Hooks(logger=clock.step_ended, checkpoint_fn=lambda b, step: saves.append(step), checkpoint_minutes=1.5))
+    assert saves == [3, 6]
+
+
+def test_a_negative_checkpoint_minutes_is_refused(tiny_model_path):
+    with pytest.raises(ValueError, match="checkpoint_minutes must be >= 0"):
+        _rl(None, 1, Hooks(checkpoint_minutes=-1.0))
+    with pytest.raises(ValueError, match="checkpoint_minutes must be >= 0"):
+        train_sft(None, ["a sample"], SFTRun(1, 1, lambda step: 1e-3), Hooks(checkpoint_minutes=-1.0))
+
+
+# ----------------------------------------------------------------------------- jobs: resume auto, keep
+
+
+def _plant(directory, name: str, complete: bool = True) -> str:
+    """A directory shaped like a cluster checkpoint (train_state.json, deepspeed/), or like
+    half of one (deepspeed/ only)."""
+    path = os.path.join(directory, name)
+    os.makedirs(os.path.join(path, "deepspeed"))
+    if complete:
+        with open(os.path.join(path, "train_state.json"), "w") as f:
+            json.dump({}, f)
+    return path
+
+
+def _rl_job(tmp_path, model, **checkpoint):
+    return RLJob(model=ModelConfig(model), data=DataConfig(task="arithmetic"), sft=SFTConfig(steps=3),
+                 checkpoint=CheckpointConfig(**checkpoint), logging=LoggingConfig(out=str(tmp_path / "out")))
+
+
+def test_resume_auto_is_a_fresh_start_with_sft_when_the_run_has_no_checkpoint(tmp_path, tiny_model_path, capsys):
+    """No <out>/checkpoints, or only leftovers and half-written ones in it: ``auto`` is None, said
+    so, and the SFT stage's samples are loaded (the stage runs)."""
+    inputs = prepare_rl(_rl_job(tmp_path, tiny_model_path, resume="auto"))
+    assert inputs.job.checkpoint.resume is None and len(inputs.sft_samples) > 0
+    checkpoints = str(tmp_path / "out" / "checkpoints")
+    _plant(checkpoints, "step_4.tmp")
+    _plant(checkpoints, "step_5.tmp-x1")
+    _plant(checkpoints, "step_6", complete=False)
+    inputs = prepare_rl(_rl_job(tmp_path, tiny_model_path, resume="auto"))
+    assert inputs.job.checkpoint.resume is None and len(inputs.sft_samples) > 0
+    assert f"no checkpoint in {checkpoints}: a fresh start" in capsys.readouterr().out
+
+
+def test_resume_auto_resolves_to_the_newest_complete_checkpoint_before_loading(tmp_path, tiny_model_path, capsys):
+    """step_10 over step_9 (a leftover step_11.tmp and a half-written step_12 aside), chosen in
+    ``prepare_rl`` and ``prepare_sft``; the RL job then loads no SFT samples (no SFT again)."""
+    checkpoints = str(tmp_path / "out" / "checkpoints")
+    for name in ("step_9", "step_10", "step_11.tmp"):
+        _plant(checkpoints, name)
+    _plant(checkpoints, "step_12", complete=False)
+    newest = os.path.join(checkpoints, "step_10")
+    inputs = prepare_rl(_rl_job(tmp_path, tiny_model_path, resume="auto"))
+    assert inputs.job.checkpoint.resume == newest and inputs.sft_samples == []
+    assert f"checkpoint.resume auto: resuming from {newest}" in capsys.readouterr().out
+    sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+    sft_job = SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=2, path=str(tmp_path / "sft.jsonl")),
+                     checkpoint=CheckpointConfig(resume="auto"), logging=LoggingConfig(out=str(tmp_path / "out")))
+    assert prepare_sft(sft_job).job.checkpoint.resume == newest
+
+
+def test_resume_alias_on_the_command_line():
+    from cluster.jobs.cli import parse
+
+    for args in (["--resume", "auto"], ["--resume=auto"], ["--checkpoint.resume", "auto"]):
+        for command in ("rl", "sft"):
+            assert parse([command, *args])[1].checkpoint.resume == "auto"
+    assert parse(["rl", "--resume", "runs/x/checkpoints/step_4"])[1].checkpoint.resume == "runs/x/checkpoints/step_4"
+
+
+@pytest.mark.parametrize("field,value", [("every", -1), ("minutes", -0.5), ("keep", -2)])
+def test_a_negative_checkpoint_setting_fails_before_ray(tmp_path, tiny_model_path, field, value, monkeypatch):
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    for prepare, job in ((prepare_rl, _rl_job(tmp_path, tiny_model_path, **{field: value})),
+                         (prepare_sft, SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=1, path="x"),
+                                              checkpoint=CheckpointConfig(**{field: value})))):
+        with pytest.raises(ConfigErrors, match=f"checkpoint.{field} must be >= 0"):
+            prepare(job)
+    assert "ray" not in sys.modules
+
+
+@pytest.mark.slow
+def test_a_killed_run_continues_with_resume_auto(tmp_path, capsys):
+    """``rayrl rl ... --resume auto`` three ways: on an empty output directory a fresh start
+    (SFT, then RL from step 0), writing a checkpoint every step and keeping the newest 2; after
+    a write killed mid-way (a leftover ``step_9.tmp`` shaped like a checkpoint) and a
+    half-written ``step_7``, the same command continues from ``step_3`` - metrics from step 3
+    on, no SFT again - and keeps pruning; leftovers are never touched."""
+    out = str(tmp_path / "run")
+    checkpoints = os.path.join(out, "checkpoints")
+    command = ["rl", DEFAULT, "--logging.out", out, "--resume", "auto", "--checkpoint.every", "1", "--sft.steps", "5",
+               "--eval.enabled", "False", "--eval.final-pass-k", "0", "--algorithm.prompts-per-step", "8"]
+
+    def rows():
+        return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+    run_job([*command, "--algorithm.steps", "3"])
+    assert "a fresh start" in capsys.readouterr().out
+    first = rows()
+    assert any("loss/sft" in r for r in first)
+    assert [r["step"] for r in first if "reward/mean" in r] == [0, 1, 2]
+    assert sorted(os.listdir(checkpoints)) == ["step_2", "step_3"]  # keep 2
+    _plant(checkpoints, "step_9.tmp")
+    _plant(checkpoints, "step_7", complete=False)
+
+    summary = run_job([*command, "--algorithm.steps", "5"])
+    assert f"resuming from {os.path.join(checkpoints, 'step_3')}" in capsys.readouterr().out
+    second = rows()
+    assert [r["step"] for r in second if "reward/mean" in r] == [3, 4]
+    assert not any("loss/sft" in r for r in second)
+    assert summary["rl_steps"] == 5 and summary["median_over_rl_steps"]
+    assert sorted(os.listdir(checkpoints)) == ["step_4", "step_5", "step_7", "step_9.tmp"]
+    with open(os.path.join(checkpoints, "step_5", "train_state.json")) as f:
+        assert json.load(f)["iteration"] == 5
