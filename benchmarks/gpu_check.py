@@ -13,7 +13,11 @@ there is one, else the CPU, where it is CI's smoke test and every gap is ~0):
 3. one GRPO step on the trainer (its logged ``mismatch/*`` figures: the generator against the
    trainer, and the truncated importance weight's clip fraction at ``--is-cap``) against the
    same step in fp32 on the CPU (``train_on_batch``): loss, grad norm, and the cosine between
-   the two weight updates.
+   the two weight updates;
+4. the in-memory snapshot a rebuilt trainer group is restored from (``TrainerWorker.snapshot`` /
+   ``restore``, issue 22): its seconds and size, the weights after a restore against the
+   snapshot's (exact), and a second step made again after the restore against the first time
+   it was made (0 where the device's kernels are deterministic).
 
 ``--write FILE`` appends the table, dated and naming the device, to FILE (docs/benchmarks.md).
 On a lent GPU machine (no Ray, vLLM or SmolLM2 there: the GGUF is larger than what travels),
@@ -147,6 +151,7 @@ def check(args) -> dict:
     ref = train_on_batch(cpu, opt, batch, algo, args.temperature, max_grad_norm=1.0, micro_batch_size=16)[0]
     ref_after = {n: p.detach().numpy().copy() for n, p in cpu.named_parameters()}
 
+    snap = snapshot_round_trip(trainer, batch, algo, args.temperature)
     return {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if "cuda" in device
         else f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__, "bf16": info["bf16"],
@@ -160,8 +165,32 @@ def check(args) -> dict:
         "mismatch/is_clipped_frac": step["mismatch/is_clipped_frac"],
         "loss/policy": step["loss/policy"], "loss/policy fp32 cpu": ref["loss/policy"],
         "grad_norm": step["grad_norm"], "grad_norm fp32 cpu": ref["grad_norm"],
-        "update_cosine_vs_fp32_cpu": update_cosine(before, after, ref_before, ref_after),
+        "update_cosine_vs_fp32_cpu": update_cosine(before, after, ref_before, ref_after), **snap,
     }
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float(np.abs(a[n].astype(np.float64) - b[n]).max()) for n in a)
+
+
+def snapshot_round_trip(trainer, batch, algo, temperature: float) -> dict:
+    """Snapshot the trained rank, make a second step, restore the snapshot (the weights must be
+    the snapshot's exactly) and make the second step again (the same weights where the kernels
+    are deterministic)."""
+    t0 = time.perf_counter()
+    nbytes, part = trainer.snapshot()
+    snapshot_s = time.perf_counter() - t0
+    at_snapshot = trainer.full_state()
+    trainer.train_step(batch, algo, temperature)
+    second = trainer.full_state()
+    t0 = time.perf_counter()
+    trainer.restore(part)
+    restore_s = time.perf_counter() - t0
+    restored = trainer.full_state()
+    trainer.train_step(batch, algo, temperature)
+    return {"snapshot_s": snapshot_s, "snapshot_mb": nbytes / 2 ** 20, "restore_s": restore_s,
+            "restored_vs_snapshot_max": _max_diff(at_snapshot, restored),
+            "step_again_vs_first_max": _max_diff(second, trainer.full_state())}
 
 
 def report(fig: dict) -> str:

@@ -35,5 +35,8 @@ def test_gpu_check_runs_on_the_cpu_without_ray(tmp_path):
     assert fig["grad_norm"] > 0 and fig["grad_norm"] == pytest.approx(fig["grad_norm fp32 cpu"], rel=1e-5)
     assert fig["loss/policy"] == pytest.approx(fig["loss/policy fp32 cpu"], abs=1e-6)
     assert fig["update_cosine_vs_fp32_cpu"] > 0.9999
+    # the snapshot a rebuilt group restores: exact, and the step made again gives the same weights
+    assert fig["snapshot_mb"] > 0 and fig["restored_vs_snapshot_max"] == 0.0
+    assert fig["step_again_vs_first_max"] == 0.0
     text = out.read_text()
     assert text.startswith(f"\n### GPU check ({fig['date']}, cpu") and "| mismatch/is_clipped_frac | 0 |" in text
