@@ -119,8 +119,10 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
         (cluster.placement in ("PACK", "SPREAD"), f"cluster.placement must be PACK or SPREAD, got {cluster.placement}"),
         (cluster.call_timeout_s > 0, "cluster.call_timeout_s must be positive"),
         (cluster.max_restarts >= 0, f"cluster.max_restarts must be >= 0, got {cluster.max_restarts}"),
-        (cluster.snapshot_every >= 0, f"cluster.snapshot_every must be >= 0 (0: no snapshots), got "
-                                      f"{cluster.snapshot_every}"),
+        (cluster.snapshot_every is None or cluster.snapshot_every >= 0,
+         f"cluster.snapshot_every must be None (by cost), 0 (none) or a step count, got {cluster.snapshot_every}"),
+        (0 < cluster.snapshot_overhead <= 1, f"cluster.snapshot_overhead must be in (0, 1], got "
+                                             f"{cluster.snapshot_overhead}"),
         (cluster.micro_batch_size >= 1, "cluster.micro_batch_size must be at least 1"),
         (cluster.threads_per_actor >= 1, "cluster.threads_per_actor must be at least 1"),
     ]

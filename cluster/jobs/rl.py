@@ -164,7 +164,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                                           ref_update_fn=inputs.ref_update_fn, aggregate_fn=inputs.aggregate_fn,
                                           shaping_fn=inputs.shaping_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb,
                                           reserve_critics=any_needs_values(algos)),
-                         max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every)
+                         max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every,
+                         snapshot_overhead=cfg.snapshot_overhead)
 
     def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
         return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,

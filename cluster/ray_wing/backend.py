@@ -14,10 +14,11 @@ run goes on with the weights an undisturbed run has.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -150,11 +151,15 @@ class RayBackend:
     name = "ray"
     remote = True  # functions travel to the actors: they must pickle
 
-    def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3, snapshot_every: int = 1):
+    def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3, snapshot_every: Optional[int] = 1,
+                 snapshot_overhead: float = 0.05):
         self.cluster, self.max_actor_restarts, self.restarts = cluster, max_actor_restarts, 0
         self.replaced_at: dict = {}  # (role, rank) -> the restarts count its last replacement made
         self.version = 0  # the policy version the generators hold (the last sync's)
-        self.snapshot_every = snapshot_every  # steps between in-memory snapshots (0: none: a trainer death ends it)
+        # steps between in-memory snapshots; None: by cost (at most snapshot_overhead of the time); 0: none (a trainer
+        # death ends the run)
+        self.snapshot_every, self.snapshot_overhead = snapshot_every, snapshot_overhead
+        self.snapshot_at = 0.0  # time.perf_counter() when the last snapshot was taken
         self.snapshot: Optional[Snapshot] = None
         self.log: list = []  # Updates since the snapshot
         self.faults: list = []  # one record per recovery: role, rank, what happened, seconds
@@ -276,19 +281,34 @@ class RayBackend:
         reference. If a rank of either group dies or stops answering, its group is rebuilt,
         both groups are restored to the state before the step (``recover``), the value shares
         are computed again and the step is made again with the same rollouts."""
-        parts = [tuple(p) for p in parts]
-        while True:
+        parts, inputs = [tuple(p) for p in parts], {"values": values}
+
+        def again(role: Optional[str]) -> None:  # the value shares of a dead critic are lost: computed again
+            if values is not None:
+                inputs["values"] = self.values(plan, parts)
+
+        result = self.recovering(lambda: self._train_call(plan, parts, inputs["values"], algo, temperature, lr,
+                                                          with_critic), again)
+        if result.batch_metrics is not None:
+            self.log.append(Update(plan, tuple(parts), tuple(v.ref for v in inputs["values"] or ()), algo, temperature,
+                                   lr, with_critic))
+        return result
+
+    def recovering(self, op: Callable, after: Optional[Callable] = None, send_weights: bool = True):
+        """``op()``, made again after each recovery from an actor's death or silence (``recover``;
+        ``after(recovered role)`` runs before the next try), until it succeeds; a failure that is
+        not recoverable, or more tries than ``max_actor_restarts`` allows, is raised."""
+        for attempt in itertools.count():
             t0 = time.perf_counter()
             try:
-                result = self._train_call(plan, parts, values, algo, temperature, lr, with_critic)
+                return op()
             except ActorFailure as failure:
-                self.recover(failure, since=self.restarts, lost=time.perf_counter() - t0)
-                values = self.values(plan, parts) if values is not None else None
-                continue
-            if result.batch_metrics is not None:
-                self.log.append(Update(plan, tuple(parts), tuple(v.ref for v in values or ()), algo, temperature, lr,
-                                       with_critic))
-            return result
+                if attempt > self.max_actor_restarts:
+                    raise
+                role = self.recover(failure, since=self.restarts, send_weights=send_weights,
+                                    lost=time.perf_counter() - t0)
+                if after is not None:
+                    after(role)
 
     def _train_call(self, plan: BatchPlan, parts: list, values: Optional[list], algo, temperature: float,
                     lr: Optional[float], with_critic: bool) -> StepResult:
@@ -324,28 +344,36 @@ class RayBackend:
         ``snapshot_every`` steps, a new in-memory snapshot. If an actor dies or stops answering
         during the sync it is replaced (a trainer group rebuilt and brought to the state after
         the step; a tracking reference restored to before its move) and the sync made again."""
-        while True:
-            t0 = time.perf_counter()
-            try:
-                out = sync_weights(self.cluster, version, step, kl)
-                break
-            except ActorFailure as failure:
-                if self.recover(failure, since=self.restarts, send_weights=False,
-                                lost=time.perf_counter() - t0) not in DEEPSPEED_ROLES:
-                    self._restore_tracking_reference()  # (a rebuilt group was restored to the step's end already)
+        def again(role: Optional[str]) -> None:  # a rebuilt trainer group was restored to the step's end already
+            if role not in DEEPSPEED_ROLES:
+                self._restore_tracking_reference()
+
+        out = self.recovering(lambda: sync_weights(self.cluster, version, step, kl), again, send_weights=False)
         self.version = version
         if self.log and self.cluster.reference is not None and self.cluster.reference.tracks:
             self.log[-1] = self.log[-1]._replace(moved=(step, kl))
-        if self.snapshot_every and (len(self.log) >= self.snapshot_every or self._reference_workers_track()):
+        if self.snapshot_due():
             out.update(self.take_snapshot())
         return out
 
+    def snapshot_due(self) -> bool:
+        """Whether the step just synced ends with a snapshot: every ``snapshot_every`` updates;
+        by cost (``snapshot_every`` None) once the time since the last one is at least its
+        seconds over ``snapshot_overhead`` (at 5 %, a 0.1 s snapshot every 2 s of the run).
+        Tracking reference workers move every step: then every step."""
+        if self.snapshot_every == 0 or not self.log:
+            return False
+        if self._reference_workers_track():
+            return True
+        if self.snapshot_every is not None:
+            return len(self.log) >= self.snapshot_every
+        cost = self.snapshot.seconds if self.snapshot is not None else 0.0
+        return (time.perf_counter() - self.snapshot_at) * self.snapshot_overhead >= cost
+
     def save(self, path: str, state: TrainState) -> str:
-        while True:
-            try:
-                return save_cluster_checkpoint(self.cluster, path, state)
-            except ActorFailure as failure:  # a trainer or critic that died writing: rebuilt, and the save made again
-                self.recover(failure, since=self.restarts)
+        """``save_cluster_checkpoint``; a trainer or critic that dies writing is rebuilt, and the
+        checkpoint written again."""
+        return self.recovering(lambda: save_cluster_checkpoint(self.cluster, path, state))
 
     def load(self, path: str) -> TrainState:
         state = load_cluster_checkpoint(self.cluster, path)
@@ -357,7 +385,7 @@ class RayBackend:
     def prepare_recovery(self) -> None:
         """Snapshot the stateful roles as they are before the first step (after an SFT stage, a
         checkpoint load, the critic's creation), unless snapshots are off or one is current."""
-        if self.snapshot_every and (self.snapshot is None or self.log):
+        if self.snapshot_every != 0 and (self.snapshot is None or self.log):
             self.take_snapshot()
 
     def take_snapshot(self) -> dict:
@@ -365,17 +393,13 @@ class RayBackend:
         the log of updates starts again. Returns ``faults/snapshot_s`` and ``faults/snapshot_mb``."""
         before = self.snapshot
         fresh_reference = self._reference_workers_track() or (before is None and self._has_reference_workers())
-        while True:
-            try:
-                self.snapshot = take_snapshot(self.cluster, fresh_reference)
-                break
-            except ActorFailure as failure:  # the old snapshot and the log still hold the state: recover, again
-                if before is None:
-                    raise
-                self.recover(failure, since=self.restarts)
+        if before is None:  # nothing to recover a group from yet
+            self.snapshot = take_snapshot(self.cluster, fresh_reference)
+        else:  # the old snapshot and the log still hold the state: a rank that dies is recovered from them
+            self.snapshot = self.recovering(lambda: take_snapshot(self.cluster, fresh_reference))
         if not fresh_reference and before is not None:  # a fixed reference: its state once
             self.snapshot = self.snapshot._replace(reference=before.reference)
-        self.log = []
+        self.log, self.snapshot_at = [], time.perf_counter()
         self.snapshot_costs.append((self.snapshot.seconds, self.snapshot.nbytes))
         return {"faults/snapshot_s": self.snapshot.seconds, "faults/snapshot_mb": self.snapshot.nbytes / 2 ** 20}
 
@@ -564,7 +588,8 @@ class RayBackend:
                 "restarts": {role: len(xs) for role, xs in by_role.items()},
                 "recovery_s_median": {role: round(float(np.median(xs)), 3) for role, xs in by_role.items()},
                 "seconds_lost": round(sum(f["seconds"] + f["lost"] for f in self.faults), 3),
-                "snapshot_every": self.snapshot_every,
+                "snapshot_every": self.snapshot_every if self.snapshot_every is not None else "by cost",
+                "snapshots": len(costs),
                 "snapshot_s_median": round(float(np.median([t for t, _ in costs])), 4) if costs else None,
                 "snapshot_mb": round(costs[-1][1] / 2 ** 20, 2) if costs else None}
 

@@ -45,9 +45,11 @@ class ClusterConfig(NamedTuple):
     call_timeout_s: float = 600.0  # bound on every wait for actors; one that does not answer in it is taken for stuck:
     # killed and replaced like a dead one (raise it for work that is simply long)
     max_restarts: int = 10  # actor replacements and group rebuilds a run survives in all; one more ends it, named
-    snapshot_every: int = 1  # steps between in-memory snapshots of the trainer and critic ranks, outside them (in Ray's
-    # object store), from which a group is rebuilt when a rank dies (the updates since are made again); 0: none, and
-    # a trainer, critic or reference death ends the run
+    # steps between in-memory snapshots of the trainer and critic ranks, kept outside them (in Ray's object store), from
+    # which a group is rebuilt when a rank dies (the updates made since are made again); None: as often as costs at
+    # most snapshot_overhead of the run's time; 0: none, and a trainer, critic or reference death ends the run
+    snapshot_every: Optional[int] = None
+    snapshot_overhead: float = 0.05  # snapshot_every None: the share of the run's time snapshots may take
     sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own

@@ -21,11 +21,10 @@ def generate_call(group: WorkerGroup, rank: int, items: Sequence, gen, tools=Non
 
 class GeneratorWorkers(NamedTuple):
     """Generator workers of their own: they join the weight-sync broadcast, and a dead one is
-    replaced (``replaceable``)."""
+    replaced alone."""
 
     group: WorkerGroup
     where = "workers"
-    replaceable = True
 
     @property
     def size(self) -> int:
@@ -57,11 +56,11 @@ class GeneratorWorkers(NamedTuple):
 
 class GeneratorsOnTrainers(NamedTuple):
     """Generation on the trainer ranks (``cluster.generate_on_trainers``), each with the module it
-    trains: nothing to broadcast, a sync only stamps the version; a failure is the trainer's."""
+    trains: nothing to broadcast, a sync only stamps the version; a failure is the trainer's (its
+    group is rebuilt)."""
 
     trainers: WorkerGroup
     where = "trainers"
-    replaceable = False
 
     @property
     def size(self) -> int:

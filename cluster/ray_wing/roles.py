@@ -186,7 +186,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
         model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed, num_threads=threads,
         reference=on_trainers, ref_update_fn=ref_update_fn if on_trainers else None, host_generator=hosted)
     trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"], trainer_args)
-    # generation on the trainer ranks: a failure names the trainer, which is not replaceable
+    # generation on the trainer ranks: a failure names the trainer (its whole group is rebuilt)
     generators = GeneratorsOnTrainers(trainers) if hosted \
         else GeneratorWorkers(create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args))
     rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)

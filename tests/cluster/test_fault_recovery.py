@@ -52,7 +52,7 @@ def cluster_model(path):
     return ModelConfig(path)
 
 
-def _run(path, kill=None, snapshot_every=1, prompts=4, n=2, algo=None, **build):
+def _run(path, kill=None, snapshot_every=1, prompts=4, n=2, algo=None, staleness=0, **build):
     """Weights (policy, critic, reference) and metrics after ``STEPS`` steps; ``kill`` is
     ``(class, method, signal)``, sent once the run's second step has begun."""
     cluster = _build(path, **build)
@@ -66,7 +66,8 @@ def _run(path, kill=None, snapshot_every=1, prompts=4, n=2, algo=None, **build):
     try:
         state = train(backend, make_prompt_source(ITEMS, seed=4), constant_schedule(algo or grpo(kl_coef=0.05)),
                       RLRun(GenerationConfig(max_new_tokens=4, n=n), num_steps=STEPS, prompts_per_step=prompts,
-                            lr_schedule=lambda s: 1e-3, progress=False), hooks=Hooks(logger=logger))
+                            lr_schedule=lambda s: 1e-3, progress=False, max_staleness=staleness),
+                      hooks=Hooks(logger=logger))
         c = backend.cluster
         weights = {"policy": gather(fan_out(c.trainers, "full_state"), c.timeout_s)[0]}
         if c.critics is not None:
@@ -145,6 +146,17 @@ def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, t
     assert sum("faults/snapshot_s" in m for m in history) == STEPS // 3  # after steps 3 and 6
 
 
+def test_trainer_killed_in_asynchronous_run(ray_local, tiny_model_path):
+    """Staleness 1: the next step's rollouts are generated while a trainer rank dies in its
+    update; the rebuilt group rejoins the broadcast and the run ends as undisturbed."""
+    base, _, _ = _undisturbed(tiny_model_path, "async", staleness=1, tracking=False)
+    weights, history, backend = _run(tiny_model_path, kill=("TrainerWorker", "train_planned", signal.SIGKILL),
+                                     staleness=1, tracking=False)
+    assert [f["role"] for f in backend.faults] == ["trainer"]
+    assert _max_diff(base, weights) <= 1e-5
+    assert max(m["staleness/max"] for m in history) == 1
+
+
 def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_path, capsys):
     """A generator that stops answering (SIGSTOP) mid-generation is caught by the call timeout,
     killed, replaced and named in the log; the run's weights are the undisturbed run's."""
@@ -176,3 +188,29 @@ def test_recoveries_are_bounded_and_a_raising_function_is_not_retried(ray_local,
             backend.recover(failure, since=0)
     finally:
         shutdown_cluster(backend.cluster)
+
+
+def test_snapshot_interval_by_count_or_by_cost():
+    """``snapshot_every`` N: after every N updates; None: once the time since the last snapshot
+    is its cost over ``snapshot_overhead`` (a 0.1 s snapshot at 5 %: every 2 s); 0: never."""
+    from types import SimpleNamespace
+
+    from cluster.ray_wing.recovery import Snapshot
+
+    cluster = SimpleNamespace(reference=None)
+    by_count = RayBackend(cluster, snapshot_every=3)
+    by_count.log = [object()] * 2
+    assert not by_count.snapshot_due()
+    by_count.log = [object()] * 3
+    assert by_count.snapshot_due()
+    assert not RayBackend(cluster, snapshot_every=0).snapshot_due()
+
+    by_cost = RayBackend(cluster, snapshot_every=None, snapshot_overhead=0.05)
+    by_cost.snapshot = Snapshot((), (), None, 1, seconds=0.1)
+    by_cost.log = [object()]
+    by_cost.snapshot_at = time.perf_counter() - 1.9
+    assert not by_cost.snapshot_due()
+    by_cost.snapshot_at = time.perf_counter() - 2.1
+    assert by_cost.snapshot_due()
+    by_cost.log = []  # nothing trained since: nothing to snapshot
+    assert not by_cost.snapshot_due()
