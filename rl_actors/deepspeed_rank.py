@@ -28,7 +28,7 @@ two share.
   state into one temporary directory that rank 0 moves into the checkpoint in a single
   rename (``primitives.io.checkpoint.atomic_directory``); nothing is ever half-written.
 * **Snapshots.** ``snapshot`` is the same DeepSpeed checkpoint of one rank held in memory:
-  its files as bytes, returned to the driver, so the part lives in the object store, outside
+  its files as byte arrays, returned to the driver, so the part lives in the object store, outside
   this process, and outlives it. A new group of the same size and ZeRO stage ``restore``s
   every rank from all the parts (DeepSpeed reads every rank's optimizer file when it loads).
 """
@@ -357,29 +357,32 @@ def scratch_dir() -> str:
 
 
 def read_tree(directory: str) -> dict:
-    """Every file under ``directory`` as ``{relative path: bytes}``."""
+    """Every file under ``directory`` as ``{relative path: uint8 array}`` (arrays, not bytes: Ray
+    writes an array into its object store without pickling a copy of it)."""
+    import numpy as np
+
     files = {}
     for root, _, names in os.walk(directory):
         for name in names:
             full = os.path.join(root, name)
-            with open(full, "rb") as f:
-                files[os.path.relpath(full, directory)] = f.read()
+            files[os.path.relpath(full, directory)] = np.fromfile(full, dtype=np.uint8)
     return files
 
 
 def write_tree(directory: str, files: dict) -> None:
-    """The inverse of ``read_tree``: ``{relative path: bytes}`` written under ``directory``."""
+    """The inverse of ``read_tree``: ``{relative path: uint8 array}`` written under ``directory``."""
     for rel, data in files.items():
         full = os.path.join(directory, rel)
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "wb") as f:
-            f.write(data)
+        data.tofile(full)
 
 
 def snapshot_bytes(part) -> int:
     """The bytes a snapshot part holds: its files and tensors, in nested dicts."""
-    if isinstance(part, bytes):
+    if isinstance(part, (bytes, bytearray)):
         return len(part)
+    if hasattr(part, "nbytes") and not isinstance(part, torch.Tensor):  # an array
+        return int(part.nbytes)
     if isinstance(part, torch.Tensor):
         return part.numel() * part.element_size()
     if isinstance(part, dict):

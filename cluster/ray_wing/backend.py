@@ -344,8 +344,11 @@ class RayBackend:
         ``snapshot_every`` steps, a new in-memory snapshot. If an actor dies or stops answering
         during the sync it is replaced (a trainer group rebuilt and brought to the state after
         the step; a tracking reference restored to before its move) and the sync made again."""
-        def again(role: Optional[str]) -> None:  # a rebuilt trainer group was restored to the step's end already
-            if role not in DEEPSPEED_ROLES:
+        def again(role: Optional[str]) -> None:
+            # a tracking reference may have moved before the failure: back to before the move (a reference on
+            # rebuilt trainer ranks was restored to the step's end, before its move, already)
+            if self.cluster.reference is not None and (self.cluster.reference.where == "workers" or
+                                                       role not in DEEPSPEED_ROLES):
                 self._restore_tracking_reference()
 
         out = self.recovering(lambda: sync_weights(self.cluster, version, step, kl), again, send_weights=False)

@@ -52,16 +52,17 @@ def cluster_model(path):
     return ModelConfig(path)
 
 
-def _run(path, kill=None, snapshot_every=1, prompts=4, n=2, algo=None, staleness=0, **build):
-    """Weights (policy, critic, reference) and metrics after ``STEPS`` steps; ``kill`` is
-    ``(class, method, signal)``, sent once the run's second step has begun."""
+def _run(path, kills=(), snapshot_every=1, prompts=4, n=2, algo=None, staleness=0, **build):
+    """Weights (policy, critic, reference) and metrics after ``STEPS`` steps; ``kills`` are
+    ``(step, class, method, signal)``: once step ``step`` is logged, the signal goes to the first
+    actor of ``class`` seen running ``method``."""
     cluster = _build(path, **build)
     backend = RayBackend(cluster, max_actor_restarts=4, snapshot_every=snapshot_every)
-    armed = {}
 
     def logger(m):
-        if kill is not None and m["step"] == 1 and not armed:
-            armed.update(signal_when(*kill))
+        for step, *kill in kills:
+            if m["step"] == step:
+                signal_when(*kill)
 
     try:
         state = train(backend, make_prompt_source(ITEMS, seed=4), constant_schedule(algo or grpo(kl_coef=0.05)),
@@ -96,20 +97,26 @@ def _undisturbed(path, key, **kwargs):
     return _UNDISTURBED[key]
 
 
-@pytest.mark.parametrize("kill", [("TrainerWorker", "train_planned"), ("TrainerWorker", "send_weights"),
-                                  ("RefLogprobWorker", "receive_weights"), ("RefLogprobWorker", "logprobs_counted"),
-                                  ("GeneratorWorker", "receive_weights")],
-                         ids=["trainer-in-train-step", "trainer-in-sync", "reference-in-its-move",
-                              "reference-scoring", "generator-in-sync"])
-def test_killed_actor_is_recovered_with_undisturbed_weights(ray_local, tiny_model_path, kill):
+KILLED = {"TrainerWorker": "trainer", "RefLogprobWorker": "reference", "GeneratorWorker": "generator",
+          "CriticWorker": "critic"}
+
+
+@pytest.mark.parametrize("kills", [
+    ((1, "TrainerWorker", "train_planned"), (3, "RefLogprobWorker", "receive_weights")),
+    ((1, "TrainerWorker", "send_weights"), (2, "RefLogprobWorker", "logprobs_counted"),
+     (4, "GeneratorWorker", "receive_weights"))],
+    ids=["trainer-in-train-step+reference-in-its-move", "trainer-in-sync+reference-scoring+generator-in-sync"])
+def test_killed_actors_are_recovered_with_undisturbed_weights(ray_local, tiny_model_path, kills):
     """A trainer rank (in its update, or sending weights), the EMA reference (while it moves, or
-    scores) and a generator (receiving weights) are killed mid-call; the run recovers from
-    the snapshot and the log and ends where the undisturbed run does."""
+    scores) and a generator (receiving weights) are killed mid-call, one after another; the run
+    recovers each from the snapshot and the log and ends where the undisturbed run does."""
     base, base_history, _ = _undisturbed(tiny_model_path, "grpo")
-    weights, history, backend = _run(tiny_model_path, kill=(*kill, signal.SIGKILL))
-    role = {"TrainerWorker": "trainer", "RefLogprobWorker": "reference", "GeneratorWorker": "generator"}[kill[0]]
-    assert [f["role"] for f in backend.faults] == [role]
-    assert history[-1][f"faults/restarts/{role}"] == 1.0 and history[-1]["faults/seconds_lost"] > 0
+    weights, history, backend = _run(tiny_model_path, kills=[(*k, signal.SIGKILL) for k in kills])
+    roles = [KILLED[cls] for _, cls, _ in kills]
+    assert [f["role"] for f in backend.faults] == roles
+    for role in roles:
+        assert history[-1][f"faults/restarts/{role}"] == 1.0
+    assert history[-1]["faults/seconds_lost"] > 0
     assert _max_diff(base, weights) <= 1e-5
     for before, after in zip(base_history, history, strict=True):  # every step trained the same batch
         assert after["batch/rows"] == before["batch/rows"]
@@ -117,18 +124,18 @@ def test_killed_actor_is_recovered_with_undisturbed_weights(ray_local, tiny_mode
         assert after["loss/policy"] == pytest.approx(before["loss/policy"], abs=1e-5)
 
 
-@pytest.mark.parametrize("kill", [("CriticWorker", "value_step_planned"), ("CriticWorker", "values_planned"),
-                                  ("TrainerWorker", "train_planned")],
-                         ids=["critic-in-its-update", "critic-computing-values", "trainer-beside-the-critic"])
-def test_ppo_critic_or_trainer_killed_gives_undisturbed_policy_and_critic(ray_local, tiny_model_path, kill):
+@pytest.mark.parametrize("kills", [((1, "CriticWorker", "value_step_planned"), (3, "TrainerWorker", "train_planned")),
+                                   ((1, "CriticWorker", "values_planned"),)],
+                         ids=["critic-in-its-update+trainer-beside-the-critic", "critic-computing-values"])
+def test_ppo_critic_or_trainer_killed_gives_undisturbed_policy_and_critic(ray_local, tiny_model_path, kills):
     """PPO with a 2-rank critic group: a critic rank dies in its update or computing values, or a
     trainer rank while the critic updates beside it; both groups go back to the snapshot and
     the step is made once."""
     algo = ppo(kl_coef=0.05)
     base, _, _ = _undisturbed(tiny_model_path, "ppo", critic=True, tracking=False, algo=algo)
-    weights, history, backend = _run(tiny_model_path, kill=(*kill, signal.SIGKILL), critic=True, tracking=False,
-                                     algo=algo)
-    assert [f["role"] for f in backend.faults] == ["critic" if kill[0] == "CriticWorker" else "trainer"]
+    weights, history, backend = _run(tiny_model_path, kills=[(*k, signal.SIGKILL) for k in kills], critic=True,
+                                     tracking=False, algo=algo)
+    assert [f["role"] for f in backend.faults] == [KILLED[cls] for _, cls, _ in kills]
     assert _max_diff(base, weights) <= 1e-5
     assert history[-1]["critic/grad_norm"] > 0
 
@@ -139,9 +146,9 @@ def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, t
     made again from the log."""
     kwargs = dict(trainers=3, zero=3, tracking=False, snapshot_every=3)
     base, _, _ = _undisturbed(tiny_model_path, "zero3", **kwargs)
-    weights, history, backend = _run(tiny_model_path, kill=("TrainerWorker", "train_planned", signal.SIGKILL),
+    weights, history, backend = _run(tiny_model_path, kills=[(1, "TrainerWorker", "train_planned", signal.SIGKILL)],
                                      **kwargs)
-    assert [f["role"] for f in backend.faults] == ["trainer"]
+    assert [(f["role"], f["replayed"]) for f in backend.faults] == [("trainer", 2)]  # steps 0 and 1 made again
     assert _max_diff(base, weights) <= 1e-5
     assert sum("faults/snapshot_s" in m for m in history) == STEPS // 3  # after steps 3 and 6
 
@@ -150,7 +157,7 @@ def test_trainer_killed_in_asynchronous_run(ray_local, tiny_model_path):
     """Staleness 1: the next step's rollouts are generated while a trainer rank dies in its
     update; the rebuilt group rejoins the broadcast and the run ends as undisturbed."""
     base, _, _ = _undisturbed(tiny_model_path, "async", staleness=1, tracking=False)
-    weights, history, backend = _run(tiny_model_path, kill=("TrainerWorker", "train_planned", signal.SIGKILL),
+    weights, history, backend = _run(tiny_model_path, kills=[(1, "TrainerWorker", "train_planned", signal.SIGKILL)],
                                      staleness=1, tracking=False)
     assert [f["role"] for f in backend.faults] == ["trainer"]
     assert _max_diff(base, weights) <= 1e-5
@@ -162,7 +169,8 @@ def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_pa
     killed, replaced and named in the log; the run's weights are the undisturbed run's."""
     base, _, _ = _undisturbed(tiny_model_path, "grpo")
     t0 = time.time()
-    weights, _, backend = _run(tiny_model_path, kill=("GeneratorWorker", "generate", signal.SIGSTOP), timeout=20.0)
+    weights, _, backend = _run(tiny_model_path, kills=[(1, "GeneratorWorker", "generate", signal.SIGSTOP)],
+                                  timeout=20.0)
     assert [(f["role"], f["stuck"]) for f in backend.faults] == [("generator", True)]
     out = capsys.readouterr()
     assert "no answer within 20s from: generator 0.generate" in out.out + out.err
