@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, publish
 
 
 def run_variant(config: str, every: str, steps: int, extra: list, out: str) -> dict:
@@ -80,10 +80,7 @@ def main(argv=None) -> list:
             print(json.dumps(rows[-1]), flush=True)
     text = (f"### Snapshot cost ({datetime.date.today().isoformat()}, {os.cpu_count()} cores): "
             f"`{args.config}` {' '.join(extra)}\n\n" + table(rows, rows[0]) + "\n")
-    print(text)
-    if args.write:
-        with open(args.write, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.write)
     return rows
 
 

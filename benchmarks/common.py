@@ -47,3 +47,11 @@ def bench_parser(doc: str, repeats: int = 5):
     p.add_argument("--repeats", type=int, default=repeats, help="timed runs; the median is reported")
     p.add_argument("--gpus", type=float, default=0.0, help="GPUs per actor (0: CPU)")
     return p
+
+
+def publish(text: str, path=None) -> None:
+    """Print a benchmark's markdown and, given ``path``, append it there (``--write``)."""
+    print(text)
+    if path:
+        with open(path, "a") as f:
+            f.write("\n" + text)

@@ -36,6 +36,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import publish  # noqa: E402
 
 from primitives.env.rewards import score_rollouts  # noqa: E402
 from primitives.fixtures.tasks import (  # noqa: E402
@@ -210,10 +213,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     fig = check(args)
     text = report(fig)
-    print(text)
-    if args.write:
-        with open(args.write, "a") as f:
-            f.write("\n" + text)
+    publish(text, args.write)
     return fig
 
 
