@@ -190,6 +190,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
             start_state = backend.load(job.checkpoint.resume)
         else:
             start_state = TrainState(rng_seed=job.seed)
+        backend.prepare_recovery()  # from here on (the first evaluation included) a dead rank is recovered
         t_eval = time.time()
         before = run_eval(backend, start_state) if inputs.eval_items else {}
         skipped += time.time() - t_eval

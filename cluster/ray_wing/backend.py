@@ -151,7 +151,7 @@ class RayBackend:
     name = "ray"
     remote = True  # functions travel to the actors: they must pickle
 
-    def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3, snapshot_every: Optional[int] = 1,
+    def __init__(self, cluster: RLCluster, max_actor_restarts: int = 3, snapshot_every: Optional[int] = None,
                  snapshot_overhead: float = 0.05):
         self.cluster, self.max_actor_restarts, self.restarts = cluster, max_actor_restarts, 0
         self.replaced_at: dict = {}  # (role, rank) -> the restarts count its last replacement made
@@ -539,7 +539,8 @@ class RayBackend:
             raise ActorFailure(f"{failure} (after {self.restarts} recoveries, cluster.max_restarts)", failure.role,
                                rank, failure.died, failure.stuck) from failure
         if (role in DEEPSPEED_ROLES or role == "reference") and self.snapshot is None:
-            raise ActorFailure(f"{failure} (no snapshot to restore a {role} from: cluster.snapshot_every is 0)",
+            raise ActorFailure(f"{failure} (no snapshot yet to restore a {role} from: one is taken when training "
+                               "starts, none with cluster.snapshot_every 0)",
                                failure.role, rank, failure.died, failure.stuck) from failure
         self.restarts += 1
         self.replaced_at[key] = self.restarts
