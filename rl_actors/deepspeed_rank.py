@@ -314,12 +314,18 @@ class DeepSpeedRank:
         restore_rng_state(rng["rng"])
 
     # --------------------------------------------------------------- in-memory snapshots
+    def state_bytes(self) -> int:
+        """An upper bound of this rank's snapshot: the module's parameters at their size, plus fp32
+        master weights and two Adam moments for its share of them."""
+        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
+        return int(params * (4 + 12 / self.world_size))
+
     def snapshot(self) -> dict:
         """This rank's part of the group's state: its DeepSpeed checkpoint files (weights and
         optimizer shards, as ``save`` writes them) as bytes, the step count and the RNG. All ranks
         call it together (the save is collective); returned to the driver, the part lives in
         the object store and outlives this process (``restore``)."""
-        tmp = tempfile.mkdtemp(prefix=f"snapshot-{self.role}{self.rank}-", dir=scratch_dir())
+        tmp = tempfile.mkdtemp(prefix=f"snapshot-{self.role}{self.rank}-", dir=scratch_dir(self.state_bytes()))
         try:
             self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps}, save_latest=False)
             files = read_tree(tmp)
@@ -337,7 +343,8 @@ class DeepSpeedRank:
             raise ValueError(f"{self.role} {self.rank}: a snapshot of ranks {ranks} (ZeRO "
                              f"{sorted({p['zero_stage'] for p in parts})}) does not fit a group of {self.world_size} "
                              f"ranks under ZeRO-{self.config.zero_stage}")
-        tmp = tempfile.mkdtemp(prefix=f"restore-{self.role}{self.rank}-", dir=scratch_dir())
+        tmp = tempfile.mkdtemp(prefix=f"restore-{self.role}{self.rank}-",
+                               dir=scratch_dir(sum(snapshot_bytes(p["files"]) for p in parts)))
         try:
             for part in parts:
                 write_tree(tmp, part["files"])
@@ -349,11 +356,14 @@ class DeepSpeedRank:
         restore_rng_state(mine["rng"])
 
 
-def scratch_dir() -> str:
+def scratch_dir(needed: int = 0) -> str:
     """Where a snapshot's files pass through: shared memory (``/dev/shm``) where the machine has
-    it, so that nothing touches a disk, else the temporary directory."""
+    it with room for ``needed`` bytes and a quarter more (a container's is often 64 MB), so that
+    nothing touches a disk; else the temporary directory."""
     shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= needed * 1.25:
+        return shm
+    return tempfile.gettempdir()
 
 
 def read_tree(directory: str) -> dict:

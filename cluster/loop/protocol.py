@@ -22,9 +22,10 @@ class ActorFailure(RuntimeError):
     """An actor died, raised, or did not answer in time (``stuck``); the message names role and rank."""
 
     def __init__(self, message: str, role: str = "", rank: int = -1, died: bool = False, stuck: bool = False,
-                 actor_id: str = "", late: tuple = ()):
+                 actor_id: str = "", late: tuple = (), final: bool = False):
         super().__init__(message)
         self.role, self.rank, self.died, self.stuck = role, rank, died, stuck
+        self.final = final  # recovery gave up (restarts spent, nothing to restore from): never retried
         self.actor_id = actor_id  # the dead actor, where the backend knows it (it may be one the call read from)
         # (role, rank) of every actor that did not answer in time: in a collective, the stuck one and its waiting peers
         self.late = late or ((role, rank),)
@@ -33,7 +34,7 @@ class ActorFailure(RuntimeError):
     def replaceable(self) -> bool:
         """A dead or stuck actor of any role is replaced (a stuck one killed first) and its work
         done again; a raising user function (a bug) is not."""
-        return (self.died or self.stuck) and self.role in RECOVERABLE_ROLES
+        return (self.died or self.stuck) and self.role in RECOVERABLE_ROLES and not self.final
 
 
 class Held(NamedTuple):

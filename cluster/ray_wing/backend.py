@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure, Held, StepResult, plan_parts
-from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, gather, split_evenly
+from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, first_death, gather, split_evenly
 from cluster.ray_wing.recovery import (
     Snapshot,
     Update,
@@ -289,7 +289,7 @@ class RayBackend:
 
         result = self.recovering(lambda: self._train_call(plan, parts, inputs["values"], algo, temperature, lr,
                                                           with_critic), again)
-        if result.batch_metrics is not None:
+        if result.batch_metrics is not None and self.snapshot_every != 0:  # without snapshots nothing replays it
             self.log.append(Update(plan, tuple(parts), tuple(v.ref for v in inputs["values"] or ()), algo, temperature,
                                    lr, with_critic))
         return result
@@ -307,8 +307,8 @@ class RayBackend:
                     raise
                 role = self.recover(failure, since=self.restarts, send_weights=send_weights,
                                     lost=time.perf_counter() - t0)
-                if after is not None:
-                    after(role)
+            if after is not None:
+                after(role)
 
     def _train_call(self, plan: BatchPlan, parts: list, values: Optional[list], algo, temperature: float,
                     lr: Optional[float], with_critic: bool) -> StepResult:
@@ -319,8 +319,10 @@ class RayBackend:
             if with_critic else []  # at the critic's lr
         try:
             results = gather(calls + list(values or ()) + critic_calls, c.timeout_s)
-        except ActorFailure:
-            gather(list(values or ()), 0)  # a critic that died computing values is the failure, not its readers
+        except ActorFailure as failure:
+            dead = first_death(list(values or ()))  # a critic that died computing values, not its readers, failed
+            if dead is not None:
+                raise dead from failure
             raise
         policy = results[: len(calls)]
         return StepResult([updates for updates, _ in policy], results[len(results) - len(critic_calls):]
@@ -347,8 +349,12 @@ class RayBackend:
         def again(role: Optional[str]) -> None:
             # a tracking reference may have moved before the failure: back to before the move (a reference on
             # rebuilt trainer ranks was restored to the step's end, before its move, already)
-            if self.cluster.reference is not None and (self.cluster.reference.where == "workers" or
-                                                       role not in DEEPSPEED_ROLES):
+            ref = self.cluster.reference
+            if ref is not None and ref.tracks and self.snapshot is None:
+                raise ActorFailure("a weight sync failed after the tracking reference may have moved, and no "
+                                   "snapshot (cluster.snapshot_every 0) can undo the move: the run stops rather "
+                                   "than move it twice", "reference", 0, final=True)
+            if ref is not None and (ref.where == "workers" or role not in DEEPSPEED_ROLES):
                 self._restore_tracking_reference()
 
         out = self.recovering(lambda: sync_weights(self.cluster, version, step, kl), again, send_weights=False)
@@ -512,6 +518,18 @@ class RayBackend:
         None when nothing was to do. Re-raises a failure that is not of a dead or stuck actor
         (a user function that raised), or that exceeds ``max_actor_restarts``, or of a
         trainer, critic or reference when no snapshot is kept."""
+        for _ in range(self.max_actor_restarts + 1):
+            try:
+                return self._recover_targets(failure, since, send_weights, lost)
+            except ActorFailure as nested:  # another actor died or hung while this one was being recovered
+                if nested is failure or not nested.replaceable:
+                    raise
+                tqdm.write(f"{nested}\n(while recovering from: {failure})")
+                self.recover(nested, since=self.restarts, send_weights=send_weights)
+                since, lost = self.restarts, 0.0  # then this recovery again, from the start
+        raise failure
+
+    def _recover_targets(self, failure: ActorFailure, since: int, send_weights: bool, lost: float) -> Optional[str]:
         if not failure.replaceable:
             raise failure
         targets = failure.late if failure.stuck and not failure.died else ((failure.role, failure.rank),)
@@ -537,11 +555,11 @@ class RayBackend:
             return None  # already replaced since the work was dispatched: only the work is redone
         if self.restarts >= self.max_actor_restarts:
             raise ActorFailure(f"{failure} (after {self.restarts} recoveries, cluster.max_restarts)", failure.role,
-                               rank, failure.died, failure.stuck) from failure
+                               rank, failure.died, failure.stuck, final=True) from failure
         if (role in DEEPSPEED_ROLES or role == "reference") and self.snapshot is None:
             raise ActorFailure(f"{failure} (no snapshot yet to restore a {role} from: one is taken when training "
                                "starts, none with cluster.snapshot_every 0)",
-                               failure.role, rank, failure.died, failure.stuck) from failure
+                               failure.role, rank, failure.died, failure.stuck, final=True) from failure
         self.restarts += 1
         self.replaced_at[key] = self.restarts
         stuck = failure.stuck and not failure.died
@@ -552,8 +570,6 @@ class RayBackend:
         if role in DEEPSPEED_ROLES:
             self.cluster = rebuild_group(self.cluster, role)
             self._restore_groups()
-            if role == "trainer" and self.cluster.generators.where == "trainers":  # hosted generators: the version
-                gather(self.cluster.generators.receive_weights((), 0, self.version), self.cluster.timeout_s)
         else:
             self.cluster = replace_actor(self.cluster, role, rank)
             if role == "reference":
@@ -603,6 +619,8 @@ class RayBackend:
         restore_group(self.cluster, "trainer", self.snapshot, self.log)
         if self.cluster.critics is not None:
             restore_group(self.cluster, "critic", self.snapshot, self.log)
+        if self.cluster.generators.where == "trainers":  # generators hosted by rebuilt ranks: the version they hold
+            gather(self.cluster.generators.receive_weights((), 0, self.version), self.cluster.timeout_s)
 
     def settle(self, collections: Sequence) -> None:
         """Wait for the generation of the collections in flight (``cluster.loop.train.Collection``;

@@ -132,6 +132,15 @@ def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = 
                                   fetch_local=False)
         if not ready:
             late = [c for c in calls if c.ref in set(pending)]
+            for c in calls:  # a rank that raised leaves its peers waiting in a collective: the error is its
+                if c.ref not in set(pending):
+                    try:
+                        ray.get(c.ref, timeout=0)
+                    except RayTaskError as e:
+                        cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+                        raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
+                    except RayActorError:
+                        pass
             names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
             raise ActorFailure(f"no answer within {waited_s or timeout_s:.0f}s from: {names} (stuck or too slow; "
                                f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank,
@@ -152,6 +161,18 @@ def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = 
             raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s",
                                c.role, c.rank) from e
     return out
+
+
+def first_death(calls: Sequence[Call]) -> Optional[ActorFailure]:
+    """The failure of the first of ``calls`` that has finished because its actor (or one whose
+    result it read) died; None when none has, without waiting for any."""
+    import ray
+
+    refs = [c.ref for c in calls]
+    if not refs:
+        return None
+    done = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0])
+    return next((d for d in (_died(c) for c in calls if c.ref in done) if d is not None), None)
 
 
 def _died(c: Call) -> Optional[ActorFailure]:

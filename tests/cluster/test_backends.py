@@ -40,8 +40,9 @@ def _run(backend, steps=STEPS, algo=None):
 
 
 def _comparable(m: dict) -> dict:
-    """Numbers that must agree: not timings or idle shares, not the bytes a Ray sync moved."""
-    return {k: v for k, v in m.items() if not k.startswith(("time/", "idle/")) and k != "sync/bytes"}
+    """Numbers that must agree: not timings or idle shares, not the bytes a Ray sync moved, not the
+    Ray backend's recovery figures (its snapshots' cost, seconds lost)."""
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "idle/", "faults/")) and k != "sync/bytes"}
 
 
 @pytest.fixture(scope="module")
