@@ -30,6 +30,7 @@ from cluster.ray_wing.recovery import (
     Update,
     restore_group,
     restore_reference_workers,
+    snapshot_reference,
     take_snapshot,
 )
 from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, rebuild_group, replace_actor
@@ -160,6 +161,7 @@ class RayBackend:
         # death ends the run)
         self.snapshot_every, self.snapshot_overhead = snapshot_every, snapshot_overhead
         self.snapshot_at = 0.0  # time.perf_counter() when the last snapshot was taken
+        self.last_move: tuple = (0, None)  # (step, kl) of the last sync: a tracking reference's last move
         self.snapshot: Optional[Snapshot] = None
         self.log: list = []  # Updates since the snapshot
         self.faults: list = []  # one record per recovery: role, rank, what happened, seconds
@@ -358,22 +360,32 @@ class RayBackend:
                 self._restore_tracking_reference()
 
         out = self.recovering(lambda: sync_weights(self.cluster, version, step, kl), again, send_weights=False)
-        self.version = version
+        self.version, self.last_move = version, (step, kl)
         if self.log and self.cluster.reference is not None and self.cluster.reference.tracks:
             self.log[-1] = self.log[-1]._replace(moved=(step, kl))
         if self.snapshot_due():
             out.update(self.take_snapshot())
+        elif self._reference_workers_track() and self.snapshot is not None:  # they moved: their state, every step
+            self.snapshot = self.snapshot._replace(
+                reference=self.recovering(lambda: snapshot_reference(self.cluster), self._move_again))
         return out
+
+    def _move_again(self, role: Optional[str]) -> None:
+        """After a tracking reference worker died once the step's move was made (while its state
+        was snapshotted): its replacement holds the state before the move, so every copy goes
+        back there and the step's move is made once more (the sync sent again)."""
+        if role == "reference" and self._reference_workers_track():
+            restore_reference_workers(self.cluster, self.snapshot)
+            sync_weights(self.cluster, self.version, *self.last_move)
 
     def snapshot_due(self) -> bool:
         """Whether the step just synced ends with a snapshot: every ``snapshot_every`` updates;
         by cost (``snapshot_every`` None) once the time since the last one is at least its
         seconds over ``snapshot_overhead`` (at 5 %, a 0.1 s snapshot every 2 s of the run).
-        Tracking reference workers move every step: then every step."""
+        (Tracking reference workers, which move every step, are snapshotted on their own after every
+        step: ``sync``.)"""
         if self.snapshot_every == 0 or not self.log:
             return False
-        if self._reference_workers_track():
-            return True
         if self.snapshot_every is not None:
             return len(self.log) >= self.snapshot_every
         cost = self.snapshot.seconds if self.snapshot is not None else 0.0
@@ -405,7 +417,7 @@ class RayBackend:
         if before is None:  # nothing to recover a group from yet
             self.snapshot = take_snapshot(self.cluster, fresh_reference)
         else:  # the old snapshot and the log still hold the state: a rank that dies is recovered from them
-            self.snapshot = self.recovering(lambda: take_snapshot(self.cluster, fresh_reference))
+            self.snapshot = self.recovering(lambda: take_snapshot(self.cluster, fresh_reference), self._move_again)
         if not fresh_reference and before is not None:  # a fixed reference: its state once
             self.snapshot = self.snapshot._replace(reference=before.reference)
         self.log, self.snapshot_at = [], time.perf_counter()

@@ -82,3 +82,11 @@ def restore_reference_workers(cluster, snapshot: Snapshot) -> None:
     """Every reference worker becomes the snapshot's reference (weights and update state)."""
     group = cluster.reference.group
     gather([call(group, r, "restore", snapshot.reference) for r in range(group.size)], cluster.timeout_s)
+
+
+def snapshot_reference(cluster) -> object:
+    """Reference worker 0's state (every worker holds the same), by reference, once it is in
+    the object store."""
+    size, data = call_split(cluster.reference.group, 0, "snapshot")
+    gather([size], cluster.timeout_s)
+    return data

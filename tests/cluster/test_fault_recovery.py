@@ -34,8 +34,9 @@ def _reward(rollout):
     return float(int(rollout.completion_ids.sum()) % 3)
 
 
-def _build(path, trainers=2, zero=2, tracking=True, critic=False, timeout=120.0):
-    cfg = ClusterConfig(generators=1, trainers=trainers, zero_stage=zero, critics=2, call_timeout_s=timeout)
+def _build(path, trainers=2, zero=2, tracking=True, critic=False, timeout=120.0, on_trainers=False):
+    cfg = ClusterConfig(generators=1, trainers=trainers, zero_stage=zero, critics=2, call_timeout_s=timeout,
+                        reference_on_trainers=on_trainers, generate_on_trainers=on_trainers)
     cluster = build_rl_cluster(path, cfg, TrainerConfig(zero_stage=zero, lr=1e-3, micro_batch_size=4), _reward,
                                with_reference=True, ref_update_fn=create_ema_updater(0.5) if tracking else None,
                                reserve_critics=critic)
@@ -73,7 +74,10 @@ def _run(path, kills=(), snapshot_every=1, prompts=4, n=2, algo=None, staleness=
         weights = {"policy": gather(fan_out(c.trainers, "full_state"), c.timeout_s)[0]}
         if c.critics is not None:
             weights["critic"] = gather(fan_out(c.critics, "full_state"), c.timeout_s)[0]
-        weights["reference"] = gather([call(c.reference.group, 0, "snapshot")], c.timeout_s)[0][1]["weights"]
+        if c.reference.where == "workers":
+            weights["reference"] = gather([call(c.reference.group, 0, "snapshot")], c.timeout_s)[0][1]["weights"]
+        else:  # rank 0's part holds the copy every rank keeps
+            weights["reference"] = gather(fan_out(c.trainers, "snapshot"), c.timeout_s)[0][1]["reference"]["weights"]
         return weights, state.metrics_history, backend
     finally:
         shutdown_cluster(backend.cluster)
@@ -151,6 +155,19 @@ def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, t
     assert [(f["role"], f["replayed"]) for f in backend.faults] == [("trainer", 2)]  # steps 0 and 1 made again
     assert _max_diff(base, weights) <= 1e-5
     assert sum("faults/snapshot_s" in m for m in history) == STEPS // 3  # after steps 3 and 6
+
+
+def test_trainer_rebuilt_with_its_hosted_generator_and_moving_reference(ray_local, tiny_model_path):
+    """The default job's shape: generation and an EMA reference on the trainer ranks. A rank dies
+    two steps after a snapshot (every 3): the rebuilt ranks get the snapshot's reference copy,
+    replay two updates and the reference's two moves, and generate at the right version."""
+    kwargs = dict(on_trainers=True, tracking=True, snapshot_every=3)
+    base, _, _ = _undisturbed(tiny_model_path, "on_trainers", **kwargs)
+    weights, history, backend = _run(tiny_model_path, kills=[(4, "TrainerWorker", "train_planned", signal.SIGKILL)],
+                                     **kwargs)
+    assert [(f["role"], f["replayed"]) for f in backend.faults] == [("trainer", 2)]
+    assert _max_diff(base, weights) <= 1e-5
+    assert history[-1]["staleness/max"] == 0  # the rebuilt ranks' generators carry the current version
 
 
 def test_trainer_killed_in_asynchronous_run(ray_local, tiny_model_path):
