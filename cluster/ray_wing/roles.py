@@ -291,7 +291,11 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
              "reference": getattr(cluster.reference, "group", None)}[role]
     _kill(group.actors[rank])
     actor = cluster.factories[role].create(rank, *group.slot(rank))
-    gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
+    try:
+        gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
+    except BaseException:  # a replacement that does not start must not hold the bundle for the next try
+        _kill(actor)
+        raise
     actors = list(group.actors)
     actors[rank] = actor
     group = group._replace(actors=tuple(actors))
@@ -319,8 +323,13 @@ def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
         _kill(actor)
     factory = cluster.factories[role]
     group = group._replace(actors=tuple(factory.create(r, *group.slot(r)) for r in range(group.size)))
-    master = gather([call(group, 0, "endpoint")], cluster.timeout_s)[0]
-    gather(fan_out(group, "setup", *master), cluster.timeout_s)
+    try:
+        master = gather([call(group, 0, "endpoint")], cluster.timeout_s)[0]
+        gather(fan_out(group, "setup", *master), cluster.timeout_s)
+    except BaseException:  # ranks that do not start must not hold the bundles for the next try
+        for actor in group.actors:
+            _kill(actor)
+        raise
     if role == "critic":
         return cluster._replace(critics=group)
     generators, reference = cluster.generators, cluster.reference
