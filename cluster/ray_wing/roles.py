@@ -293,17 +293,17 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     actor = cluster.factories[role].create(rank, *group.slot(rank))
     try:
         gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
-    except BaseException:  # a replacement that does not start must not hold the bundle for the next try
+        actors = list(group.actors)
+        actors[rank] = actor
+        group = group._replace(actors=tuple(actors))
+        if role == "reward":
+            return cluster._replace(rewards=group)
+        if role == "reference":
+            return join_weight_sync(cluster._replace(reference=cluster.reference._replace(group=group)))
+        return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
+    except BaseException:  # a replacement the cluster does not get must not hold the bundle for the next try
         _kill(actor)
         raise
-    actors = list(group.actors)
-    actors[rank] = actor
-    group = group._replace(actors=tuple(actors))
-    if role == "reward":
-        return cluster._replace(rewards=group)
-    if role == "reference":
-        return join_weight_sync(cluster._replace(reference=cluster.reference._replace(group=group)))
-    return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
 
 
 DEEPSPEED_ROLES = ("trainer", "critic")
@@ -326,18 +326,18 @@ def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
     try:
         master = gather([call(group, 0, "endpoint")], cluster.timeout_s)[0]
         gather(fan_out(group, "setup", *master), cluster.timeout_s)
-    except BaseException:  # ranks that do not start must not hold the bundles for the next try
+        if role == "critic":
+            return cluster._replace(critics=group)
+        generators, reference = cluster.generators, cluster.reference
+        if isinstance(generators, GeneratorsOnTrainers):
+            generators = GeneratorsOnTrainers(group)
+        if isinstance(reference, ReferenceOnTrainers):
+            reference = reference._replace(trainers=group)
+        return join_weight_sync(cluster._replace(trainers=group, generators=generators, reference=reference))
+    except BaseException:  # ranks the cluster does not get must not hold the bundles for the next try
         for actor in group.actors:
             _kill(actor)
         raise
-    if role == "critic":
-        return cluster._replace(critics=group)
-    generators, reference = cluster.generators, cluster.reference
-    if isinstance(generators, GeneratorsOnTrainers):
-        generators = GeneratorsOnTrainers(group)
-    if isinstance(reference, ReferenceOnTrainers):
-        reference = reference._replace(trainers=group)
-    return join_weight_sync(cluster._replace(trainers=group, generators=generators, reference=reference))
 
 
 def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
