@@ -71,9 +71,13 @@ def test_tool_use_config_masks_tool_tokens_and_logs_tool_statistics(tmp_path, on
     rows = _rows(out)
     assert summary["rl_steps"] == 2 and len(rows) == 2
     assert summary["generation"] == ("trainers" if on_trainers else "workers")
+    # the model calls the tools (in a step or both: how often after 300 SFT steps differs between CPUs; on the
+    # machine of 2026-11-26 one of the two steps sampled no call, on 2026-11-25's both did)
+    assert sum(r["tools/calls_per_rollout"] for r in rows) > 0, rows
     for r in rows:
         assert {"tools/calls_per_rollout", "tools/success_rate", "tools/rollouts_with_calls"} <= set(r)
-        assert r["tools/calls_per_rollout"] > 0 and r["tools/untrained_tokens"] > 0, r  # tool output: mask 0
+        if r["tools/calls_per_rollout"] > 0:
+            assert r["tools/untrained_tokens"] > 0, r  # tool output: mask 0
         # the policy's tokens are scored alike by generator and trainers. A hosted generator decodes each turn
         # incrementally against a KV cache of a ~100-token conversation, the trainer in one packed pass: their
         # float32 sums differ by up to 1.2e-4 (measured; 3.7e-5 on a generator worker)

@@ -24,7 +24,7 @@ from rl_actors.trainer import TrainerConfig
 GEN = GenerationConfig(max_new_tokens=4, n=2, temperature=1.0)
 PROMPTS, LR, STEPS = 6, 1e-3, 6  # 6 prompts split evenly over 1, 2 or 3 workers
 COUNTS = [(0, 1), (2, 3), (4, 2)]
-TIMES = ("time/", "idle/", "sync/", "generators/", "recovery/")  # what a resumed or resized run may change
+TIMES = ("time/", "idle/", "sync/", "generators/", "recovery/", "faults/")  # what a resumed or resized run may change
 
 
 def spread_reward(rollout) -> float:
