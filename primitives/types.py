@@ -54,6 +54,26 @@ class GenerationConfig(NamedTuple):
     template_kwargs: Optional[dict] = None  # extra chat-template variables, e.g. {"enable_thinking": False}
 
 
+class LoraConfig(NamedTuple):
+    """Low-rank adapters (LoRA, Hu et al. 2021) through PEFT: the policy trains only the adapters
+    ``W + (alpha / rank) * B @ A`` on the target modules; the base weights stay frozen."""
+
+    rank: int = 0  # adapter rank r (0: no LoRA, every weight trains)
+    alpha: Optional[float] = None  # the update's scale is alpha / rank (None: alpha = 2 x rank, scale 2)
+    dropout: float = 0.0  # dropout on the adapters' input in training forwards (> 0: the loss's logprobs are noisy)
+    # module names (a name matches a module whose dotted path ends with it), or all-linear: every linear layer but
+    # the output head
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return (2.0 * self.rank if self.alpha is None else self.alpha) / self.rank
+
+
 class ModelConfig(NamedTuple):
     """Where and how to load a model."""
 
@@ -62,6 +82,7 @@ class ModelConfig(NamedTuple):
     device: str = "auto"  # "auto": the actor's GPU when it has one, else "cpu"; or "cpu", "cuda", "cuda:1"
     trust_remote_code: bool = False  # run the model directory's own modelling code (custom architectures)
     attn_implementation: Optional[str] = None  # e.g. "eager", "sdpa"; None = HF default
+    lora: LoraConfig = LoraConfig()  # train low-rank adapters instead of every weight (rank > 0)
 
 
 class VLLMConfig(NamedTuple):
