@@ -85,7 +85,13 @@ class HFEngine:
 
     @classmethod
     def load(cls, config: ModelConfig, role: str) -> "HFEngine":
+        """The model at ``config``; with ``config.lora`` wrapped in the same adapters as the trainer's
+        policy, so that a weight sync sends only the adapters (``primitives.model.lora``)."""
         model, tokenizer = load_causal_lm(config, role)
+        if config.lora.enabled:
+            from primitives.model.lora import with_lora
+
+            model = with_lora(model, config.lora)
         return cls(model.eval(), tokenizer)
 
     @contextmanager
