@@ -153,6 +153,7 @@ class DeepSpeedRank:
         if not self.on_gpu:  # before anything imports deepspeed (transformers does): it picks its accelerator once
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.engine = self.optimizer = None
+        self.frozen = False  # some parameters do not train (LoRA): checkpoints and snapshots leave them out
         self.steps = 0
         self._backwards_left = 0  # micro-batches still to come in the current update
 
@@ -174,7 +175,10 @@ class DeepSpeedRank:
         deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", auto_mpi_discovery=False,
                                    init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                    world_size=self.world_size)
-        optimizer = adamw(module.parameters(), self.config)
+        # what trains: every weight, or with LoRA the adapters alone (the base and a reference adapter are frozen)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        self.frozen = len(trained) < len(list(module.parameters()))
+        optimizer = adamw(trained, self.config)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
         self.device = self.engine.device
@@ -255,26 +259,42 @@ class DeepSpeedRank:
         return True
 
     # --------------------------------------------------------------- weights
-    def gathered(self, names: Sequence[str]):
+    def gathered(self, names: Sequence[str], modifier_rank: Optional[int] = None):
         """Context in which the named parameters are whole on this rank (ZeRO-3 gathers;
-        collective: every rank enters it)."""
+        collective: every rank enters it). With ``modifier_rank`` what that rank writes into them
+        is kept (ZeRO-3 partitions it again on the way out)."""
         import deepspeed
 
         params = dict(self.module.named_parameters())
         chosen = [params[n] for n in names]
         if self.config.zero_stage == 3:
-            return deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
+            return deepspeed.zero.GatheredParameters(chosen, modifier_rank=modifier_rank)
         return nullcontext()
 
-    def full_state(self, rank0_only: bool = False) -> dict:
-        """Every parameter, gathered, as numpy fp32. All ranks must call it under ZeRO-3;
-        with ``rank0_only`` the other ranks only join the gathers and return {}."""
-        out = {}
+    def trained_names(self) -> list:
+        """The parameters the optimizer updates (and a weight sync sends): all of them, or the adapters."""
+        return [n for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def full_state(self, rank0_only: bool = False, names: Optional[Sequence[str]] = None) -> dict:
+        """Every parameter (or those ``names``), gathered, as numpy fp32. All ranks must call it
+        under ZeRO-3; with ``rank0_only`` the other ranks only join the gathers and return {}."""
+        out, chosen = {}, None if names is None else set(names)
         for name, p in self.module.named_parameters():
+            if chosen is not None and name not in chosen:
+                continue
             with self.gathered([name]):
                 if self.rank == 0 or not rank0_only:
                     out[name] = p.detach().float().cpu().numpy().copy()
         return out
+
+    @torch.no_grad()
+    def assign(self, values: dict) -> None:
+        """Overwrite the named parameters with ``values`` (name -> tensor, the whole parameter; every
+        rank passes the same), cast to each parameter's dtype. Collective under ZeRO-3: all ranks call it."""
+        params = dict(self.module.named_parameters())
+        with self.gathered(list(values), modifier_rank=0):
+            for name, value in values.items():
+                params[name].data.copy_(value.to(device=params[name].device, dtype=params[name].dtype))
 
     # --------------------------------------------------------------- checkpoints
     def save(self, path: str, write: Callable[[str], None]) -> str:
@@ -291,7 +311,8 @@ class DeepSpeedRank:
         if self.rank == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)
         dist.barrier()
-        self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps})
+        self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps},
+                                    exclude_frozen_parameters=self.frozen)
         torch.save({"rng": capture_rng_state()}, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         dist.barrier()
         if self.rank == 0:
@@ -308,16 +329,18 @@ class DeepSpeedRank:
         if not os.path.isdir(os.path.join(path, "deepspeed")):
             raise FileNotFoundError(f"{self.role} {self.rank}: {path} is not a {self.role} checkpoint "
                                     f"(no deepspeed/)")
-        _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine")
+        _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine",
+                                                load_module_strict=not self.frozen)
         self.steps = int((client or {}).get("steps", 0))
         rng = torch.load(os.path.join(path, "deepspeed", f"rng_rank{self.rank}.pt"), weights_only=False)
         restore_rng_state(rng["rng"])
 
     # --------------------------------------------------------------- in-memory snapshots
     def state_bytes(self) -> int:
-        """An upper bound of this rank's snapshot: the module's parameters at their size, plus fp32
-        master weights and two Adam moments for its share of them."""
-        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
+        """An upper bound of this rank's snapshot: the trained parameters at their size, plus fp32
+        master weights and two Adam moments for its share of them (frozen ones are left out)."""
+        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters()
+                     if p.requires_grad)
         return int(params * (4 + 12 / self.world_size))
 
     def snapshot(self) -> dict:
@@ -327,7 +350,8 @@ class DeepSpeedRank:
         the object store and outlives this process (``restore``)."""
         tmp = tempfile.mkdtemp(prefix=f"snapshot-{self.role}{self.rank}-", dir=scratch_dir(self.state_bytes()))
         try:
-            self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps}, save_latest=False)
+            self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps}, save_latest=False,
+                                        exclude_frozen_parameters=self.frozen)
             files = read_tree(tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -348,7 +372,7 @@ class DeepSpeedRank:
         try:
             for part in parts:
                 write_tree(tmp, part["files"])
-            self.engine.load_checkpoint(tmp, tag="engine")
+            self.engine.load_checkpoint(tmp, tag="engine", load_module_strict=not self.frozen)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         mine = next(p for p in parts if p["rank"] == self.rank)

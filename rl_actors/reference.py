@@ -111,6 +111,133 @@ class Reference:
                                   state.last_reset_step)
 
 
+class AdapterReference:
+    """The reference of a LoRA policy, held by each trainer rank inside the policy's own module: no
+    second model. Until it is set or moves it is the base model, scored with the adapters off; once
+    set (the SFT stage's policy, ``load``) or moved by ``ref_update_fn`` (EMA, periodic reset, on
+    adapter weights) it is a second, frozen adapter ``"reference"`` of the module
+    (``primitives.model.lora``), scored with that adapter on.
+
+    ``weights`` (the reference adapter by the *policy* adapter's names, fp32, whole on every rank)
+    is the state; ``assign(values)`` writes it into the module's reference adapter (a collective
+    under ZeRO-3, as is every forward there: ``collective``). ``initial`` is the policy's starting
+    adapter (``B`` zero, so the same function as the base model): a tracking reference's first
+    ``ref_update_fn`` call starts from it."""
+
+    def __init__(self, module: torch.nn.Module, initial: dict, assign: Callable[[dict], None],
+                 ref_update_fn: Optional[Callable] = None, collective: bool = False):
+        from primitives.model.lora import REFERENCE
+
+        if REFERENCE not in module.peft_config:
+            raise ValueError("AdapterReference: the module has no reference adapter (build it with "
+                             "primitives.model.lora.add_reference_adapter before DeepSpeed wraps it)")
+        self.model, self._assign = module, assign
+        self.initial = {k: torch.as_tensor(v).detach().float().cpu().clone() for k, v in initial.items()}
+        self.policy_names = sorted(self.initial)
+        self.ref_update_fn, self.collective = ref_update_fn, collective
+        self.state: Optional[RefState] = None  # None: the base model (adapters off)
+
+    @property
+    def tracks_policy(self) -> bool:
+        return self.ref_update_fn is not None
+
+    def _scoring(self):
+        from primitives.model.lora import REFERENCE, active_adapter, adapters_off
+
+        return adapters_off(self.model) if self.state is None else active_adapter(self.model, REFERENCE)
+
+    def rollout_arrays(self, rollouts: Sequence, pad_id: int, temperature: float,
+                       micro_batch_size: Optional[int] = None) -> list:
+        if not rollouts:
+            return []
+        with self._scoring():
+            return list(rollout_logprobs(self.model, rollouts, pad_id, temperature, micro_batch_size))
+
+    def scored(self, rollouts: Sequence, pad_id: int, temperature: float,
+               micro_batch_size: Optional[int] = None) -> list:
+        arrays = self.rollout_arrays(rollouts, pad_id, temperature, micro_batch_size)
+        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, arrays, strict=True)]
+
+    def score_batch(self, batch: Batch, temperature: float, micro_batch_size: Optional[int] = None) -> Batch:
+        from primitives.model.training import with_logprobs
+
+        with self._scoring():
+            return with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
+
+    def _set(self, weights: dict, last_reset_step: int) -> None:
+        """The reference becomes the adapter ``weights`` (policy adapter names -> tensor)."""
+        from primitives.model.lora import POLICY, REFERENCE, renamed
+
+        missing = set(self.policy_names) - set(weights)
+        if missing:
+            raise KeyError(f"reference adapter state lacks {sorted(missing)[:3]}")
+        fp32 = {k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v))).detach().float().cpu()
+                for k, v in weights.items() if k in set(self.policy_names)}
+        self.state = RefState(fp32, last_reset_step)
+        self._assign({renamed(k, POLICY, REFERENCE): v for k, v in fp32.items()})
+
+    def move(self, policy: dict, step: int, kl: Optional[float] = None) -> None:
+        """``ref_update_fn`` on the adapter weights (name -> tensor of the policy's adapter). Before
+        its first move the reference is the policy's starting adapter (``B`` zero: the base model)."""
+        current = self.state if self.state is not None else RefState(dict(self.initial), 0)
+        new = self.ref_update_fn(current, {k: torch.as_tensor(v).float() for k, v in policy.items()}, step, kl)
+        self._set(new.weights, new.last_reset_step)
+
+    def load(self, weights: dict) -> None:
+        """The reference becomes the given policy adapter (the SFT stage's policy, say)."""
+        self._set(weights, self.state.last_reset_step if self.state is not None else 0)
+
+    def save(self, path: str) -> str:
+        """``reference_adapter.safetensors`` (the adapter by the policy's names), or, while the
+        reference is the base model, ``reference.json`` saying so."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        if self.state is None:
+            with open(os.path.join(path, "reference.json"), "w") as f:
+                json.dump({"reference": "base model (adapters off)"}, f)
+        else:
+            save_file({k: v.contiguous() for k, v in self.state.weights.items()},
+                      os.path.join(path, "reference_adapter.safetensors"),
+                      metadata={"last_reset_step": str(self.state.last_reset_step)})
+        return path
+
+    def load_from(self, path: str) -> None:
+        import os
+
+        from safetensors import safe_open
+
+        file = os.path.join(path, "reference_adapter.safetensors")
+        if not os.path.isfile(file):
+            self.state = None  # saved while it was the base model
+            return
+        with safe_open(file, "pt") as f:
+            weights = {k: f.get_tensor(k) for k in f.keys()}
+            step = int((f.metadata() or {}).get("last_reset_step", 0))
+        self._set(weights, step)
+
+    def checksums(self) -> dict:
+        if self.state is None:
+            return {"reference": "base model (adapters off)"}
+        return tensor_checksums(sorted(self.state.weights.items()))
+
+    def snapshot(self) -> dict:
+        if self.state is None:
+            return {"base": True}
+        return {"weights": {k: v.clone() for k, v in self.state.weights.items()},
+                "last_reset_step": self.state.last_reset_step}
+
+    def restore(self, snap: dict) -> None:
+        """Become what ``snapshot`` described (all ranks together under ZeRO-3: it writes the adapter)."""
+        if snap.get("base"):
+            self.state = None
+        else:
+            self._set(snap["weights"], int(snap.get("last_reset_step", 0)))
+
+
 class RefLogprobWorker:
     """The reference as an actor of its own (one of ``cluster.reference_workers``)."""
 

@@ -36,6 +36,7 @@ import torch
 from primitives.maths.algorithms import AlgorithmConfig
 from primitives.maths.batching import planned_batch, rollout_metrics
 from primitives.model.logprobs import rollout_logprobs
+from primitives.model.lora import add_reference_adapter, merged_state, save_adapter, with_lora
 from primitives.model.training import (
     forward_backward,
     pair_unit,
@@ -58,7 +59,7 @@ from rl_actors.deepspeed_rank import (
     snapshot_bytes,
 )
 from rl_actors.generator import GeneratorWorker
-from rl_actors.reference import Reference
+from rl_actors.reference import AdapterReference, Reference
 from rl_actors.weight_sync import (
     DTYPES,
     SyncAddress,
@@ -102,10 +103,19 @@ class TrainerWorker:
         and build the DeepSpeed engine (all ranks together)."""
         module, self.tokenizer = load_causal_lm(
             self.ds.model_config._replace(device=self.ds.module_device, dtype="float32"), f"{self.role} {self.rank}")
-        if self.with_reference:  # a copy before DeepSpeed wraps (and under ZeRO-3 partitions) the policy
+        lora = self.ds.model_config.lora
+        if lora.enabled:  # the adapters train, the base is frozen (every rank draws the same A from the seed)
+            module = with_lora(module, lora)
+            if self.with_reference:  # the reference lives in the same module: adapters off, or a frozen adapter
+                add_reference_adapter(module)
+                initial = {n: p.detach().float().clone() for n, p in module.named_parameters() if p.requires_grad}
+        elif self.with_reference:  # a copy before DeepSpeed wraps (and under ZeRO-3 partitions) the policy
             self.reference = Reference(copy.deepcopy(module).to(getattr(torch, self.ds.model_config.dtype)),
                                        self.ref_update_fn)
         self.ds.setup(master_addr, master_port, module)
+        if lora.enabled and self.with_reference:
+            self.reference = AdapterReference(self.module, initial, self.ds.assign, self.ref_update_fn,
+                                              collective=self.config.zero_stage == 3)
         if self.host_generator:
             self.hosted = GeneratorWorker.hosted(self.module, self.tokenizer, self.rank, self.seed,
                                                  f"{self.role} {self.rank}", host_clock=self.clock)
@@ -137,13 +147,16 @@ class TrainerWorker:
 
         def prepare(part: Batch, fix_old: bool) -> Batch:
             shard = part.shard(self.rank, self.world_size, unit)
-            if shard.ref_logprobs is None and self.reference is not None:  # a copy of its own: no collective
+            most = micro_batch_count(largest_shard(part.size, self.world_size, unit), mbs)
+            if shard.ref_logprobs is None and self.reference is not None:
+                # a copy of its own: no collective; the LoRA reference is the policy's module (ZeRO-3: collective)
                 shard = self.reference.score_batch(shard, temperature, mbs)
+                if getattr(self.reference, "collective", False):
+                    self.ds.pad_forwards(micro_batch_count(shard.size, mbs), most)
             if not fix_old:
                 return shard
             shard = with_old_logprobs(self.module, shard, temperature, mbs)  # micro-batches of mbs rows, pairs or not
-            self.ds.pad_forwards(micro_batch_count(shard.size, mbs),
-                                 micro_batch_count(largest_shard(part.size, self.world_size, unit), mbs))
+            self.ds.pad_forwards(micro_batch_count(shard.size, mbs), most)
             return shard
 
         with self.clock.working():
@@ -209,9 +222,12 @@ class TrainerWorker:
 
     # --------------------------------------------------------------- weights
     def weight_meta(self) -> list:
-        """Names, full shapes and dtypes of the parameters (what a sync sends)."""
-        meta = []
+        """Names, full shapes and dtypes of the parameters that train (what a sync sends): every
+        weight, or with LoRA the policy's adapters alone."""
+        meta, trained = [], set(self.ds.trained_names())
         for name, p in self.module.named_parameters():
+            if name not in trained:
+                continue
             shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
             dtype = torch.bfloat16 if self.ds.bf16 else torch.float32
             meta.append(TensorMeta(name, shape, dtype_name(dtype)))
@@ -267,8 +283,10 @@ class TrainerWorker:
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.ds.device)
 
     def weight_checksums(self) -> dict:
-        sums = {}
-        for name, p in self.module.named_parameters():
+        """sha1 of each parameter a sync sends (``weight_meta``), as the generators compute theirs."""
+        sums, params = {}, dict(self.module.named_parameters())
+        for name in self.ds.trained_names():
+            p = params[name]
             with self.ds.gathered([name]):
                 sums.update(tensor_checksums([(name, p.data)]))
         return sums
@@ -284,21 +302,29 @@ class TrainerWorker:
             raise RuntimeError(f"{self.role} {self.rank} holds no reference (cluster.reference_on_trainers is off)")
         return self.reference
 
+    def _policy_state(self) -> dict:
+        """What the reference reads of the policy: every weight, or with LoRA its adapters (gathered)."""
+        names = self.ds.trained_names() if isinstance(self.reference, AdapterReference) else None
+        return {k: torch.from_numpy(v) for k, v in self.ds.full_state(names=names).items()}
+
     def move_reference(self, step: int, kl: Optional[float] = None) -> bool:
         """``ref_update_fn`` on this rank's copy of the reference, from the policy as it stands
         (every rank does the same, so the copies stay equal; a collective under ZeRO-3)."""
-        reference = self._held_reference()
-        reference.move({k: torch.from_numpy(v) for k, v in self.full_state().items()}, step, kl)
+        self._held_reference().move(self._policy_state(), step, kl)
         return True
 
     def copy_policy_to_reference(self) -> bool:
         """The reference becomes the policy as it stands (after SFT, say; collective under ZeRO-3)."""
-        self._held_reference().load(self.full_state())
+        self._held_reference().load(self._policy_state())
         return True
 
     def reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """Reference logprobs ``(T_i,)`` of rollouts, before a batch is made (KL in the reward):
         this rank's copy serves as a reference worker would (no collective: any rank, any chunk)."""
+        if getattr(self.reference, "collective", False):
+            raise RuntimeError(f"{self.role} {self.rank}: a LoRA reference under ZeRO-3 scores in collective "
+                               "forwards, so it cannot score a chunk of rollouts alone (KL in the reward); use "
+                               "cluster.zero_stage 1 or 2")
         return self._held_reference().rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
                                                      self.config.micro_batch_size)
 
@@ -358,9 +384,16 @@ class TrainerWorker:
         checkpoint in the same rename.
         """
         state = {name: torch.from_numpy(v) for name, v in self.full_state().items()}  # collective under ZeRO-3
+        lora = self.ds.model_config.lora
 
         def write(staging: str) -> None:
-            self.module.save_pretrained(os.path.join(staging, "hf"), state_dict=state)
+            if lora.enabled:  # the adapters as PEFT loads them, and merged into a plain HF model
+                save_adapter(self.module, os.path.join(staging, "adapter"), state)
+                self.tokenizer.save_pretrained(os.path.join(staging, "adapter"))
+                self.module.get_base_model().save_pretrained(os.path.join(staging, "hf"),
+                                                             state_dict=merged_state(state, lora))
+            else:
+                self.module.save_pretrained(os.path.join(staging, "hf"), state_dict=state)
             self.tokenizer.save_pretrained(os.path.join(staging, "hf"))
             for name, directory in (extra_dirs or {}).items():
                 os.rename(directory, os.path.join(staging, name))

@@ -127,7 +127,7 @@ def merged_state(state: dict, cfg: LoraConfig, adapter: str = POLICY) -> dict:
     tensor or array, every parameter): each target's base weight plus ``(alpha / r) B @ A`` of
     ``adapter``; the other adapters' parameters are left out. Linear targets only
     (``fan_in_fan_out`` off), as ``with_lora`` makes them."""
-    tensors = {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for k, v in state.items()}
+    tensors = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in state.items()}
     out = {}
     for name, value in tensors.items():
         if ".lora_" in name:

@@ -1,0 +1,177 @@
+"""LoRA on real DeepSpeed trainer ranks (``model.lora``): only the adapters train, under ZeRO-1/2/3
+and on 1 or 2 ranks, to the weights one process computes; the reference is the base model with
+the adapters off (no copy), or a frozen adapter that moves on adapter weights; checkpoints hold
+the adapters as PEFT loads them and merged into a plain HF model, and resume exactly."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from primitives.maths.algorithms import grpo
+from primitives.maths.batching import make_batch
+from primitives.maths.kl import RefState, create_ema_updater
+from primitives.model.logprobs import rollout_logprobs
+from primitives.model.lora import adapter_names, merged_state, with_lora
+from primitives.model.training import forward_backward, optim_step, step_counts
+from primitives.types import LoraConfig, ModelConfig
+from rl_actors.trainer import TrainerConfig, TrainerWorker
+from tests.conftest import scored_rollouts
+
+LR, EPS = 1e-2, 1e-6  # a large lr: the adapters' first steps must move the logprobs measurably
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
+
+
+def _group(ray, path, stage, world, lora=LORA, **kwargs):
+    remote = ray.remote(num_cpus=1)(TrainerWorker)
+    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)
+    actors = [remote.remote(ModelConfig(path, lora=lora), r, world, cfg, 0, **kwargs) for r in range(world)]
+    addr = ray.get(actors[0].endpoint.remote())
+    ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+    return actors
+
+
+def _kill(ray, actors):
+    for a in actors:
+        ray.kill(a)
+
+
+def _batch(path, kl=False):
+    rollouts, tok = scored_rollouts(path)
+    if kl:
+        rollouts = [r._replace(ref_logprobs=None) for r in rollouts]
+    algo = grpo(kl_coef=0.05 if kl else 0.0)
+    return make_batch(rollouts, algo, tok.pad_token_id, budget=4), algo, rollouts, tok
+
+
+def _peft_model(path, state):
+    """A one-process PEFT model of the same adapters, set to ``state`` (the actor's parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    model = with_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LORA)
+    policy = {k: torch.from_numpy(np.array(v)) for k, v in state.items() if ".reference." not in k}  # its own adapter
+    missing, unexpected = model.load_state_dict(policy, strict=False)
+    assert not unexpected and not [m for m in missing if ".lora_" in m]
+    return model
+
+
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (2, 1)])
+def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model_path, stage, world):
+    from transformers import AutoConfig
+
+    batch, algo, _, _ = _batch(tiny_model_path)
+    actors = _group(ray_local, tiny_model_path, stage, world)
+    try:
+        before = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
+        meta = ray_local.get(actors[0].weight_meta.remote())
+        stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
+        states = ray_local.get([a.full_state.remote() for a in actors], timeout=300)
+    finally:
+        _kill(ray_local, actors)
+    trained = adapter_names(before)
+    layers = AutoConfig.from_pretrained(tiny_model_path).num_hidden_layers
+    # layers x 3 targets x (A, B), what a sync sends: the adapters alone
+    assert sorted(m.name for m in meta) == sorted(trained) and len(trained) == layers * 3 * 2
+    one = _peft_model(tiny_model_path, before)
+    opt = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0)
+    ref_metrics = forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
+    ref_norm = optim_step(one, opt, max_grad_norm=1.0)
+    expected = {n: p.detach().numpy() for n, p in one.named_parameters()}
+    assert sum(s["loss/policy"] for s in stats) == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
+    assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    for name, w in states[0].items():
+        if name in trained:
+            assert np.abs(w - expected[name]).max() < 0.02 * LR, name  # Adam's first step: see test_trainer_zero
+        else:
+            assert np.array_equal(w, before[name]), f"frozen {name} moved"
+    assert max(np.abs(states[0][n] - before[n]).max() for n in trained) > 0.5 * LR  # the adapters moved
+    for n in trained:
+        assert np.array_equal(states[0][n], states[-1][n])  # every rank holds the same adapters
+
+
+def test_adapters_off_reference_is_the_base_model(ray_local, tiny_model_path):
+    """A fixed reference with LoRA: the trainer ranks' logprobs with the adapters off equal the base
+    model's, after the adapters have trained (so on equals off would fail), and the KL the step
+    logs is against those."""
+    from transformers import AutoModelForCausalLM
+
+    batch, algo, rollouts, tok = _batch(tiny_model_path, kl=True)
+    actors = _group(ray_local, tiny_model_path, 2, 2, reference=True)
+    try:
+        for _ in range(2):
+            ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        ref = ray_local.get(actors[1].reference_logprobs.remote(rollouts, 0.7))
+        policy = ray_local.get(actors[1].logprobs.remote(rollouts, 0.7))
+    finally:
+        _kill(ray_local, actors)
+    base = rollout_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_path), rollouts, tok.pad_token_id, 0.7)
+    gap = max(float(np.abs(a - b).max()) for a, b in zip(ref, base))
+    assert gap < 1e-5
+    assert max(float(np.abs(a - b).max()) for a, b in zip(policy, base)) > 1e-2  # the adapters are on for the policy
+
+
+def test_ema_reference_moves_on_adapter_weights(ray_local, tiny_model_path):
+    """An EMA reference with LoRA is a frozen adapter: after a step and a move it scores as a PEFT
+    model whose adapter is decay * start + (1 - decay) * policy, computed here from the ranks' state."""
+    batch, algo, rollouts, tok = _batch(tiny_model_path, kl=True)
+    ema = create_ema_updater(0.5)
+    actors = _group(ray_local, tiny_model_path, 3, 2, reference=True, ref_update_fn=ema)
+    try:
+        start = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        ray_local.get([a.move_reference.remote(1) for a in actors], timeout=300)
+        policy = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
+        # ZeRO-3: a forward is collective, so both ranks score (the same rollouts)
+        ref = ray_local.get([a.with_reference_logprobs.remote(rollouts, 1.0) for a in actors], timeout=300)[0]
+    finally:
+        _kill(ray_local, actors)
+    names = adapter_names(start)
+    moved = ema(RefState({n: torch.tensor(start[n]) for n in names}, 0), {n: torch.tensor(policy[n]) for n in names},
+                1).weights
+    expected_model = _peft_model(tiny_model_path, {**policy, **{n: v.numpy() for n, v in moved.items()}})
+    expected = rollout_logprobs(expected_model, rollouts, tok.pad_token_id, 1.0)
+    gap = max(float(np.abs(r.ref_logprobs - e).max()) for r, e in zip(ref, expected))
+    assert gap < 1e-5
+    policy_lp = rollout_logprobs(_peft_model(tiny_model_path, policy), rollouts, tok.pad_token_id, 1.0)
+    assert max(float(np.abs(r.ref_logprobs - p).max()) for r, p in zip(ref, policy_lp)) > 1e-3  # not the policy
+
+
+def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local, tiny_model_path, tmp_path):
+    """Step 1, checkpoint, step 2 on one group; a new group loads the checkpoint and makes step 2:
+    the same adapters bit for bit (Adam moments and RNG came back). The checkpoint's ``adapter/``
+    loads with PEFT and its ``hf/`` with plain transformers, both computing what the ranks do."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch, algo, rollouts, tok = _batch(tiny_model_path)
+    path = str(tmp_path / "ckpt")
+    actors = _group(ray_local, tiny_model_path, 2, 2)
+    try:
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        ray_local.get([a.save_checkpoint.remote(path, {"iteration": 1}) for a in actors], timeout=300)
+        policy = ray_local.get(actors[0].logprobs.remote(rollouts, 1.0))
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        continuous = ray_local.get(actors[0].full_state.remote())
+    finally:
+        _kill(ray_local, actors)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(os.path.join(path, "adapter")))
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), os.path.join(path, "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(path, "hf"))
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    for model in (adapter, merged):
+        got = rollout_logprobs(model, rollouts, tok.pad_token_id, 1.0)
+        assert max(float(np.abs(a - b).max()) for a, b in zip(got, policy)) < 1e-5
+    actors = _group(ray_local, tiny_model_path, 2, 2)
+    try:
+        ray_local.get([a.load_checkpoint.remote(path) for a in actors], timeout=300)
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        resumed = ray_local.get(actors[0].full_state.remote())
+    finally:
+        _kill(ray_local, actors)
+    for name in adapter_names(continuous):
+        assert np.array_equal(resumed[name], continuous[name]), name
+    # merged_state's fold is the one PEFT's own merge makes
+    plain = merged_state(continuous, LORA)
+    peft_merged = _peft_model(tiny_model_path, continuous).merge_and_unload().state_dict()
+    assert max(float((torch.as_tensor(v) - peft_merged[k]).abs().max()) for k, v in plain.items()) < 1e-6
