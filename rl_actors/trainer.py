@@ -237,6 +237,8 @@ class TrainerWorker:
         """Rank 0 hosts the sync group's store and is its rank 0; other ranks only gather.
         With vLLM generators (``protocol="vllm"``) rank 0 joins vLLM's own NCCL communicator."""
         self.sync_protocol = address.protocol
+        # gloo carries CPU tensors (a GPU rank sends the adapters to vLLM over gloo: copies on the way)
+        self.sync_device = torch.device("cpu") if address.backend == "gloo" else self.ds.device
         if self.rank == 0 and address.protocol == "vllm":
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
@@ -272,7 +274,7 @@ class TrainerWorker:
             metas = [meta[i] for i in idx]
             with self.ds.gathered([m.name for m in metas]):
                 if self.rank == 0:
-                    moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.ds.device,
+                    moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.sync_device,
                                                get_tensors=lambda ms: [params[m.name].data for m in ms])
         return moved
 
@@ -280,7 +282,7 @@ class TrainerWorker:
         """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
         and the baseline the bucketed sync is measured against)."""
 
-        return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.ds.device)
+        return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.sync_device)
 
     def weight_checksums(self) -> dict:
         """sha1 of each parameter a sync sends (``weight_meta``), as the generators compute theirs."""

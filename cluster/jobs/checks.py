@@ -152,6 +152,23 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
     return failed_checks(checks) + ignored
 
 
+def lora_errors(job: RLJob) -> list:
+    """An RL job with ``model.lora``: the reference lives in the trainer ranks' module (the base model
+    with the adapters off), so reference worker settings would be ignored; under ZeRO-3 its forwards
+    are collective, so it cannot score rollouts one chunk at a time for KL in the reward."""
+    if not job.model.lora.enabled:
+        return []
+    errors = [] if job.cluster.reference_on_trainers else ignored_errors(
+        job.cluster, REFERENCE_FIELDS, "with model.lora the reference is the trainer ranks' model with its adapters "
+        "off (no reference workers)", ClusterConfig())
+    kl_shaping = [s.name for s in job.shaping if s.name == "kl_penalty"]
+    if kl_shaping and job.cluster.zero_stage == 3:
+        errors.append("shaping kl_penalty with model.lora under cluster.zero_stage 3: the reference is the trainer "
+                      "ranks' partitioned model with its adapters off, whose forwards are collective, so it cannot "
+                      "score rollouts chunk by chunk for the reward; use cluster.zero_stage 1 or 2")
+    return errors
+
+
 def vllm_errors(cluster) -> list:
     """``cluster.vllm`` settings that cannot apply where the generators run (CPU: no GPUs), and
     the vLLM layouts this project has not run."""
@@ -301,7 +318,7 @@ def rl_errors(job: RLJob) -> list:
          "prompts, formatted, and its eval prompts"),
         (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
     ]) + checkpoint_errors(job.checkpoint)
-    errors += cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True)
+    errors += cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True) + lora_errors(job)
     return errors + ([] if any(e.startswith("algorithm.") for e in errors) else algorithm_errors(job))
 
 

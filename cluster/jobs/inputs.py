@@ -101,11 +101,23 @@ def resolve_model(model: ModelConfig, out: str, seed: int) -> ModelConfig:
 
 
 def model_errors(model: ModelConfig) -> list:
+    from primitives.model.lora import value_errors
+
     checks = [(model.dtype in ("float32", "bfloat16", "float16"),
                f"model.dtype must be float32, bfloat16 or float16, got {model.dtype}")]
     if model.model_name_or_path not in EMBEDDED_MODELS:
         checks += [(False, e) for e in model_dir_errors(model.model_name_or_path)]
-    return failed_checks(checks)
+    return failed_checks(checks) + value_errors(model.lora)
+
+
+def resolved_model(model: ModelConfig, out: str, seed: int) -> ModelConfig:
+    """``resolve_model``, then the checks that need the model's directory: LoRA's target modules
+    against the model's own modules (an empty copy: no weights read)."""
+    from primitives.model.lora import target_errors
+
+    model = resolve_model(model, out, seed)
+    raise_if(target_errors(model.model_name_or_path, model.lora, model.trust_remote_code))
+    return model
 
 
 def load_tokenizer(model: ModelConfig):
@@ -239,10 +251,11 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
     algo = algorithm_of(job.algorithm)
     extensions = job_extensions(job)
+    job = with_lora_reference(job)
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
 
     def load(job=job) -> RLInputs:
-        job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+        job = job._replace(model=resolved_model(job.model, job.logging.out, job.seed))
         tokenizer = load_tokenizer(job.model)
         check_prompts(train + evals, tokenizer, job.data)
         sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume \
@@ -283,6 +296,14 @@ def job_extensions(job: RLJob) -> dict:
     return {"schedule": schedule, "algos": tuple(algos), **built}
 
 
+def with_lora_reference(job: RLJob) -> RLJob:
+    """With ``model.lora`` the reference is the base model (the trainer ranks' module with its
+    adapters off) or a frozen adapter of that module: always on the trainer ranks, never a worker."""
+    if job.model.lora.enabled and not job.cluster.reference_on_trainers:
+        return job._replace(cluster=job.cluster._replace(reference_on_trainers=True))
+    return job
+
+
 def side_by_side(work, here):
     """``work()``'s result, computed in another thread while ``here()`` runs in this one (which
     must stay: processes it starts may be tied to its thread's life, as Ray's are). Whichever
@@ -316,6 +337,6 @@ def prepare_sft(job: SFTJob) -> SFTInputs:
     if job.checkpoint.resume:
         errors += resume_errors(job.checkpoint.resume)
     raise_if(errors)
-    job = job._replace(model=resolve_model(job.model, job.logging.out, job.seed))
+    job = job._replace(model=resolved_model(job.model, job.logging.out, job.seed))
     samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model))
     return SFTInputs(job, samples, eval_samples)

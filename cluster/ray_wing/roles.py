@@ -164,13 +164,15 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
         node_resources = NODE_GROUP_PINS
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
     with_reference = with_reference or reward_needs_reference
+    model = model if isinstance(model, ModelConfig) else ModelConfig(model)
+    if model.lora.enabled:  # the reference is the trainers' module with the adapters off (primitives.model.lora)
+        cfg = cfg._replace(reference_on_trainers=True)
     on_trainers = with_reference and cfg.reference_on_trainers
     roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
     marks.append(("ray_init", time.time()))
     spec = {r.name: r for r in roles}
-    model = model if isinstance(model, ModelConfig) else ModelConfig(model)
     threads = cfg.threads_per_actor
     wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
 
@@ -214,9 +216,11 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
     receiver_gpus = cfg.reference_gpus if hosted else cfg.generator_gpus  # who joins the broadcast
-    backend = "nccl" if cfg.trainer_gpus and receiver_gpus else "gloo"
-    # vLLM on GPUs receives through its own NCCL engine; everything else (vLLM on CPU included)
-    # reads the trainer's bucketed broadcast
+    # vLLM with LoRA takes the adapters in its actor's process, over gloo: they are small
+    lora_into_vllm = model.lora.enabled and backends == {"vllm"}
+    backend = "nccl" if cfg.trainer_gpus and receiver_gpus and not lora_into_vllm else "gloo"
+    # vLLM on GPUs receives full weights through its own NCCL engine; everything else (vLLM on CPU,
+    # adapters) reads the trainer's bucketed broadcast
     protocol = "vllm" if backends == {"vllm"} and backend == "nccl" else "torch"
     if protocol == "vllm" and reference is not None and reference.sync_ranks():
         raise ValueError("a policy-tracking reference worker cannot join vLLM's NCCL weight-transfer group; use a "

@@ -162,35 +162,35 @@ def save_adapter(model, path: str, state: dict, adapter: str = POLICY) -> str:
     return path
 
 
-def target_errors(model_path: str, cfg: LoraConfig, field: str = "model.lora.target_modules",
-                  trust_remote_code: bool = False) -> list:
-    """Why ``cfg`` cannot wrap the model at ``model_path``, checked on an empty (meta-device)
-    copy before anything loads: a target module name that no module of the model ends with, a
-    target that is not a linear layer, a bad rank or alpha. Each error names ``field``."""
+def value_errors(cfg: LoraConfig) -> list:
+    """Settings of ``model.lora`` that cannot hold, whatever the model."""
+    checks = [(cfg.rank >= 0, f"model.lora.rank must be 0 (off) or more, got {cfg.rank}"),
+              (cfg.alpha is None or cfg.alpha > 0, f"model.lora.alpha must be > 0, got {cfg.alpha}"),
+              (0.0 <= cfg.dropout < 1.0, f"model.lora.dropout must be in [0, 1), got {cfg.dropout}"),
+              (bool(cfg.target_modules), "model.lora.target_modules is empty; name modules (e.g. q_proj, v_proj) "
+                                         "or all-linear"),
+              ("all-linear" not in cfg.target_modules or len(cfg.target_modules) == 1,
+               f"model.lora.target_modules: all-linear stands alone, got {list(cfg.target_modules)}")]
+    return [message for ok, message in checks if not ok]
+
+
+def target_errors(model_path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> list:
+    """Target modules of ``cfg`` that the model at ``model_path`` lacks, or that are not linear
+    layers, checked on an empty (meta-device) copy before anything loads; each error names
+    ``model.lora.target_modules`` and the model's linear layers."""
     from primitives.hooks import did_you_mean
 
-    errors = []
-    if cfg.rank < 0:
-        errors.append(f"model.lora.rank: must be 0 (off) or more, got {cfg.rank}")
-    if cfg.alpha is not None and cfg.alpha <= 0:
-        errors.append(f"model.lora.alpha: must be > 0, got {cfg.alpha}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        errors.append(f"model.lora.dropout: must be in [0, 1), got {cfg.dropout}")
-    if not cfg.enabled or errors:
-        return errors
-    targets = tuple(cfg.target_modules)
-    if not targets:
-        return [f"{field}: empty; name modules (e.g. q_proj, v_proj) or all-linear"]
-    if "all-linear" in targets:
-        return [] if targets == ("all-linear",) else [f"{field}: all-linear stands alone, got {list(targets)}"]
+    field = "model.lora.target_modules"
+    if not cfg.enabled or tuple(cfg.target_modules) == ("all-linear",) or value_errors(cfg):
+        return []
     modules = meta_modules(model_path, trust_remote_code)
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
-    for target in targets:
+    errors = []
+    for target in cfg.target_modules:
         hits = [m for n, m in modules.items() if n == target or n.endswith("." + target)]
         if not hits:
-            hint = did_you_mean(target, linear) or ""
-            errors.append(f"{field}: '{target}' matches no module of {model_path}{hint}; its linear layers: "
-                          f"{', '.join(linear)}")
+            errors.append(f"{field}: '{target}' matches no module of {model_path}{did_you_mean(target, linear)}; "
+                          f"its linear layers are {', '.join(linear)}")
         elif not all(isinstance(m, torch.nn.Linear) for m in hits):
             kinds = sorted({type(m).__name__ for m in hits if not isinstance(m, torch.nn.Linear)})
             errors.append(f"{field}: '{target}' names {', '.join(kinds)} modules, not linear layers; LoRA here "

@@ -156,7 +156,8 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
     finally:
         _kill(ray_local, actors)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(os.path.join(path, "adapter")))
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), os.path.join(path, "adapter"))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    adapter = PeftModel.from_pretrained(base, os.path.join(path, "adapter"))
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(path, "hf"))
     assert not any(".lora_" in n for n, _ in merged.named_parameters())
     for model in (adapter, merged):
