@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import tempfile
-import weakref
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence, Union
 
@@ -382,18 +380,23 @@ class VLLMAdapters:
     """LoRA (``model.lora``): vLLM serves the frozen base model with the policy's adapters, which
     arrive in this actor's process, not vLLM's: it joins the trainer's sync group itself (as an HF
     generator does) and receives only the adapters' tensors (``...lora_A.default.weight`` by the
-    trainer's PEFT names). Each sync writes them as a PEFT adapter directory (``write_adapter``)
-    and loads it into vLLM under a new id (``LoRARequest``); every later request names it. vLLM
-    keys its adapter cache by the id and its prefix cache by the adapter's name and path, so a new
-    id, name and directory per sync leave nothing of the previous adapter to serve.
+    trainer's PEFT names). Each sync writes them as a PEFT adapter directory (``write_adapter``),
+    loads it into vLLM under a new id (``LoRARequest``) and unloads the previous adapter; every
+    later request names the new one. vLLM keys its adapter cache by the id (a reused id serves the
+    cached, old adapter) and its prefix cache by the adapter's name and path: a new id, name and
+    path per sync leave nothing of the previous adapter to serve.
+
+    vLLM would read an adapter's files at the first request that names it; ``add_lora`` reads
+    them at the sync instead, so a bad adapter fails the sync, and the directory goes as soon as
+    vLLM holds the adapter (a killed actor leaves nothing in shared memory). vLLM reads them
+    again only if it evicts the adapter, which ``max_loras=1`` with one adapter never does; were
+    it to, it would fail loudly (``LoRAAdapterNotFoundError``), not serve a stale adapter.
 
     Before the first sync requests name no adapter: the policy's B starts at zero, so the policy
-    is the base model. ``max_loras=1``: one adapter is live at a time."""
+    is the base model."""
 
     def __init__(self, lora: LoraConfig):
         self.lora = lora
-        self.root = tempfile.mkdtemp(prefix="rayrl-lora-", dir=adapter_root())
-        weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         self.group, self.rank, self.device = None, None, torch.device("cpu")
         self.tensors = {}  # name -> the adapter tensors last received
         self.lora_request = None
@@ -409,8 +412,7 @@ class VLLMAdapters:
         self.device = torch.device("cuda" if address.backend == "nccl" else "cpu")
 
     def receive(self, llm, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
-        """Receive the adapters, write their directory and load it into vLLM now (a bad adapter
-        fails the sync, not the next generate call), then drop the previous adapter and its files."""
+        """Receive the adapters, load them into vLLM in place of the previous ones; the bytes received."""
         from vllm.lora.request import LoRARequest
 
         from primitives.model.lora import write_adapter
@@ -422,17 +424,15 @@ class VLLMAdapters:
 
         moved = broadcast_buckets(self.group, meta, bucket_bytes, self.rank, self.device, on_received=keep)
         self.syncs += 1
-        path = write_adapter(os.path.join(self.root, f"sync-{self.syncs}"), tensors, self.lora)
-        request, previous = LoRARequest(f"policy-v{version}-{self.syncs}", self.syncs, path), self.lora_request
-        if previous is not None:
-            llm.llm_engine.remove_lora(previous.lora_int_id)
-        if not llm.llm_engine.add_lora(request):
-            raise RuntimeError(f"vLLM did not load the adapter of policy version {version} from {path}")
-        self.lora_request = request
-        if previous is not None:
-            shutil.rmtree(previous.lora_path)
+        with tempfile.TemporaryDirectory(prefix="rayrl-lora-", dir=adapter_root()) as root:
+            path = write_adapter(os.path.join(root, f"policy-v{version}"), tensors, self.lora)
+            request = LoRARequest(f"policy-v{version}-sync{self.syncs}", self.syncs, path)
+            if self.lora_request is not None:
+                llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            if not llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter of policy version {version} (id {self.syncs})")
+        self.lora_request, self.tensors = request, tensors
         llm.reset_prefix_cache()  # the old adapter's cached prompt KV is unreachable now; free it
-        self.tensors = tensors
         return moved
 
     def checksums(self, llm) -> dict:

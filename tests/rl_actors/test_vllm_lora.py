@@ -106,10 +106,10 @@ def gap(logprobs, rollouts) -> float:
 
 
 def vllm_state(workers) -> tuple:
-    """(adapter ids loaded in vLLM, adapter directories on disk) inside the vLLM worker."""
+    """(adapter ids loaded in vLLM, whether the adapter's directory is still on disk) inside the vLLM worker."""
     def read(worker):
-        weights = worker.engine.weights
-        return worker.engine.llm.llm_engine.list_loras(), sorted(os.listdir(weights.root))
+        request = worker.engine.weights.lora_request
+        return worker.engine.llm.llm_engine.list_loras(), request is not None and os.path.exists(request.lora_path)
 
     return ray.get(workers.vllm.__ray_call__.remote(read), timeout=TIMEOUT_S)
 
@@ -119,7 +119,7 @@ def test_before_any_sync_vllm_samples_from_the_base_model(workers, trainer_side)
     rollouts = vllm_rollouts(workers)
     assert gap(local_logprobs(trainer_side, rollouts), rollouts) < PARITY
     assert ray.get(workers.vllm.weight_checksums.remote(), timeout=TIMEOUT_S) == {}
-    assert vllm_state(workers) == (set(), [])
+    assert vllm_state(workers) == (set(), False)
 
 
 def test_synced_adapters_are_what_vllm_samples_with(workers, trainer_side, tiny_model_path):
@@ -146,13 +146,12 @@ def test_synced_adapters_are_what_vllm_samples_with(workers, trainer_side, tiny_
     assert gap(hf_logprobs, rollouts) < PARITY
     assert gap(local_logprobs(trainer_side, rollouts, first), rollouts) < PARITY  # the trainer's own model agrees
     assert gap(local_logprobs(trainer_side, rollouts), rollouts) > 1e4 * PARITY
-    assert vllm_state(workers) == ({1}, ["sync-1"])
+    assert vllm_state(workers) == ({1}, False)  # loaded at the sync; its files are gone
 
 
 def test_a_second_sync_replaces_the_adapter(workers, trainer_side):
     """(b) Other adapter values, at the same version number again (a driver may reset versions):
-    vLLM samples with the new adapters, not the cached old ones; the old adapter is unloaded and
-    its directory gone."""
+    vLLM samples with the new adapters, not the cached old ones, which it no longer holds."""
     first, second = random_adapter(trainer_side, seed=1), random_adapter(trainer_side, seed=2)
     sync(workers, second, version=1)
     assert ray.get(workers.vllm.weight_checksums.remote(), timeout=TIMEOUT_S) == tensor_checksums(second.items())
@@ -162,4 +161,4 @@ def test_a_second_sync_replaces_the_adapter(workers, trainer_side):
           f"vs the first adapter: {gap(local_logprobs(trainer_side, rollouts, first), rollouts):.2e}")
     assert gap(hf_logprobs, rollouts) < PARITY
     assert gap(local_logprobs(trainer_side, rollouts, first), rollouts) > 1e4 * PARITY
-    assert vllm_state(workers) == ({2}, ["sync-2"])
+    assert vllm_state(workers) == ({2}, False)
