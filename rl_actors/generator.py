@@ -5,12 +5,14 @@ Two backends return the same ``Rollout``s:
   used on CPU and whenever vLLM is absent.
 * ``VLLMEngine`` - vLLM's ``LLM``, on a GPU (``auto`` picks it where vLLM is installed and
   a GPU is visible) or on the CPU (vLLM's CPU build, by name); weights arrive through vLLM's
-  weight-transfer API: its NCCL engine on a GPU, ours over gloo on the CPU.
+  weight-transfer API: its NCCL engine on a GPU, ours over gloo on the CPU. With LoRA only the
+  adapters arrive, in the worker's own process, and vLLM serves them as a ``LoRARequest``.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence, Union
 
@@ -21,7 +23,7 @@ from primitives.env.tools import ToolConfig, hf_turn_generator, multiturn_rollou
 from primitives.model.generation import GenerationOutput, generate_rollouts, pack_rollout
 from primitives.model.logprobs import rollout_logprobs
 from primitives.model.prompts import encode_prompts
-from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
+from primitives.types import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from rl_actors.clock import BusyClock
 from rl_actors.common import actor_info, describe_model, gpu_visible, load_causal_lm, setup_process
 from rl_actors.weight_sync import (
@@ -182,9 +184,9 @@ class VLLMEngine:
     applied. Sampling happens in vLLM's own processes, one seed per request, derived from the
     same key as the HF engine's sampler (``rollout_sampler``).
 
-    Weights arrive through vLLM's weight-transfer API: on a GPU its own NCCL engine (packed
-    buffers), on the CPU ours over gloo (``rl_actors.vllm_transfer``, the trainer's bucketed
-    wire). After each update the prefix cache is reset: cached prompt KV holds the old weights.
+    How weights arrive is chosen once, at start (``self.weights``): every weight through vLLM's
+    weight-transfer API (``VLLMWeightTransfer``), or with ``model.lora`` only the adapters, served
+    as a ``LoRARequest`` on the frozen base (``VLLMAdapters``).
     """
 
     name = "vllm"
@@ -196,13 +198,9 @@ class VLLMEngine:
 
         check_model_path(config.model_name_or_path, role)
         self.on_gpu, self.settings = gpu_visible(), settings
-        if not self.on_gpu:
-            check_transfer_plugin(role)
+        self.weights = VLLMAdapters(config.lora) if config.lora.enabled else VLLMWeightTransfer(self.on_gpu, role)
         os.environ.update(vllm_environment(settings, num_threads, self.on_gpu))
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
-
-        from rl_actors.vllm_transfer import BACKEND
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path,
                                                        trust_remote_code=config.trust_remote_code)
@@ -218,8 +216,7 @@ class VLLMEngine:
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
                        trust_remote_code=config.trust_remote_code, logprobs_mode="processed_logprobs",
                        max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
-                       weight_transfer_config=WeightTransferConfig(backend="nccl" if self.on_gpu else BACKEND),
-                       **device_kwargs)
+                       **self.weights.llm_kwargs(), **device_kwargs)
         self.device = torch.device("cuda" if self.on_gpu else "cpu")
         self.sleeps = settings.enable_sleep_mode and self.on_gpu  # the job check refuses sleep mode on CPU
         self.asleep = False
@@ -236,7 +233,7 @@ class VLLMEngine:
     def _outputs(self, prompt_ids: Sequence[np.ndarray], gen: GenerationConfig, base_seed: int) -> list:
         prompts = [{"prompt_token_ids": ids.tolist()} for ids in prompt_ids]
         params = [self._sampling_params(gen, s) for s in vllm_seeds(base_seed, len(prompts))]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.weights.lora_request)
         results = []
         for out in outs:
             c = out.outputs[0]
@@ -284,21 +281,48 @@ class VLLMEngine:
         return lambda context_ids: self._outputs([context_ids], gen, next(calls))[0]
 
     def weight_checksums(self) -> dict:
-        """HF name -> sha1 of the weights vLLM's worker computes with (read inside it)."""
-        from rl_actors.vllm_transfer import worker_weight_checksums
-
+        """Name -> sha1 of the weights this engine samples with: every weight, read inside vLLM's
+        worker; with LoRA the adapters it last received."""
         with self.serving():
-            return self.llm.collective_rpc(worker_weight_checksums)[0]
+            return self.weights.checksums(self.llm)
 
     def broadcast_probe(self, numel: int, dtype: str) -> float:
-        """One raw broadcast in the sync group, received inside vLLM's worker (CPU engine)."""
-        from rl_actors.vllm_transfer import worker_broadcast_probe
-
-        return self.llm.collective_rpc(worker_broadcast_probe, args=(numel, dtype))[0]
+        """One raw broadcast in the sync group, received where this engine's weights arrive."""
+        return self.weights.probe(self.llm, numel, dtype)
 
     def init_transfer(self, address: SyncAddress, rank: int, bucket_bytes: int) -> None:
-        """Join the sync group as ``rank``. On a GPU, vLLM's NCCL engine takes packed buffers of
-        ``bucket_bytes``, two in flight, as the trainer sends them (``TrainerWorker._send_to_vllm``)."""
+        """Join the sync group as ``rank``."""
+        self.weights.join(self.llm, address, rank, bucket_bytes)
+
+    def update(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
+        """One sync of ``meta`` (policy ``version``); returns the bytes received."""
+        with self.serving():
+            return self.weights.receive(self.llm, meta, bucket_bytes, version)
+
+
+class VLLMWeightTransfer:
+    """Every weight into vLLM's own processes through its weight-transfer API: on a GPU its own
+    NCCL engine (packed buffers), on the CPU ours over gloo (``rl_actors.vllm_transfer``, the
+    trainer's bucketed wire). After each update the prefix cache is reset: cached prompt KV
+    holds the old weights."""
+
+    lora_request = None  # the weights are vLLM's own: requests name no adapter
+
+    def __init__(self, on_gpu: bool, role: str):
+        self.on_gpu = on_gpu
+        if not on_gpu:
+            check_transfer_plugin(role)
+
+    def llm_kwargs(self) -> dict:
+        from vllm.config import WeightTransferConfig
+
+        from rl_actors.vllm_transfer import BACKEND
+
+        return {"weight_transfer_config": WeightTransferConfig(backend="nccl" if self.on_gpu else BACKEND)}
+
+    def join(self, llm, address: SyncAddress, rank: int, bucket_bytes: int) -> None:
+        """On a GPU, vLLM's NCCL engine takes packed buffers of ``bucket_bytes``, two in flight, as
+        the trainer sends them (``TrainerWorker._send_to_vllm``)."""
         if self.on_gpu:
             info = {"master_address": address.host, "master_port": address.port, "rank_offset": rank,
                     "world_size": address.world_size, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
@@ -307,20 +331,118 @@ class VLLMEngine:
             from rl_actors.vllm_transfer import init_info
 
             info = init_info(address, rank)
-        self.llm.init_weight_transfer_engine({"init_info": info})
+        llm.init_weight_transfer_engine({"init_info": info})
 
-    def update(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> None:
-        """One sync: vLLM's start / update / finish round, then a prefix-cache reset."""
+    def receive(self, llm, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
+        """vLLM's start / update / finish round, then a prefix-cache reset."""
         from rl_actors.vllm_transfer import update_info
 
         info = update_info(meta, bucket_bytes)
         if self.on_gpu:  # vLLM's NCCL engine: packed buffers of its own size, agreed at init
             info.pop("bucket_bytes")
-        with self.serving():
-            self.llm.start_weight_update()
-            self.llm.update_weights({"update_info": info})
-            self.llm.finish_weight_update()
-            self.llm.reset_prefix_cache()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": info})
+        llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        return sum(m.nbytes for m in meta)
+
+    def checksums(self, llm) -> dict:
+        """HF name -> sha1 of every weight vLLM's worker computes with (read inside it)."""
+        from rl_actors.vllm_transfer import worker_weight_checksums
+
+        return llm.collective_rpc(worker_weight_checksums)[0]
+
+    def probe(self, llm, numel: int, dtype: str) -> float:
+        from rl_actors.vllm_transfer import worker_broadcast_probe
+
+        return llm.collective_rpc(worker_broadcast_probe, args=(numel, dtype))[0]
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of ``rank``: the smallest value it accepts that holds them."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    accepted = sorted(get_args(MaxLoRARanks))
+    fits = [r for r in accepted if r >= rank]
+    if not fits:
+        raise ValueError(f"model.lora.rank: vLLM serves adapters of rank at most {accepted[-1]}, got {rank}")
+    return fits[0]
+
+
+def adapter_root() -> str:
+    """Where adapter directories go: shared memory when writable (no disk in a sync's path), else the temp dir."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMAdapters:
+    """LoRA (``model.lora``): vLLM serves the frozen base model with the policy's adapters, which
+    arrive in this actor's process, not vLLM's: it joins the trainer's sync group itself (as an HF
+    generator does) and receives only the adapters' tensors (``...lora_A.default.weight`` by the
+    trainer's PEFT names). Each sync writes them as a PEFT adapter directory (``write_adapter``),
+    loads it into vLLM under a new id (``LoRARequest``) and unloads the previous adapter; every
+    later request names the new one. vLLM keys its adapter cache by the id (a reused id serves the
+    cached, old adapter) and its prefix cache by the adapter's name and path: a new id, name and
+    path per sync leave nothing of the previous adapter to serve.
+
+    vLLM would read an adapter's files at the first request that names it; ``add_lora`` reads
+    them at the sync instead, so a bad adapter fails the sync, and the directory goes as soon as
+    vLLM holds the adapter (a killed actor leaves nothing in shared memory). vLLM reads them
+    again only if it evicts the adapter, which ``max_loras=1`` with one adapter never does; were
+    it to, it would fail loudly (``LoRAAdapterNotFoundError``), not serve a stale adapter.
+
+    Before the first sync requests name no adapter: the policy's B starts at zero, so the policy
+    is the base model."""
+
+    def __init__(self, lora: LoraConfig):
+        self.lora = lora
+        self.group, self.rank, self.device = None, None, torch.device("cpu")
+        self.tensors = {}  # name -> the adapter tensors last received
+        self.lora_request = None
+        self.syncs = 0
+
+    def llm_kwargs(self) -> dict:
+        return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(self.lora.rank), "max_loras": 1}
+
+    def join(self, llm, address: SyncAddress, rank: int, bucket_bytes: int) -> None:
+        """Join the trainer's sync group in this process (a GPU group's buckets land on this
+        actor's GPU, then go to host memory for the adapter file)."""
+        self.group, self.rank = init_sync_group(address, rank), rank
+        self.device = torch.device("cuda" if address.backend == "nccl" else "cpu")
+
+    def receive(self, llm, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
+        """Receive the adapters, load them into vLLM in place of the previous ones; the bytes received."""
+        from vllm.lora.request import LoRARequest
+
+        from primitives.model.lora import write_adapter
+
+        tensors = {}
+
+        def keep(metas, parts):
+            tensors.update((m.name, t.to("cpu", copy=True)) for m, t in zip(metas, parts))
+
+        moved = broadcast_buckets(self.group, meta, bucket_bytes, self.rank, self.device, on_received=keep)
+        self.syncs += 1
+        with tempfile.TemporaryDirectory(prefix="rayrl-lora-", dir=adapter_root()) as root:
+            path = write_adapter(os.path.join(root, f"policy-v{version}"), tensors, self.lora)
+            request = LoRARequest(f"policy-v{version}-sync{self.syncs}", self.syncs, path)
+            if self.lora_request is not None:
+                llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            if not llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter of policy version {version} (id {self.syncs})")
+        self.lora_request, self.tensors = request, tensors
+        llm.reset_prefix_cache()  # the old adapter's cached prompt KV is unreachable now; free it
+        return moved
+
+    def checksums(self, llm) -> dict:
+        """Trainer name -> sha1 of the adapter tensors last received (empty before the first sync)."""
+        return tensor_checksums(self.tensors.items())
+
+    def probe(self, llm, numel: int, dtype: str) -> float:
+        from rl_actors.weight_sync import DTYPES, raw_broadcast
+
+        return raw_broadcast(self.group, numel, DTYPES[dtype], self.rank, self.device)
 
 
 class GeneratorWorker:
@@ -403,8 +525,7 @@ class GeneratorWorker:
         if self.host is not None:
             moved = 0
         elif isinstance(self.engine, VLLMEngine):
-            self.engine.update(meta, bucket_bytes)
-            moved = sum(m.nbytes for m in meta)
+            moved = self.engine.update(meta, bucket_bytes, version)
         else:
             moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, self.engine.device,
                                       on_received=self.engine.receive)

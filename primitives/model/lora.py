@@ -22,6 +22,7 @@ under ZeRO-1/2 or a ZeRO-3 rank's gathered ``full_state``.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from typing import Iterable
 
@@ -159,6 +160,37 @@ def save_adapter(model, path: str, state: dict, adapter: str = POLICY) -> str:
     tensors = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).detach().cpu().contiguous()
                for k, v in state.items() if k in set(adapter_names(state, adapter))}
     model.save_pretrained(path, state_dict=tensors, selected_adapters=[adapter])
+    return path
+
+
+def adapter_targets(names: Iterable[str]) -> list:
+    """The target module names (last component) an adapter's parameter names adapt, sorted
+    (``...layers.0.self_attn.q_proj.lora_A.default.weight`` -> ``q_proj``)."""
+    return sorted({n[: n.index(".lora_")].rsplit(".", 1)[-1] for n in names})
+
+
+def write_adapter(path: str, tensors: dict, cfg: LoraConfig, adapter: str = POLICY) -> str:
+    """A PEFT adapter directory at ``path`` (made if missing) from ``adapter``'s parameters alone,
+    by the wrapped model's names (name -> tensor: what a weight sync sends), without a PEFT model:
+    ``adapter_config.json`` (``cfg``'s rank and alpha, the targets the names hold) and
+    ``adapter_model.safetensors`` (``adapter_state``'s names). ``PeftModel.from_pretrained`` and
+    vLLM's ``LoRARequest`` load it onto the base model."""
+    from safetensors.torch import save_file
+
+    others = sorted(set(tensors) - set(adapter_names(tensors, adapter)))
+    if others:
+        raise ValueError(f"write_adapter: {len(others)} tensors are not parameters of adapter '{adapter}' "
+                         f"(e.g. {others[0]}); only '...lora_A.{adapter}.weight' / '...lora_B.{adapter}.weight'")
+    ranks = {n: t.shape[0] for n, t in tensors.items() if ".lora_A." in n}
+    wrong = {n: r for n, r in ranks.items() if r != cfg.rank}
+    if not ranks or wrong:
+        raise ValueError(f"write_adapter: model.lora.rank is {cfg.rank}, but the lora_A tensors have rank "
+                         f"{sorted(set(ranks.values()))} (none: no lora_A tensor)")
+    os.makedirs(path, exist_ok=True)
+    peft_config(cfg._replace(target_modules=tuple(adapter_targets(tensors)))).save_pretrained(path)
+    # clones: a sync's tensors are views into one bucket, and safetensors refuses tensors that share memory
+    files = {k: v.detach().to("cpu").clone() for k, v in adapter_state(tensors, adapter).items()}
+    save_file(files, os.path.join(path, "adapter_model.safetensors"))
     return path
 
 
