@@ -258,6 +258,21 @@ class DeepSpeedRank:
         self.set_lr(lr)
         return True
 
+    def memory(self) -> dict:
+        """This rank's peak memory so far, in MiB: the process's resident set (``ru_maxrss``: weights,
+        optimizer state, activations and the libraries), and on a GPU what torch allocated there. Its
+        trained and frozen parameter counts say what the optimizer state covers."""
+        import resource
+
+        params = list(self.module.parameters())
+        numel = lambda p: p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # noqa: E731
+        out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "trained_params": sum(numel(p) for p in params if p.requires_grad),
+               "frozen_params": sum(numel(p) for p in params if not p.requires_grad)}
+        if self.on_gpu:
+            out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+        return out
+
     # --------------------------------------------------------------- weights
     def gathered(self, names: Sequence[str], modifier_rank: Optional[int] = None):
         """Context in which the named parameters are whole on this rank (ZeRO-3 gathers;

@@ -179,6 +179,10 @@ class TrainerWorker:
         """Seconds spent in RL updates since the last call (the driver's ``idle/trainers``)."""
         return self.clock.read()
 
+    def memory(self) -> dict:
+        """This rank's peak memory and parameter counts (``DeepSpeedRank.memory``)."""
+        return self.ds.memory()
+
     def _update(self, shard: Batch, counts, algo: AlgorithmConfig, temperature: float, lr: Optional[float]) -> dict:
         """One optimizer update on this rank's shard; the loss is divided by global counts. Every
         rank makes the largest shard's number of backward passes (``DeepSpeedRank.update``)."""

@@ -135,6 +135,19 @@ def with_critic(backend, inputs: RLInputs, with_sft: bool):
     backend.cluster = add_critics(backend.cluster, model, cfg, critic_cfg, algo.critic_init, job.seed)
 
 
+def trainer_memory(cluster) -> dict:
+    """The largest peak memory of any trainer rank (MiB) and what the ranks train: every weight, or
+    the adapters (``model.lora``), with the frozen parameters beside them."""
+    from cluster.ray_wing.groups import fan_out, gather
+
+    ranks = gather(fan_out(cluster.trainers, "memory"), cluster.timeout_s)
+    out = {"trainer_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ranks), 1),
+           "trained_params": ranks[0]["trained_params"], "frozen_params": ranks[0]["frozen_params"]}
+    if "peak_cuda_mb" in ranks[0]:
+        out["trainer_peak_cuda_mb"] = round(max(r["peak_cuda_mb"] for r in ranks), 1)
+    return out
+
+
 def train_rl(inputs: RLInputs, logger) -> dict:
     """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
     and save the final model. Returns the figures of the run and its metrics history."""
@@ -228,13 +241,14 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                   f"{f['version']} updates; recovered in {f['seconds']:.1f} s"
                   f"{', ' + str(f['replayed']) + ' update(s) made again' if f['replayed'] else ''}", flush=True)
         c = backend.cluster
+        memory = trainer_memory(c)
         reference = c.reference.where if c.reference is not None else None
         generation = c.generators.where
         engine, address = c.generator_engine, c.ray_address
     finally:
         shutdown_cluster(backend.cluster)
     return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
-            **accuracy_figures(before, after), **final, "faults": faults, "cluster_started_at": cluster_start,
+            **accuracy_figures(before, after), **final, **memory, "faults": faults, "cluster_started_at": cluster_start,
             "startup": startup, "history": history}
 
 
