@@ -10,12 +10,22 @@ import numpy as np
 import pytest
 
 from cluster.jobs.checks import ConfigErrors
-from cluster.jobs.config import CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, RLJob, SFTConfig, SFTJob
+from cluster.jobs.config import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    RLJob,
+    SFTConfig,
+    SFTJob,
+    ShapingSpec,
+)
 from cluster.jobs.inputs import prepare_rl
 from cluster.jobs.sft import run_sft
 from primitives.env.rewards import RewardSpec
 from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
-from primitives.types import ModelConfig
+from primitives.types import LoraConfig, ModelConfig
 from tests.conftest import ROOT
 
 DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
@@ -117,6 +127,18 @@ BAD_INPUTS = [
     (lambda t, m: {"sft": SFTConfig(steps=3)}, "sft.steps > 0 but there is no SFT data"),
     (lambda t, m: {"checkpoint": CheckpointConfig(resume=str(t))}, "not a checkpoint directory"),
     (lambda t, m: {"eval": EvalConfig(k=4)}, "eval.k 4 samples at eval.temperature 0"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, target_modules=("q_projj", "v_proj")))},
+     "model.lora.target_modules: 'q_projj' matches no module of {m}; did you mean 'q_proj'?; its linear layers "
+     "are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, target_modules=("embed_tokens",)))},
+     "'embed_tokens' names Embedding modules, not linear layers"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=-2))}, "model.lora.rank must be 0 (off) or more"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, alpha=0.0))}, "model.lora.alpha must be > 0"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8)), "cluster": ClusterConfig(reference_workers=2)},
+     "cluster.reference_workers 2 would be ignored: with model.lora the reference is the trainer ranks' model"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8)), "cluster": ClusterConfig(zero_stage=3),
+                   "shaping": (ShapingSpec("kl_penalty", {"coef": 0.1}),)},
+     "shaping kl_penalty with model.lora under cluster.zero_stage 3"),
 ]
 
 
@@ -159,7 +181,7 @@ def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path
     job = _bad(tmp_path, tiny_model_path, change(tmp_path, tiny_model_path))
     with pytest.raises((ValueError, FileNotFoundError)) as e:
         prepare_rl(job)
-    assert message.format(t=tmp_path) in str(e.value)
+    assert message.format(t=tmp_path, m=tiny_model_path) in str(e.value)
     assert "ray" not in sys.modules
 
 
@@ -426,3 +448,39 @@ def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
         prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:wrong")))
     with pytest.raises(ConfigErrors, match=r"data.task_kwargs \{'m': 1\} do not fit"):
         prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:task", task_kwargs={"m": 1})))
+
+
+@pytest.mark.slow
+def test_lora_lifts_the_default_task_from_the_sft_model(tmp_path):
+    """LoRA as practitioners use it, on a model that already knows the task's format: the default
+    job's SFT stage (full weights, ``--algorithm.steps 0``), then GRPO with rank-16 adapters on every
+    linear layer at the LoRA learning rate (10x full fine-tuning's). Held-out accuracy rises by 10
+    points or more; only the adapters trained and synced; the reference is the SFT model (the
+    adapters off) on the trainer ranks; the final model is an adapter directory and a merged HF model
+    whose greedy accuracy is the one the job logged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.env.rewards import exact_match
+    from primitives.fixtures.tasks import arithmetic_task
+    from primitives.io.evaluation import greedy_accuracy
+    from tests.conftest import run_job
+
+    sft = str(tmp_path / "sft")
+    run_job(["rl", DEFAULT, "--logging.out", sft, "--algorithm.steps", "0", "--eval.final-pass-k", "0",
+             "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
+    out = str(tmp_path / "lora")
+    summary = run_job(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path",
+                       os.path.join(sft, "final_model", "hf"), "--sft.steps", "0", "--model.lora.rank", "16",
+                       "--algorithm.lr", "3e-3", "--eval.final-pass-k", "0",
+                       "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
+    assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10, summary
+    assert summary["reference"] == "trainers" and 0 < summary["trained_params"] < 0.5 * summary["frozen_params"]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"sync/bytes"' in line]
+    assert rows and {r["sync/bytes"] for r in rows} == {0.0}  # generation on the trainer ranks: nothing to send
+    final = os.path.join(out, "final_model")
+    assert os.path.isfile(os.path.join(final, "adapter", "adapter_model.safetensors"))
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "hf"))
+    heldout = arithmetic_task(seed=0, num_heldout=128).eval
+    accuracy = greedy_accuracy(merged, AutoTokenizer.from_pretrained(os.path.join(final, "hf")), heldout,
+                               exact_match("first_number"), max_new_tokens=5)
+    assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)
