@@ -176,3 +176,36 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
     plain = merged_state(continuous, LORA)
     peft_merged = _peft_model(tiny_model_path, continuous).merge_and_unload().state_dict()
     assert max(float((torch.as_tensor(v) - peft_merged[k]).abs().max()) for k, v in plain.items()) < 1e-6
+
+
+def test_a_rebuilt_group_restores_adapters_optimizer_and_reference_from_a_snapshot(ray_local, tiny_model_path):
+    """What recovery does after a rank dies, with LoRA: the snapshot holds the adapters, their Adam
+    moments and the EMA reference adapter, not the frozen base (a new group loads the base from the
+    model). A new group restored from it makes the next step exactly as the old group did."""
+    batch, algo, rollouts, _ = _batch(tiny_model_path, kl=True)
+    ema = create_ema_updater(0.5)
+    actors = _group(ray_local, tiny_model_path, 2, 2, reference=True, ref_update_fn=ema)
+    try:
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        ray_local.get([a.move_reference.remote(1) for a in actors], timeout=300)
+        parts = [part for _, part in ray_local.get([a.snapshot.remote() for a in actors], timeout=300)]
+        sizes = ray_local.get([a.snapshot.remote() for a in actors], timeout=300)
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        continuous = ray_local.get(actors[0].full_state.remote())
+        reference = ray_local.get(actors[0].reference_checksums.remote())
+    finally:
+        _kill(ray_local, actors)
+    # rank 0's part: the adapters, its half of their fp32 masters and Adam moments, and the reference adapter;
+    # a part that held the frozen base would be larger than the base itself
+    frozen_bytes = sum(v.nbytes for k, v in continuous.items() if ".lora_" not in k)
+    assert sizes[0][0] < 0.5 * frozen_bytes
+    actors = _group(ray_local, tiny_model_path, 2, 2, reference=True, ref_update_fn=ema)
+    try:
+        ray_local.get([a.restore.remote(*parts) for a in actors], timeout=300)
+        assert ray_local.get(actors[1].reference_checksums.remote()) == reference
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        replayed = ray_local.get(actors[0].full_state.remote())
+    finally:
+        _kill(ray_local, actors)
+    for name, value in continuous.items():
+        assert np.array_equal(replayed[name], value), name
