@@ -55,7 +55,7 @@ else:  # DeepSpeedRank.save, one rank, its engine replaced by one that writes a 
     from rl_actors.deepspeed_rank import DeepSpeedRank
 
     class Engine:
-        def save_checkpoint(self, directory, tag, client_state):
+        def save_checkpoint(self, directory, tag, client_state, exclude_frozen_parameters=False):
             os.makedirs(os.path.join(directory, tag))
             with open(os.path.join(directory, tag, "shard.pt"), "w") as f:
                 f.write("new shard")
@@ -64,7 +64,7 @@ else:  # DeepSpeedRank.save, one rank, its engine replaced by one that writes a 
 
     dist.init_process_group("gloo", init_method="file://" + path + ".store", rank=0, world_size=1)
     rank = object.__new__(DeepSpeedRank)  # no model: only save's file handling runs
-    rank.rank, rank.engine, rank.steps = 0, Engine(), 3
+    rank.rank, rank.engine, rank.steps, rank.frozen = 0, Engine(), 3, False
     rank.save(path, write)
 """
 
