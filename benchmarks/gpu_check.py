@@ -19,6 +19,10 @@ there is one, else the CPU, where it is CI's smoke test and every gap is ~0):
    snapshot's (exact), and a second step made again after the restore against the first time
    it was made (0 where the device's kernels are deterministic).
 
+With ``--lora RANK`` the trainer rank trains LoRA adapters (``model.lora``, every linear layer) and
+holds the reference as its own module with the adapters off: the step is compared with the same
+adapters trained in fp32 on the CPU, and the reference's logprobs with the fp32 base model's.
+
 ``--write FILE`` appends the table, dated and naming the device, to FILE (docs/benchmarks.md).
 On a lent GPU machine (no Ray, vLLM or SmolLM2 there: the GGUF is larger than what travels),
 ``--model tiny --hidden 576 --layers 12`` builds a random model of SmolLM2's width and depth.
@@ -51,8 +55,9 @@ from primitives.fixtures.tasks import (  # noqa: E402
 from primitives.maths.algorithms import grpo  # noqa: E402
 from primitives.maths.batching import make_batch  # noqa: E402
 from primitives.model.logprobs import rollout_logprobs  # noqa: E402
+from primitives.model.lora import with_lora  # noqa: E402
 from primitives.model.training import train_on_batch  # noqa: E402
-from primitives.types import GenerationConfig, ModelConfig  # noqa: E402
+from primitives.types import GenerationConfig, LoraConfig, ModelConfig  # noqa: E402
 
 
 def parse(argv=None):
@@ -66,6 +71,7 @@ def parse(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--is-cap", type=float, default=2.0, help="the truncated importance weight's cap")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     p.add_argument("--write", default="", help="append the dated table to this markdown file")
     return p.parse_args(argv)
 
@@ -86,14 +92,15 @@ def model_dir(args, scratch: str) -> tuple:
     return os.path.abspath(args.model), True
 
 
-def trainer_rank(path: str, lr: float):
-    """A 1-rank ZeRO-2 trainer group on this process's device, hosting its generator."""
+def trainer_rank(path: str, lr: float, lora: LoraConfig = LoraConfig()):
+    """A 1-rank ZeRO-2 trainer group on this process's device, hosting its generator; with LoRA it
+    also holds the reference (its module with the adapters off)."""
     from rl_actors.trainer import TrainerConfig, TrainerWorker
     from rl_actors.weight_sync import free_port
 
     cfg = TrainerConfig(zero_stage=2, lr=lr, micro_batch_size=16, max_grad_norm=1.0)
-    trainer = TrainerWorker(ModelConfig(path), 0, 1, cfg, seed=0, num_threads=torch.get_num_threads(),
-                            host_generator=True)
+    trainer = TrainerWorker(ModelConfig(path, lora=lora), 0, 1, cfg, seed=0, num_threads=torch.get_num_threads(),
+                            host_generator=True, reference=lora.enabled)
     trainer.setup("127.0.0.1", free_port("127.0.0.1"))
     return trainer
 
@@ -116,7 +123,8 @@ def check(args) -> dict:
 
     scratch = tempfile.mkdtemp(prefix="gpu_check_")
     path, chat = model_dir(args, scratch)
-    trainer = trainer_rank(path, args.lr)
+    lora = LoraConfig(rank=args.lora)
+    trainer = trainer_rank(path, args.lr, lora)
     info = trainer.info()
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0))[0]
     task_reward = arithmetic_reward
@@ -141,16 +149,23 @@ def check(args) -> dict:
     trainer_logp = trainer.logprobs(rollouts, args.temperature)
     behaviour_gap = gap([r.logprobs for r in rollouts], fp32)
     trainer_gap = gap(trainer_logp, fp32)
+    lora_figures = {}
+    if lora.enabled:  # the reference is the base (adapters off); the CPU model takes the rank's starting adapters
+        lora_figures["reference_vs_fp32_base_max"] = gap(trainer.reference_logprobs(rollouts, args.temperature),
+                                                         fp32)[1]
+        cpu = with_lora(cpu, lora)
+        cpu.load_state_dict({k: torch.from_numpy(v) for k, v in trainer.full_state().items() if ".reference." not in k},
+                            strict=False)
 
     algo = grpo(kl_coef=0.0, is_cap=args.is_cap)
     batch = make_batch(rollouts, algo, pad, budget=args.max_new_tokens)
-    before = trainer.full_state()
+    ref_before = {n: p.detach().numpy().copy() for n, p in cpu.named_parameters()}
+    before = {n: v for n, v in trainer.full_state().items() if n in ref_before}
     t0 = time.perf_counter()
     step = trainer.train_step(batch, algo, args.temperature)[0]
     train_s = time.perf_counter() - t0
     after = trainer.full_state()
-    ref_before = {n: p.detach().numpy().copy() for n, p in cpu.named_parameters()}
-    opt = torch.optim.AdamW(cpu.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in cpu.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     ref = train_on_batch(cpu, opt, batch, algo, args.temperature, max_grad_norm=1.0, micro_batch_size=16)[0]
     ref_after = {n: p.detach().numpy().copy() for n, p in cpu.named_parameters()}
 
@@ -158,7 +173,8 @@ def check(args) -> dict:
     return {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if "cuda" in device
         else f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__, "bf16": info["bf16"],
-        "model": f"{args.model} ({sum(v.size for v in before.values()) / 1e6:.2f}M parameters)",
+        "model": f"{args.model} ({sum(v.size for v in before.values()) / 1e6:.2f}M parameters"
+                 f"{f', LoRA rank {lora.rank}' if lora.enabled else ''})",
         "rollouts": len(rollouts), "tokens": tokens, "sampler_device": device,
         "generate_tokens_per_s": tokens / generate_s, "train_step_s": train_s,
         "behaviour_vs_fp32_mean": behaviour_gap[0], "behaviour_vs_fp32_max": behaviour_gap[1],
@@ -168,7 +184,7 @@ def check(args) -> dict:
         "mismatch/is_clipped_frac": step["mismatch/is_clipped_frac"],
         "loss/policy": step["loss/policy"], "loss/policy fp32 cpu": ref["loss/policy"],
         "grad_norm": step["grad_norm"], "grad_norm fp32 cpu": ref["grad_norm"],
-        "update_cosine_vs_fp32_cpu": update_cosine(before, after, ref_before, ref_after), **snap,
+        "update_cosine_vs_fp32_cpu": update_cosine(before, after, ref_before, ref_after), **lora_figures, **snap,
     }
 
 

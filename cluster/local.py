@@ -104,6 +104,10 @@ class LocalBackend:
             disable_dropout(self.policy)
         else:
             self.config = model if isinstance(model, ModelConfig) else ModelConfig(model)
+            if self.config.lora.enabled:
+                raise ValueError("LocalBackend: model.lora is for the Ray trainer ranks (adapters alone trained and "
+                                 "sent, the reference with the adapters off); here pass a model you wrapped yourself "
+                                 "(primitives.model.lora.with_lora(model, LoraConfig(...))) and its tokenizer")
             self.policy, self.tokenizer = load_causal_lm(self.config._replace(dtype="float32"), "local policy")
         self.optimizer = optimizer if optimizer is not None else adamw(self.policy.parameters(), trainer)
         self.reward_fn, self.aggregate_fn, self.shaping_fn = reward_fn, aggregate_fn, shaping_fn

@@ -15,16 +15,18 @@ import json, sys
 sys.modules["ray"] = sys.modules["vllm"] = None  # as on a lent GPU machine: importing either fails
 sys.path.insert(0, "benchmarks")
 import gpu_check
-fig = gpu_check.main(["--prompts", "4", "--group", "3", "--max-new-tokens", "6", "--write", sys.argv[1]])
+fig = gpu_check.main(["--prompts", "4", "--group", "3", "--max-new-tokens", "6", "--write", sys.argv[1], *sys.argv[2:]])
 print("FIGURES", json.dumps(fig))
 """
 
 
-def test_gpu_check_runs_on_the_cpu_without_ray(tmp_path):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_gpu_check_runs_on_the_cpu_without_ray(tmp_path, lora):
+    """Full fine-tuning, and LoRA adapters (rank 4) with the reference as the base model (adapters off)."""
     out = tmp_path / "benchmarks.md"
     env = {**os.environ, "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(out), "--lora", str(lora)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(proc.stdout.split("FIGURES", 1)[1])
     assert fig["bf16"] is False and fig["sampler_device"] == "cpu"
@@ -38,5 +40,7 @@ def test_gpu_check_runs_on_the_cpu_without_ray(tmp_path):
     # the snapshot a rebuilt group restores: exact, and the step made again gives the same weights
     assert fig["snapshot_mb"] > 0 and fig["restored_vs_snapshot_max"] == 0.0
     assert fig["step_again_vs_first_max"] == 0.0
+    if lora:  # the reference on the rank is the base model: its logprobs are the fp32 CPU model's
+        assert "LoRA rank 4" in fig["model"] and fig["reference_vs_fp32_base_max"] < 1e-4
     text = out.read_text()
     assert text.startswith(f"\n### GPU check ({fig['date']}, cpu") and "| mismatch/is_clipped_frac | 0 |" in text

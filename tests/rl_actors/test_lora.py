@@ -209,3 +209,10 @@ def test_a_rebuilt_group_restores_adapters_optimizer_and_reference_from_a_snapsh
         _kill(ray_local, actors)
     for name, value in continuous.items():
         assert np.array_equal(replayed[name], value), name
+
+
+def test_the_local_backend_refuses_model_lora_by_name(tiny_model_path):
+    from cluster.local import LocalBackend
+
+    with pytest.raises(ValueError, match=r"LocalBackend: model.lora is for the Ray trainer ranks .*with_lora"):
+        LocalBackend(ModelConfig(tiny_model_path, lora=LORA), reward_fn=lambda r: 0.0)
