@@ -33,6 +33,7 @@ from rl_primitives.api import (
     create_ref_update_fn,
     generate_with_logprobs,
     get_reference_logprobs,
+    load_model,
 )
 from rl_primitives.loop import (
     TrainingState,
@@ -56,7 +57,8 @@ __all__ = [
     "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_ema_updater",
     "create_multiturn_rollout", "create_periodic_updater", "create_ref_update_fn", "create_rollout",
     "create_rollouts", "create_truncated_kl", "dapo", "generate_with_logprobs", "get_algorithm",
-    "get_reference_logprobs", "grpo", "inspect_rollout", "log_to_console", "make_prompt_source", "online_dpo",
+    "get_reference_logprobs", "grpo", "inspect_rollout", "load_model", "log_to_console", "make_prompt_source",
+    "online_dpo",
     "piecewise_schedule", "plot_training_curves", "prompt_source_from_loader", "quick_start_training",
     "safe_calculate", "save_checkpoint", "train", "training_iteration", "training_step", "validate_batch",
 ]

@@ -7,6 +7,7 @@ function raises an error naming the supported form instead of reproducing the er
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -290,6 +291,35 @@ def compute_reward_model_score(model, tokenizer, prompt, text) -> float:
         raise ValueError(f"compute_reward_model_score: {type(model).__name__} is not a reward model (a sequence "
                          f"classifier with one label); load one with primitives.env.rewards.load_reward_model(path)")
     return float(reward_model_scores(model, tokenizer, [f"{prompt}{text}"])[0])
+
+
+# ----------------------------------------------------------------------------- models
+
+SEED_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def load_model(model_id: str, dtype: str = "float32", device_map: Optional[str] = None, use_lora: bool = False,
+               lora_rank: int = 16, lora_alpha: int = 32, model_loader: Optional[Callable] = None):
+    """The seeds' ``load_model``: a causal LM from a local directory, with ``use_lora`` wrapped in
+    LoRA adapters on the seeds' seven projections (``primitives.model.lora.with_lora``: only the
+    adapters train). ``model_loader(model_id, dtype, device_map, use_lora, lora_rank, lora_alpha)``
+    replaces the loading, as in the seeds. Unlike the seeds: float32 by default (the CPU's); dropout
+    off everywhere, the adapters' too (logprobs must be a function of the weights); nothing is
+    downloaded. A Ray job takes the same adapters as ``model.lora`` in its config."""
+    from primitives.model.lora import with_lora
+    from primitives.types import LoraConfig, ModelConfig
+    from rl_actors.common import load_causal_lm
+
+    if model_loader is not None:
+        return model_loader(model_id, dtype, device_map, use_lora, lora_rank, lora_alpha)
+    if not os.path.isdir(str(model_id)):
+        raise ValueError(f"load_model: model_id {model_id!r} is not a local model directory (nothing is downloaded "
+                         f"here: save the model with save_pretrained, or see primitives.fixtures)")
+    model, _ = load_causal_lm(ModelConfig(model_id, dtype=dtype, device=device_map or "auto"), "load_model")
+    if use_lora:
+        model = with_lora(model, LoraConfig(rank=lora_rank, alpha=float(lora_alpha), target_modules=tuple(
+            t for t in SEED_LORA_TARGETS if any(n.endswith("." + t) for n, _ in model.named_modules()))))
+    return model
 
 
 # ----------------------------------------------------------------------------- tools

@@ -137,7 +137,8 @@ def test_ema_reference_moves_on_adapter_weights(ray_local, tiny_model_path):
     assert max(float(np.abs(r.ref_logprobs - p).max()) for r, p in zip(ref, policy_lp)) > 1e-3  # not the policy
 
 
-def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local, tiny_model_path, tmp_path, stage):
     """Step 1, checkpoint, step 2 on one group; a new group loads the checkpoint and makes step 2:
     the same adapters bit for bit (Adam moments and RNG came back). The checkpoint's ``adapter/``
     loads with PEFT and its ``hf/`` with plain transformers, both computing what the ranks do."""
@@ -146,13 +147,13 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
 
     batch, algo, rollouts, tok = _batch(tiny_model_path)
     path = str(tmp_path / "ckpt")
-    actors = _group(ray_local, tiny_model_path, 2, 2)
+    actors = _group(ray_local, tiny_model_path, stage, 2)
     try:
         ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
         ray_local.get([a.save_checkpoint.remote(path, {"iteration": 1}) for a in actors], timeout=300)
-        policy = ray_local.get(actors[0].logprobs.remote(rollouts, 1.0))
+        policy = ray_local.get([a.logprobs.remote(rollouts, 1.0) for a in actors], timeout=300)[0]  # ZeRO-3: all
         ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
-        continuous = ray_local.get(actors[0].full_state.remote())
+        continuous = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
     finally:
         _kill(ray_local, actors)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(os.path.join(path, "adapter")))
@@ -163,11 +164,11 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
     for model in (adapter, merged):
         got = rollout_logprobs(model, rollouts, tok.pad_token_id, 1.0)
         assert max(float(np.abs(a - b).max()) for a, b in zip(got, policy)) < 1e-5
-    actors = _group(ray_local, tiny_model_path, 2, 2)
+    actors = _group(ray_local, tiny_model_path, stage, 2)
     try:
         ray_local.get([a.load_checkpoint.remote(path) for a in actors], timeout=300)
         ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
-        resumed = ray_local.get(actors[0].full_state.remote())
+        resumed = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
     finally:
         _kill(ray_local, actors)
     for name in adapter_names(continuous):

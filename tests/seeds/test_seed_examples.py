@@ -701,3 +701,27 @@ def test_example_6_training_step_needs_the_sampling_temperature(tiny_model_path)
     with pytest.raises(ValueError, match="does not record the temperature"):
         training_step(TrainingState(model=model, optimizer=optimizer), Batch(rollouts=batch.rollouts),
                       create_algorithm_config("grpo", {"kl_coef": 0.0}))
+
+
+def test_the_seeds_load_model_with_lora_trains_the_adapters_alone(tiny_model_path):
+    """seeds/001's ``load_model(model_name, use_lora=True)`` and its loop: the seeds' seven
+    projections get rank-16 adapters, a step moves only them, and the reference copy stays."""
+    from rl_primitives import load_model
+
+    torch.manual_seed(0)
+    model = load_model(tiny_model_path, use_lora=True)
+    ref_model = copy.deepcopy(model).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    assert {n.split(".")[-4] for n in trained} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = train(initial_state=TrainingState(model=model, optimizer=optimizer, ref_model=ref_model),
+                  prompt_loader=load_prompts, num_iterations=2, gen_config=gen_config_of_example_1(),
+                  algorithm_config=create_algorithm_config("grpo", {"kl_coef": 0.1}),
+                  reward_fn=lambda r: float(len(r.text) % 3))
+    assert state.iteration == 2
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert moved and moved <= trained  # the base weights are frozen
+    assert all(torch.equal(p, before[n]) for n, p in ref_model.named_parameters())
