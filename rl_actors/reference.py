@@ -33,6 +33,8 @@ class Reference:
     """A frozen causal LM (eval mode, no gradients) and, with ``ref_update_fn``, its
     ``RefState`` (the weights the update function reads and returns)."""
 
+    collective = False  # a model of its own: any rank scores any rollouts alone
+
     def __init__(self, model: torch.nn.Module, ref_update_fn: Optional[Callable] = None):
         model.eval()
         for p in model.parameters():

@@ -151,7 +151,7 @@ class TrainerWorker:
             if shard.ref_logprobs is None and self.reference is not None:
                 # a copy of its own: no collective; the LoRA reference is the policy's module (ZeRO-3: collective)
                 shard = self.reference.score_batch(shard, temperature, mbs)
-                if getattr(self.reference, "collective", False):
+                if self.reference.collective:
                     self.ds.pad_forwards(micro_batch_count(shard.size, mbs), most)
             if not fix_old:
                 return shard
@@ -327,7 +327,7 @@ class TrainerWorker:
     def reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """Reference logprobs ``(T_i,)`` of rollouts, before a batch is made (KL in the reward):
         this rank's copy serves as a reference worker would (no collective: any rank, any chunk)."""
-        if getattr(self.reference, "collective", False):
+        if self._held_reference().collective:
             raise RuntimeError(f"{self.role} {self.rank}: a LoRA reference under ZeRO-3 scores in collective "
                                "forwards, so it cannot score a chunk of rollouts alone (KL in the reward); use "
                                "cluster.zero_stage 1 or 2")
