@@ -17,6 +17,7 @@ the policy's weights; a trainer rank reads its own.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -46,13 +47,19 @@ class Reference:
     def tracks_policy(self) -> bool:
         return self.ref_update_fn is not None
 
+    def _scoring(self):
+        """What holds while the reference scores: nothing for a model of its own (``AdapterReference``
+        switches the shared module's adapters)."""
+        return contextlib.nullcontext()
+
     def rollout_arrays(self, rollouts: Sequence, pad_id: int, temperature: float,
                        micro_batch_size: Optional[int] = None) -> list:
         """``(T_i,)`` float32 reference logprobs of each rollout's completion tokens, at the
         sampling ``temperature`` the policy's logprobs use (a KL between two temperatures is not 0)."""
         if not rollouts:
             return []
-        return list(rollout_logprobs(self.model, rollouts, pad_id, temperature, micro_batch_size))
+        with self._scoring():
+            return list(rollout_logprobs(self.model, rollouts, pad_id, temperature, micro_batch_size))
 
     def scored(self, rollouts: Sequence, pad_id: int, temperature: float,
                micro_batch_size: Optional[int] = None) -> list:
@@ -64,7 +71,8 @@ class Reference:
         """``batch`` with ``ref_logprobs`` set (0 off the loss mask), at ``temperature``."""
         from primitives.model.training import with_logprobs
 
-        return with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
+        with self._scoring():
+            return with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
 
     def move(self, policy: dict, step: int, kl: Optional[float] = None) -> None:
         """Let ``ref_update_fn`` decide the new reference from the policy's weights (name -> tensor)."""
@@ -113,7 +121,7 @@ class Reference:
                                   state.last_reset_step)
 
 
-class AdapterReference:
+class AdapterReference(Reference):
     """The reference of a LoRA policy, held by each trainer rank inside the policy's own module: no
     second model. Until it is set or moves it is the base model, scored with the adapters off; once
     set (the SFT stage's policy, ``load``) or moved by ``ref_update_fn`` (EMA, periodic reset, on
@@ -139,32 +147,10 @@ class AdapterReference:
         self.ref_update_fn, self.collective = ref_update_fn, collective
         self.state: Optional[RefState] = None  # None: the base model (adapters off)
 
-    @property
-    def tracks_policy(self) -> bool:
-        return self.ref_update_fn is not None
-
     def _scoring(self):
         from primitives.model.lora import REFERENCE, active_adapter, adapters_off
 
         return adapters_off(self.model) if self.state is None else active_adapter(self.model, REFERENCE)
-
-    def rollout_arrays(self, rollouts: Sequence, pad_id: int, temperature: float,
-                       micro_batch_size: Optional[int] = None) -> list:
-        if not rollouts:
-            return []
-        with self._scoring():
-            return list(rollout_logprobs(self.model, rollouts, pad_id, temperature, micro_batch_size))
-
-    def scored(self, rollouts: Sequence, pad_id: int, temperature: float,
-               micro_batch_size: Optional[int] = None) -> list:
-        arrays = self.rollout_arrays(rollouts, pad_id, temperature, micro_batch_size)
-        return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, arrays, strict=True)]
-
-    def score_batch(self, batch: Batch, temperature: float, micro_batch_size: Optional[int] = None) -> Batch:
-        from primitives.model.training import with_logprobs
-
-        with self._scoring():
-            return with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
 
     def _set(self, weights: dict, last_reset_step: int) -> None:
         """The reference becomes the adapter ``weights`` (policy adapter names -> tensor)."""
