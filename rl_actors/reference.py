@@ -67,12 +67,18 @@ class Reference:
         arrays = self.rollout_arrays(rollouts, pad_id, temperature, micro_batch_size)
         return [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, arrays, strict=True)]
 
-    def score_batch(self, batch: Batch, temperature: float, micro_batch_size: Optional[int] = None) -> Batch:
-        """``batch`` with ``ref_logprobs`` set (0 off the loss mask), at ``temperature``."""
+    def score_batch(self, batch: Batch, temperature: float, micro_batch_size: Optional[int] = None,
+                    then: Optional[Callable[[Batch], None]] = None) -> Batch:
+        """``batch`` with ``ref_logprobs`` set (0 off the loss mask), at ``temperature``. ``then(scored)``
+        runs before the reference is left: a ZeRO-3 rank's padding forwards must gather the same
+        modules (the same adapter) as its peers' scoring forwards."""
         from primitives.model.training import with_logprobs
 
         with self._scoring():
-            return with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
+            scored = with_logprobs(self.model, batch, "ref_logprobs", temperature, micro_batch_size)
+            if then is not None:
+                then(scored)
+            return scored
 
     def move(self, policy: dict, step: int, kl: Optional[float] = None) -> None:
         """Let ``ref_update_fn`` decide the new reference from the policy's weights (name -> tensor)."""
@@ -147,10 +153,18 @@ class AdapterReference(Reference):
         self.ref_update_fn, self.collective = ref_update_fn, collective
         self.state: Optional[RefState] = None  # None: the base model (adapters off)
 
+    @contextlib.contextmanager
     def _scoring(self):
+        """Eval mode (no adapter dropout) and the reference's adapters: off, or the reference adapter on."""
         from primitives.model.lora import REFERENCE, active_adapter, adapters_off
 
-        return adapters_off(self.model) if self.state is None else active_adapter(self.model, REFERENCE)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_off(self.model) if self.state is None else active_adapter(self.model, REFERENCE):
+                yield
+        finally:
+            self.model.train(training)
 
     def _set(self, weights: dict, last_reset_step: int) -> None:
         """The reference becomes the adapter ``weights`` (policy adapter names -> tensor)."""

@@ -149,10 +149,11 @@ class TrainerWorker:
             shard = part.shard(self.rank, self.world_size, unit)
             most = micro_batch_count(largest_shard(part.size, self.world_size, unit), mbs)
             if shard.ref_logprobs is None and self.reference is not None:
-                # a copy of its own: no collective; the LoRA reference is the policy's module (ZeRO-3: collective)
-                shard = self.reference.score_batch(shard, temperature, mbs)
-                if self.reference.collective:
-                    self.ds.pad_forwards(micro_batch_count(shard.size, mbs), most)
+                # a copy of its own: no collective; the LoRA reference is the policy's module (ZeRO-3: collective,
+                # so the padding forwards run with the reference's adapters too)
+                pad = (lambda s: self.ds.pad_forwards(micro_batch_count(s.size, mbs), most)) \
+                    if self.reference.collective else None
+                shard = self.reference.score_batch(shard, temperature, mbs, then=pad)
             if not fix_old:
                 return shard
             shard = with_old_logprobs(self.module, shard, temperature, mbs)  # micro-batches of mbs rows, pairs or not
@@ -308,6 +309,13 @@ class TrainerWorker:
             raise RuntimeError(f"{self.role} {self.rank} holds no reference (cluster.reference_on_trainers is off)")
         return self.reference
 
+    def _alone_check(self) -> None:
+        """A LoRA reference under ZeRO-3 is the partitioned policy module: it cannot score a chunk alone."""
+        if self._held_reference().collective:
+            raise RuntimeError(f"{self.role} {self.rank}: a LoRA reference under ZeRO-3 scores in collective "
+                               "forwards, so it cannot score a chunk of rollouts alone (KL in the reward); use "
+                               "cluster.zero_stage 1 or 2")
+
     def _policy_state(self) -> dict:
         """What the reference reads of the policy: every weight, or with LoRA its adapters (gathered)."""
         names = self.ds.trained_names() if isinstance(self.reference, AdapterReference) else None
@@ -327,10 +335,7 @@ class TrainerWorker:
     def reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """Reference logprobs ``(T_i,)`` of rollouts, before a batch is made (KL in the reward):
         this rank's copy serves as a reference worker would (no collective: any rank, any chunk)."""
-        if self._held_reference().collective:
-            raise RuntimeError(f"{self.role} {self.rank}: a LoRA reference under ZeRO-3 scores in collective "
-                               "forwards, so it cannot score a chunk of rollouts alone (KL in the reward); use "
-                               "cluster.zero_stage 1 or 2")
+        self._alone_check()
         return self._held_reference().rollout_arrays(rollouts, self.tokenizer.pad_token_id, temperature,
                                                      self.config.micro_batch_size)
 
@@ -341,6 +346,7 @@ class TrainerWorker:
 
     def with_reference_logprobs(self, rollouts: Sequence, temperature: float) -> list:
         """The rollouts with ``ref_logprobs`` set (new records)."""
+        self._alone_check()
         return self._held_reference().scored(rollouts, self.tokenizer.pad_token_id, temperature,
                                              self.config.micro_batch_size)
 

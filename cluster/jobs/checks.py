@@ -154,19 +154,26 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
 
 def lora_errors(job: RLJob) -> list:
     """An RL job with ``model.lora``: the reference lives in the trainer ranks' module (the base model
-    with the adapters off), so reference worker settings would be ignored; under ZeRO-3 its forwards
-    are collective, so it cannot score rollouts one chunk at a time for KL in the reward."""
-    if not job.model.lora.enabled:
+    with the adapters off), so reference worker settings would be ignored."""
+    if not job.model.lora.enabled or job.cluster.reference_on_trainers:
         return []
-    errors = [] if job.cluster.reference_on_trainers else ignored_errors(
-        job.cluster, REFERENCE_FIELDS, "with model.lora the reference is the trainer ranks' model with its adapters "
-        "off (no reference workers)", ClusterConfig())
-    kl_shaping = [s.name for s in job.shaping if s.name == "kl_penalty"]
-    if kl_shaping and job.cluster.zero_stage == 3:
-        errors.append("shaping kl_penalty with model.lora under cluster.zero_stage 3: the reference is the trainer "
-                      "ranks' partitioned model with its adapters off, whose forwards are collective, so it cannot "
-                      "score rollouts chunk by chunk for the reward; use cluster.zero_stage 1 or 2")
-    return errors
+    return ignored_errors(job.cluster, REFERENCE_FIELDS, "with model.lora the reference is the trainer ranks' model "
+                          "with its adapters off (no reference workers)", ClusterConfig())
+
+
+def lora_reward_reference_errors(job: RLJob, algos, shaping_fn) -> list:
+    """Under ZeRO-3 a LoRA reference is the trainer ranks' partitioned module, whose forwards are
+    collective: it cannot score rollouts chunk by chunk before the batch is made, which KL in the
+    reward (``kl_in_reward`` with a ``kl_coef``: ppo, reinforce_pp) and a shaping that reads the
+    reference (kl_penalty) need."""
+    if not job.model.lora.enabled or job.cluster.zero_stage != 3:
+        return []
+    readers = [f"algorithm {a.name} (KL in the reward)" for a in algos if a.kl_in_reward and a.kl_coef]
+    if getattr(shaping_fn, "needs_reference", False):
+        readers.append("the shaping (it reads reference logprobs)")
+    return [f"{', '.join(dict.fromkeys(readers))} with model.lora under cluster.zero_stage 3: the reference is the "
+            "trainer ranks' partitioned model with its adapters off, whose forwards are collective, so it cannot score "
+            "rollouts chunk by chunk for the reward; use cluster.zero_stage 1 or 2"] if readers else []
 
 
 def vllm_errors(cluster) -> list:

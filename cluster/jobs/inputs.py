@@ -14,6 +14,7 @@ from cluster.jobs.checks import (
     checkpoint_errors,
     cluster_errors,
     failed_checks,
+    lora_reward_reference_errors,
     raise_if,
     rl_errors,
     sft_errors,
@@ -251,6 +252,7 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
     algo = algorithm_of(job.algorithm)
     extensions = job_extensions(job)
+    raise_if(lora_reward_reference_errors(job, extensions["algos"], extensions["shaping_fn"]))
     job = with_lora_reference(job)
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
 

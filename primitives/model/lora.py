@@ -138,7 +138,7 @@ def merged_state(state: dict, cfg: LoraConfig, adapter: str = POLICY) -> dict:
         if ".lora_A." not in name:
             continue
         layer = name[: name.index(".lora_A.")]
-        a, b = tensors[name], tensors[renamed(name, adapter, adapter).replace(".lora_A.", ".lora_B.")]
+        a, b = tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")]
         weight = base_name(f"{layer}.base_layer.weight")
         if weight not in out:
             raise KeyError(f"merged_state: {name} has no base weight {layer}.base_layer.weight")
@@ -215,12 +215,19 @@ def target_errors(model_path: str, cfg: LoraConfig, trust_remote_code: bool = Fa
     field = "model.lora.target_modules"
     if not cfg.enabled or tuple(cfg.target_modules) == ("all-linear",) or value_errors(cfg):
         return []
-    modules = meta_modules(model_path, trust_remote_code)
+    model = meta_model(model_path, trust_remote_code)
+    modules = dict(model.named_modules())
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     errors = []
     for target in cfg.target_modules:
         hits = [m for n, m in modules.items() if n == target or n.endswith("." + target)]
-        if not hits:
+        if tied and any(m is head for m in hits):
+            errors.append(f"{field}: '{target}' is the output head, whose weight is the input embeddings' (tied "
+                          f"in {model_path}): adapting it would change both, and a merged model could not keep "
+                          f"them tied; leave it out (all-linear does)")
+        elif not hits:
             errors.append(f"{field}: '{target}' matches no module of {model_path}{did_you_mean(target, linear)}; "
                           f"its linear layers are {', '.join(linear)}")
         elif not all(isinstance(m, torch.nn.Linear) for m in hits):
@@ -230,12 +237,10 @@ def target_errors(model_path: str, cfg: LoraConfig, trust_remote_code: bool = Fa
     return errors
 
 
-def meta_modules(model_path: str, trust_remote_code: bool = False) -> dict:
-    """``{dotted name: module}`` of the model at ``model_path``, built on the meta device (no weights
-    read, no memory)."""
+def meta_model(model_path: str, trust_remote_code: bool = False):
+    """The model at ``model_path`` built on the meta device (no weights read, no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return dict(model.named_modules())
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

@@ -16,6 +16,7 @@ from cluster.jobs.config import (
     DataConfig,
     EvalConfig,
     LoggingConfig,
+    RLConfig,
     RLJob,
     SFTConfig,
     SFTJob,
@@ -138,7 +139,12 @@ BAD_INPUTS = [
      "cluster.reference_workers 2 would be ignored: with model.lora the reference is the trainer ranks' model"),
     (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8)), "cluster": ClusterConfig(zero_stage=3),
                    "shaping": (ShapingSpec("kl_penalty", {"coef": 0.1}),)},
-     "shaping kl_penalty with model.lora under cluster.zero_stage 3"),
+     "the shaping (it reads reference logprobs) with model.lora under cluster.zero_stage 3"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8)), "cluster": ClusterConfig(zero_stage=3),
+                   "algorithm": RLConfig(name="ppo")},
+     "algorithm ppo (KL in the reward) with model.lora under cluster.zero_stage 3"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, target_modules=("lm_head", "q_proj")))},
+     "'lm_head' is the output head, whose weight is the input embeddings' (tied in {m})"),
 ]
 
 

@@ -23,9 +23,9 @@ LR, EPS = 1e-2, 1e-6  # a large lr: the adapters' first steps must move the logp
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 
 
-def _group(ray, path, stage, world, lora=LORA, **kwargs):
+def _group(ray, path, stage, world, lora=LORA, mbs=3, **kwargs):
     remote = ray.remote(num_cpus=1)(TrainerWorker)
-    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)
+    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=mbs, max_grad_norm=1.0, adam_eps=EPS)
     actors = [remote.remote(ModelConfig(path, lora=lora), r, world, cfg, 0, **kwargs) for r in range(world)]
     addr = ray.get(actors[0].endpoint.remote())
     ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
@@ -56,8 +56,10 @@ def _peft_model(path, state):
     return model
 
 
-@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (2, 1)])
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (2, 1), (3, 1)])
 def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model_path, stage, world):
+    """Two updates (``B`` starts at zero, so the first moves ``B`` alone and the second both ``A`` and
+    ``B``): every rank count and stage ends on the adapters one process computes."""
     from transformers import AutoConfig
 
     batch, algo, _, _ = _batch(tiny_model_path)
@@ -65,7 +67,8 @@ def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model
     try:
         before = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
         meta = ray_local.get(actors[0].weight_meta.remote())
-        stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
+        stats = [[u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
+                 for _ in range(2)]
         states = ray_local.get([a.full_state.remote() for a in actors], timeout=300)
     finally:
         _kill(ray_local, actors)
@@ -75,25 +78,26 @@ def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model
     assert sorted(m.name for m in meta) == sorted(trained) and len(trained) == layers * 3 * 2
     one = _peft_model(tiny_model_path, before)
     opt = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0)
-    ref_metrics = forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
-    ref_norm = optim_step(one, opt, max_grad_norm=1.0)
+    for step in range(2):
+        ref_metrics = forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
+        ref_norm = optim_step(one, opt, max_grad_norm=1.0)
+        assert sum(s["loss/policy"] for s in stats[step]) == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
+        assert stats[step][0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
     expected = {n: p.detach().numpy() for n, p in one.named_parameters()}
-    assert sum(s["loss/policy"] for s in stats) == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
-    assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     for name, w in states[0].items():
         if name in trained:
-            assert np.abs(w - expected[name]).max() < 0.02 * LR, name  # Adam's first step: see test_trainer_zero
+            assert np.abs(w - expected[name]).max() < 0.02 * LR, name  # Adam's steps: see test_trainer_zero
         else:
             assert np.array_equal(w, before[name]), f"frozen {name} moved"
-    assert max(np.abs(states[0][n] - before[n]).max() for n in trained) > 0.5 * LR  # the adapters moved
+    for kind in ("lora_A", "lora_B"):  # both factors moved (A from the second update, once B is not zero)
+        assert max(np.abs(states[0][n] - before[n]).max() for n in trained if kind in n) > 0.5 * LR, kind
     for n in trained:
         assert np.array_equal(states[0][n], states[-1][n])  # every rank holds the same adapters
 
 
 def test_adapters_off_reference_is_the_base_model(ray_local, tiny_model_path):
     """A fixed reference with LoRA: the trainer ranks' logprobs with the adapters off equal the base
-    model's, after the adapters have trained (so on equals off would fail), and the KL the step
-    logs is against those."""
+    model's, after the adapters have trained (so on equals off would fail)."""
     from transformers import AutoModelForCausalLM
 
     batch, algo, rollouts, tok = _batch(tiny_model_path, kl=True)
@@ -116,14 +120,14 @@ def test_ema_reference_moves_on_adapter_weights(ray_local, tiny_model_path):
     model whose adapter is decay * start + (1 - decay) * policy, computed here from the ranks' state."""
     batch, algo, rollouts, tok = _batch(tiny_model_path, kl=True)
     ema = create_ema_updater(0.5)
-    actors = _group(ray_local, tiny_model_path, 3, 2, reference=True, ref_update_fn=ema)
+    actors = _group(ray_local, tiny_model_path, 2, 2, reference=True, ref_update_fn=ema)
     try:
         start = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
-        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        for _ in range(2):  # A moves from the second update on
+            ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
         ray_local.get([a.move_reference.remote(1) for a in actors], timeout=300)
         policy = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
-        # ZeRO-3: a forward is collective, so both ranks score (the same rollouts)
-        ref = ray_local.get([a.with_reference_logprobs.remote(rollouts, 1.0) for a in actors], timeout=300)[0]
+        ref = ray_local.get(actors[1].with_reference_logprobs.remote(rollouts, 1.0), timeout=300)
     finally:
         _kill(ray_local, actors)
     names = adapter_names(start)
@@ -139,21 +143,31 @@ def test_ema_reference_moves_on_adapter_weights(ray_local, tiny_model_path):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local, tiny_model_path, tmp_path, stage):
-    """Step 1, checkpoint, step 2 on one group; a new group loads the checkpoint and makes step 2:
-    the same adapters bit for bit (Adam moments and RNG came back). The checkpoint's ``adapter/``
-    loads with PEFT and its ``hf/`` with plain transformers, both computing what the ranks do."""
+    """Steps 1-2 (KL to an EMA reference adapter, moved after each), checkpoint, step 3 on one group; a
+    new group loads the checkpoint (the reference adapter from ``reference/``, as a job does) and makes
+    step 3: the same adapters and reference bit for bit (Adam moments, RNG and the reference came
+    back). The checkpoint's ``adapter/`` loads with PEFT and its ``hf/`` with plain transformers, both
+    computing what the ranks do."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    batch, algo, rollouts, tok = _batch(tiny_model_path)
-    path = str(tmp_path / "ckpt")
-    actors = _group(ray_local, tiny_model_path, stage, 2)
+    batch, algo, rollouts, tok = _batch(tiny_model_path, kl=True)
+    path, ema = str(tmp_path / "ckpt"), create_ema_updater(0.5)
+
+    def step(actors, n):
+        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        ray_local.get([a.move_reference.remote(n) for a in actors], timeout=300)
+
+    actors = _group(ray_local, tiny_model_path, stage, 2, reference=True, ref_update_fn=ema)
     try:
-        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
-        ray_local.get([a.save_checkpoint.remote(path, {"iteration": 1}) for a in actors], timeout=300)
+        step(actors, 1)
+        step(actors, 2)
+        ray_local.get([a.save_checkpoint.remote(path, {"iteration": 2}) for a in actors], timeout=300)
+        ray_local.get(actors[0].save_reference.remote(str(tmp_path / "reference")), timeout=300)
         policy = ray_local.get([a.logprobs.remote(rollouts, 1.0) for a in actors], timeout=300)[0]  # ZeRO-3: all
-        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        step(actors, 3)
         continuous = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
+        continuous_ref = ray_local.get(actors[1].reference_checksums.remote())
     finally:
         _kill(ray_local, actors)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(os.path.join(path, "adapter")))
@@ -164,11 +178,13 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
     for model in (adapter, merged):
         got = rollout_logprobs(model, rollouts, tok.pad_token_id, 1.0)
         assert max(float(np.abs(a - b).max()) for a, b in zip(got, policy)) < 1e-5
-    actors = _group(ray_local, tiny_model_path, stage, 2)
+    actors = _group(ray_local, tiny_model_path, stage, 2, reference=True, ref_update_fn=ema)
     try:
         ray_local.get([a.load_checkpoint.remote(path) for a in actors], timeout=300)
-        ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        ray_local.get([a.load_reference_from.remote(str(tmp_path / "reference")) for a in actors], timeout=300)
+        step(actors, 3)
         resumed = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
+        assert ray_local.get(actors[1].reference_checksums.remote()) == continuous_ref
     finally:
         _kill(ray_local, actors)
     for name in adapter_names(continuous):
@@ -177,6 +193,30 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
     plain = merged_state(continuous, LORA)
     peft_merged = _peft_model(tiny_model_path, continuous).merge_and_unload().state_dict()
     assert max(float((torch.as_tensor(v) - peft_merged[k]).abs().max()) for k, v in plain.items()) < 1e-6
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["adapters_off", "ema_adapter"])
+def test_zero3_reference_with_uneven_shards_scores_what_zero2_scores(ray_local, tiny_model_path, ema):
+    """Under ZeRO-3 the LoRA reference's forwards are collective: 16 rows on 3 ranks in micro-batches of
+    5 give shards of 6, 5 and 5 rows, so 2, 1 and 1 scoring forwards, and the short ranks pad. Their
+    padding forwards must run with the reference's adapters (off, or the reference adapter on), or the
+    gathers mix adapters (or hang). The KL the step logs equals ZeRO-2's (no collective there), after a
+    move of the EMA reference."""
+    batch, algo, _, _ = _batch(tiny_model_path, kl=True)
+    kwargs = {"reference": True, "ref_update_fn": create_ema_updater(0.5) if ema else None}
+    logged = {}
+    for stage in (2, 3):
+        actors = _group(ray_local, tiny_model_path, stage, 3, mbs=5, **kwargs)
+        try:
+            ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+            if ema:
+                ray_local.get([a.move_reference.remote(1) for a in actors], timeout=300)
+            updates = ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        finally:
+            _kill(ray_local, actors)
+        logged[stage] = sum(u[0]["loss/kl"] for u in updates)
+    assert logged[2] > 1e-6  # the policy moved off the reference
+    assert logged[3] == pytest.approx(logged[2], rel=1e-5)
 
 
 def test_a_rebuilt_group_restores_adapters_optimizer_and_reference_from_a_snapshot(ray_local, tiny_model_path):
