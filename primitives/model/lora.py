@@ -54,12 +54,6 @@ def with_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     return get_peft_model(model, peft_config(cfg))
 
 
-def is_lora(model) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def adapter_names(names: Iterable[str], adapter: str = POLICY) -> list:
     """The names among ``names`` that are parameters of ``adapter`` (``...lora_A.<adapter>.weight``)."""
     pattern = re.compile(rf"\.lora_(A|B|embedding_A|embedding_B)\.{re.escape(adapter)}(\.|$)")
@@ -150,7 +144,8 @@ def merged_state(state: dict, cfg: LoraConfig, adapter: str = POLICY) -> dict:
 def adapter_state(state: dict, adapter: str = POLICY) -> dict:
     """``adapter``'s parameters from a wrapped model's ``state``, under the names a PEFT adapter
     directory's ``adapter_model.safetensors`` holds (no adapter name: ``...lora_A.weight``)."""
-    return {renamed(n, adapter, "").replace("..", "."): state[n] for n in adapter_names(state, adapter)}
+    infix = re.compile(rf"(\.lora_(?:A|B|embedding_A|embedding_B))\.{re.escape(adapter)}(?=\.|$)")
+    return {infix.sub(r"\1", n): state[n] for n in adapter_names(state, adapter)}
 
 
 def save_adapter(model, path: str, state: dict, adapter: str = POLICY) -> str:
