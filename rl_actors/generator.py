@@ -371,11 +371,6 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def adapter_root() -> str:
-    """Where adapter directories go: shared memory when writable (no disk in a sync's path), else the temp dir."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 class VLLMAdapters:
     """LoRA (``model.lora``): vLLM serves the frozen base model with the policy's adapters, which
     arrive in this actor's process, not vLLM's: it joins the trainer's sync group itself (as an HF
@@ -416,6 +411,7 @@ class VLLMAdapters:
         from vllm.lora.request import LoRARequest
 
         from primitives.model.lora import write_adapter
+        from rl_actors.deepspeed_rank import scratch_dir
 
         tensors = {}
 
@@ -424,7 +420,8 @@ class VLLMAdapters:
 
         moved = broadcast_buckets(self.group, meta, bucket_bytes, self.rank, self.device, on_received=keep)
         self.syncs += 1
-        with tempfile.TemporaryDirectory(prefix="rayrl-lora-", dir=adapter_root()) as root:
+        # shared memory where it has room (no disk in a sync's path), as a snapshot's files go
+        with tempfile.TemporaryDirectory(prefix="rayrl-lora-", dir=scratch_dir(moved)) as root:
             path = write_adapter(os.path.join(root, f"policy-v{version}"), tensors, self.lora)
             request = LoRARequest(f"policy-v{version}-sync{self.syncs}", self.syncs, path)
             if self.lora_request is not None:
