@@ -24,6 +24,7 @@ from cluster.jobs.config import (
     SFTJob,
     resume_errors,
 )
+from cluster.ray_wing.config import with_lora_reference
 from primitives.io.data import (
     PromptFormat,
     Records,
@@ -253,7 +254,7 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     algo = algorithm_of(job.algorithm)
     extensions = job_extensions(job)
     raise_if(lora_reward_reference_errors(job, extensions["algos"], extensions["shaping_fn"]))
-    job = with_lora_reference(job)
+    job = job._replace(cluster=with_lora_reference(job.cluster, job.model.lora))
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
 
     def load(job=job) -> RLInputs:
@@ -296,14 +297,6 @@ def job_extensions(job: RLJob) -> dict:
                              f"reference.update {job.reference.update} moves a reference that no step reads: every "
                              "algorithm has kl_coef 0 and no loss or shaping reads reference logprobs")]))
     return {"schedule": schedule, "algos": tuple(algos), **built}
-
-
-def with_lora_reference(job: RLJob) -> RLJob:
-    """With ``model.lora`` the reference is the base model (the trainer ranks' module with its
-    adapters off) or a frozen adapter of that module: always on the trainer ranks, never a worker."""
-    if job.model.lora.enabled and not job.cluster.reference_on_trainers:
-        return job._replace(cluster=job.cluster._replace(reference_on_trainers=True))
-    return job
 
 
 def side_by_side(work, here):

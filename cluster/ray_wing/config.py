@@ -58,6 +58,13 @@ class ClusterConfig(NamedTuple):
     scaling: GeneratorScaling = GeneratorScaling()  # grow or shrink the generator workers while the run goes on
 
 
+def with_lora_reference(cfg: ClusterConfig, lora) -> ClusterConfig:
+    """``cfg`` as a job with ``lora`` (``model.lora``) runs it: the reference is the trainer ranks' own
+    module with its adapters off, or a frozen adapter there, so it lives on the trainers, never in a
+    worker of its own (``reference_on_trainers``)."""
+    return cfg._replace(reference_on_trainers=True) if lora.enabled else cfg
+
+
 def peak_generators(cfg: ClusterConfig) -> int:
     """The most generator workers a run may have: a local Ray is started with room for them."""
     sc = cfg.scaling

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from cluster.ray_wing.config import ClusterConfig, peak_generators
+from cluster.ray_wing.config import ClusterConfig, peak_generators, with_lora_reference
 from cluster.ray_wing.groups import (
     Call,
     RoleFactory,
@@ -165,8 +165,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
     with_reference = with_reference or reward_needs_reference
     model = model if isinstance(model, ModelConfig) else ModelConfig(model)
-    if model.lora.enabled:  # the reference is the trainers' module with the adapters off (primitives.model.lora)
-        cfg = cfg._replace(reference_on_trainers=True)
+    cfg = with_lora_reference(cfg, model.lora)
     on_trainers = with_reference and cfg.reference_on_trainers
     roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
