@@ -265,10 +265,9 @@ class DeepSpeedRank:
         import resource
 
         params = list(self.module.parameters())
-        numel = lambda p: p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # noqa: E731
         out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "trained_params": sum(numel(p) for p in params if p.requires_grad),
-               "frozen_params": sum(numel(p) for p in params if not p.requires_grad)}
+               "trained_params": sum(full_numel(p) for p in params if p.requires_grad),
+               "frozen_params": sum(full_numel(p) for p in params if not p.requires_grad)}
         if self.on_gpu:
             out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
         return out
@@ -354,8 +353,7 @@ class DeepSpeedRank:
     def state_bytes(self) -> int:
         """An upper bound of this rank's snapshot: the trained parameters at their size, plus fp32
         master weights and two Adam moments for its share of them (frozen ones are left out)."""
-        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters()
-                     if p.requires_grad)
+        params = sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
         return int(params * (4 + 12 / self.world_size))
 
     def snapshot(self) -> dict:
@@ -393,6 +391,11 @@ class DeepSpeedRank:
         mine = next(p for p in parts if p["rank"] == self.rank)
         self.steps = int(mine["steps"])
         restore_rng_state(mine["rng"])
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """A parameter's whole size, also where ZeRO-3 holds only this rank's partition of it."""
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
 
 
 def scratch_dir(needed: int = 0) -> str:

@@ -318,7 +318,7 @@ class TrainerWorker:
 
     def _policy_state(self) -> dict:
         """What the reference reads of the policy: every weight, or with LoRA its adapters (gathered)."""
-        names = self.ds.trained_names() if isinstance(self.reference, AdapterReference) else None
+        names = self.ds.trained_names() if self.ds.frozen else None
         return {k: torch.from_numpy(v) for k, v in self.ds.full_state(names=names).items()}
 
     def move_reference(self, step: int, kl: Optional[float] = None) -> bool:
