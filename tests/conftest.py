@@ -81,3 +81,16 @@ def scored_rollouts(path, num_prompts=4, n=4, seed=0):
     # a reward that varies with the sampled tokens, so groups have spread (a random model
     # never gets a sum right, and always fills max_new_tokens)
     return score_rollouts(rs, lambda r: float(int(r.completion_ids.sum()) % 3) + arithmetic_reward(r)), tok
+
+
+def lora_numel(path, rank):
+    """Parameters of rank-``rank`` adapters on every linear layer but the output head of the model at
+    ``path``, counted by hand: ``rank * (in + out)`` each (a second computation of what PEFT builds)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    head = model.get_output_embeddings()
+    return sum(rank * (m.in_features + m.out_features) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not head)
