@@ -82,7 +82,7 @@ def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model
         ref_metrics = forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
         ref_norm = optim_step(one, opt, max_grad_norm=1.0)
         assert sum(s["loss/policy"] for s in stats[step]) == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
-        assert stats[step][0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+        assert stats[step][0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     expected = {n: p.detach().numpy() for n, p in one.named_parameters()}
     for name, w in states[0].items():
         if name in trained:
