@@ -218,8 +218,24 @@ def sft_errors(sft, in_rl_job: bool) -> list:
     ]
     if not in_rl_job:
         checks += [(sft.steps >= 1, "sft.steps must be at least 1 in an SFT job"),
-                   (sft.path is not None, "sft.path is required: the SFT data file or directory")]
+                   (sft.path is not None, "sft.path is required: the SFT data file or directory"),
+                   (sft.full_weights is None, f"sft.full_weights {sft.full_weights} would be ignored: rayrl sft "
+                                              "trains the adapters with model.lora, else every weight (full_weights is "
+                                              "for an RL job's SFT stage before RL on adapters)")]
     return failed_checks(checks)
+
+
+def sft_weights_errors(job: RLJob) -> list:
+    """``sft.full_weights`` says what an RL job's SFT stage trains when RL trains adapters: it needs an
+    SFT stage, and false (the adapters) needs adapters."""
+    full = job.sft.full_weights
+    if full is None:
+        return []
+    return failed_checks([
+        (job.sft.steps > 0, f"sft.full_weights {full} would be ignored: sft.steps is 0 (no SFT stage)"),
+        (full or job.model.lora.enabled, "sft.full_weights false needs model.lora (rank > 0): without adapters the "
+                                         "SFT stage trains every weight"),
+    ])
 
 
 def algorithm_errors(job: RLJob) -> list:
@@ -326,6 +342,7 @@ def rl_errors(job: RLJob) -> list:
         (data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be at least 1"),
     ]) + checkpoint_errors(job.checkpoint)
     errors += cluster_errors(job.cluster, rl_roles=True) + sft_errors(job.sft, in_rl_job=True) + lora_errors(job)
+    errors += sft_weights_errors(job)
     return errors + ([] if any(e.startswith("algorithm.") for e in errors) else algorithm_errors(job))
 
 

@@ -126,6 +126,10 @@ class SFTConfig(NamedTuple):
     max_len: Optional[int] = None  # truncate samples to this many tokens
     eval_set: EvalData = EvalData()  # eval loss on a file (path) or a held-out share or count (size); neither: off
     eval_every: int = 100  # eval loss every N steps (and at the end) when an eval set is given
+    # an RL job with model.lora: true, the SFT stage trains every weight, and RL's adapters start on the SFT'd model
+    # (also RL's reference, the adapters off); false, it trains the adapters, which RL goes on training. None:
+    # true for the embedded tiny model (random weights: adapters cannot train its embeddings), else false
+    full_weights: Optional[bool] = None
 
 
 class EvalConfig(NamedTuple):

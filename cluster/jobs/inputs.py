@@ -4,6 +4,7 @@ the embedded models), prompts and SFT samples, rewards (``prepare_rl`` / ``prepa
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from typing import NamedTuple, Optional
 
@@ -254,11 +255,13 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     algo = algorithm_of(job.algorithm)
     extensions = job_extensions(job)
     raise_if(lora_reward_reference_errors(job, extensions["algos"], extensions["shaping_fn"]))
-    job = job._replace(cluster=with_lora_reference(job.cluster, job.model.lora))
+    job = with_sft_weights(job._replace(cluster=with_lora_reference(job.cluster, job.model.lora)))
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
 
     def load(job=job) -> RLInputs:
         job = job._replace(model=resolved_model(job.model, job.logging.out, job.seed))
+        if job.checkpoint.resume and job.sft.full_weights and job.model.lora.enabled:
+            job = job._replace(model=job.model._replace(model_name_or_path=adapters_base(job.checkpoint.resume)))
         tokenizer = load_tokenizer(job.model)
         check_prompts(train + evals, tokenizer, job.data)
         sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume \
@@ -268,6 +271,29 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
                         **extensions)
 
     return load() if beside is None else side_by_side(load, lambda: beside(job, extensions))
+
+
+def with_sft_weights(job: RLJob) -> RLJob:
+    """``sft.full_weights`` decided for an RL job with an SFT stage before RL on adapters (``model.lora``):
+    None becomes true for the embedded ``tiny`` model and false for any other. The tiny model starts
+    random: adapters cannot train its embeddings, which are also its output head, so their scale caps the
+    logits (an adapter-trained SFT stage samples near-uniformly at temperature 1). Without adapters or an
+    SFT stage the field stays as given."""
+    sft = job.sft
+    if sft.full_weights is not None or not (job.model.lora.enabled and sft.steps > 0):
+        return job
+    return job._replace(sft=sft._replace(full_weights=job.model.model_name_or_path == "tiny"))
+
+
+def adapters_base(checkpoint: str) -> str:
+    """The model a LoRA checkpoint's adapters were trained on, as its ``adapter/adapter_config.json`` names
+    it: after a full-weight SFT stage (``sft.full_weights``) that is the stage's model, not the job's."""
+    config = os.path.join(checkpoint, "adapter", "adapter_config.json")
+    base = json.load(open(config)).get("base_model_name_or_path") if os.path.isfile(config) else None
+    raise_if([] if base and os.path.isdir(base) else [
+        f"checkpoint.resume {checkpoint}: a LoRA job whose SFT stage trained every weight resumes on that "
+        f"stage's model, but {config} {'names ' + repr(base) + ', not a directory' if base else 'does not name it'}"])
+    return base
 
 
 def job_extensions(job: RLJob) -> dict:

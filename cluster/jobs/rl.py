@@ -68,8 +68,8 @@ def run_rl(job: RLJob) -> dict:
     logger, metrics_path = start_output(job)
     result = train_rl(inputs, logger)
     history = result["history"]
-    startup = startup_figures(process_start_time(), run_start, result.pop("cluster_started_at"),
-                              result.pop("startup"))
+    startup = startup_figures(process_start_time(), run_start + result.pop("sft_stage_s"),
+                              result.pop("cluster_started_at"), result.pop("startup"))
     names = [f"reward/{n}" for n in inputs.component_names] if len(inputs.component_names) > 1 else []
     summary = {
         **{k: v for k, v in result.items() if k != "history"},
@@ -98,22 +98,59 @@ def sampling_config(g, template_kwargs: Optional[dict]):
                             top_k=g.top_k, n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs)
 
 
-def sft_stage(cluster, inputs: RLInputs, logger) -> None:
-    """The RL job's SFT stage: train, send the weights to the generators, make them the
-    reference, and give the trainers a fresh optimizer at the RL learning rate."""
+def train_sft_stage(backend, inputs: RLInputs, logger) -> None:
+    """The SFT stage's updates (``sft`` section) on ``backend``'s trainer group, logged as ``phase: sft``."""
     from cluster.loop.sft import SFTRun, train_sft
     from cluster.loop.train import Hooks
-    from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
-    from cluster.ray_wing.groups import fan_out, gather
     from primitives.model.training import linear_warmup
 
     sft = inputs.job.sft
-    train_sft(RayBackend(cluster), inputs.sft_samples,
+    train_sft(backend, inputs.sft_samples,
               SFTRun(sft.steps, sft.batch, linear_warmup(sft.lr, sft.warmup), seed=inputs.job.seed),
               Hooks(logger=logger, eval_every=sft.eval_every or sft.steps), eval_samples=inputs.sft_eval_samples)
+
+
+def sft_stage(cluster, inputs: RLInputs, logger) -> None:
+    """The RL job's SFT stage on the RL cluster's trainers: train, send the weights to the generators,
+    make them the reference, and give the trainers a fresh optimizer at the RL learning rate. With
+    ``model.lora`` the adapters train, and RL goes on from them."""
+    from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
+    from cluster.ray_wing.groups import fan_out, gather
+
+    train_sft_stage(RayBackend(cluster), inputs, logger)
     sync_weights(cluster, version=0, move_reference=False)
     copy_policy_to_reference(cluster)
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
+
+
+SFT_MODEL = "sft_model"  # <out>/sft_model: a full-weight SFT stage's model, the base of RL's adapters
+
+
+def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
+    """The SFT stage of a job whose RL trains adapters, training every weight (``sft.full_weights``): a
+    trainer group of its own, without adapters, trains as the SFT job does and saves ``<out>/sft_model``,
+    and is gone before RL's cluster starts. Returns ``inputs`` with that model (its ``hf/``) as the job's
+    model, so RL's adapters start on it (``B`` zero: the SFT'd policy) and RL's reference, the adapters
+    off, is the SFT'd policy."""
+    from cluster.ray_wing.backend import RayBackend
+    from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
+    from primitives.types import LoraConfig, TrainState
+    from rl_actors.trainer import TrainerConfig
+
+    job = inputs.job
+    trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=job.sft.lr,
+                                micro_batch_size=job.cluster.micro_batch_size)
+    cluster = build_sft_cluster(job.model._replace(lora=LoraConfig()), job.cluster, trainer_cfg, seed=job.seed)
+    path = os.path.join(job.logging.out, SFT_MODEL)
+    try:
+        backend = RayBackend(cluster)
+        train_sft_stage(backend, inputs, logger)
+        backend.save(path, TrainState())
+    finally:
+        shutdown_cluster(cluster)
+    print(f"SFT stage trained every weight ({path}); RL trains adapters on it", flush=True)
+    model = job.model._replace(model_name_or_path=os.path.join(path, "hf"))
+    return inputs._replace(job=job._replace(model=model))
 
 
 def with_critic(backend, inputs: RLInputs, with_sft: bool):
@@ -161,11 +198,16 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     from primitives.types import TrainState
     from rl_actors.trainer import TrainerConfig
 
+    with_sft = inputs.job.sft.steps > 0 and not inputs.job.checkpoint.resume
+    sft_stage_s = 0.0  # a full-weight SFT stage runs before RL's cluster starts: not start-up
+    if with_sft and inputs.job.sft.full_weights and inputs.job.model.lora.enabled:
+        t0 = time.time()
+        inputs, with_sft = full_weight_sft_stage(inputs, logger), False  # RL's cluster starts on the SFT'd model
+        sft_stage_s = time.time() - t0
     job, out = inputs.job, inputs.job.logging.out
     cfg, ev, algo = job.cluster, job.eval, job.algorithm
     gen = sampling_config(job.generation, inputs.template_kwargs)
     eval_gen = gen._replace(temperature=ev.temperature, n=ev.k, top_p=1.0, top_k=0)
-    with_sft = job.sft.steps > 0 and not job.checkpoint.resume
     trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else algo.lr,
                                 micro_batch_size=cfg.micro_batch_size)
     names = inputs.component_names if len(inputs.component_names) > 1 else None
@@ -249,7 +291,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         shutdown_cluster(backend.cluster)
     return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
             **accuracy_figures(before, after), **final, **memory, "faults": faults, "cluster_started_at": cluster_start,
-            "startup": startup, "history": history}
+            "sft_stage_s": sft_stage_s, "startup": startup, "history": history,
+            **({"sft_model": os.path.join(out, SFT_MODEL)} if sft_stage_s else {})}
 
 
 # ----------------------------------------------------------------------------- SFT
