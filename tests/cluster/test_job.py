@@ -439,7 +439,7 @@ def test_sft_job_with_lora_trains_the_adapters_and_saves_both_forms(tmp_path, ti
     import ray
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ray.shutdown()
     try:
@@ -458,6 +458,35 @@ def test_sft_job_with_lora_trains_the_adapters_and_saves_both_forms(tmp_path, ti
         moved = (merged(input_ids=ids).logits - AutoModelForCausalLM.from_pretrained(tiny_model_path)(
             input_ids=ids).logits).abs().max().item()
     assert gap < 1e-4 and moved > 1e-3
+    # `rayrl rl` with model.lora on the SFT job's merged model starts from the SFT job's policy: its greedy
+    # answers before RL are the merged model's in one process (and not the base model's)
+    from cluster.jobs.config import SamplingConfig
+    from cluster.jobs.rl import run_rl
+    from primitives.fixtures.tasks import arithmetic_task
+    from primitives.model.generation import generate_rollouts
+    from primitives.types import GenerationConfig
+
+    rl_out = tmp_path / "rl"
+    ray.shutdown()
+    try:
+        run_rl(RLJob(model=ModelConfig(summary["hf_model"], lora=LoraConfig(rank=8)),
+                     data=DataConfig(task="arithmetic", task_kwargs={"num_train": 32, "num_heldout": 8}),
+                     algorithm=RLConfig(steps=1, prompts_per_step=4, kl_coef=0.05),
+                     generation=SamplingConfig(group_size=4, max_new_tokens=4),
+                     cluster=ClusterConfig(generate_on_trainers=True, generators=0, reference_on_trainers=True),
+                     eval=EvalConfig(every=0, final_pass_k=0), logging=LoggingConfig(out=str(rl_out))))
+    finally:
+        ray.shutdown()
+    before = [json.loads(line) for line in open(rl_out / "samples" / "step_0.jsonl")]  # before the first step
+    heldout = arithmetic_task(seed=0, num_train=32, num_heldout=8).eval
+    tok = AutoTokenizer.from_pretrained(summary["hf_model"])
+
+    def greedy(model):
+        rollouts = generate_rollouts(model, tok, heldout, GenerationConfig(max_new_tokens=4, temperature=0.0))
+        return [r.text for r in rollouts]
+
+    assert [b["completion"] for b in before] == greedy(merged)
+    assert greedy(merged) != greedy(AutoModelForCausalLM.from_pretrained(tiny_model_path))
 
 
 def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
@@ -483,14 +512,31 @@ def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
         prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:task", task_kwargs={"m": 1})))
 
 
+def _sampled_reward(model_dir: str, items, n: int, seed: int = 0) -> float:
+    """Mean exact-match reward of ``n`` completions per item sampled at temperature 1 in one process."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.env.rewards import exact_match, score_rollouts
+    from primitives.model.generation import generate_rollouts
+    from primitives.types import GenerationConfig
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    rollouts = generate_rollouts(model, tok, list(items), GenerationConfig(max_new_tokens=5, n=n, temperature=1.0),
+                                 generator=torch.Generator().manual_seed(seed))
+    return float(np.mean([r.reward for r in score_rollouts(rollouts, exact_match("first_number"))]))
+
+
 @pytest.mark.slow
-def test_lora_lifts_the_default_task_from_the_sft_model(tmp_path):
-    """LoRA as practitioners use it, on a model that already knows the task's format: the default
-    job's SFT stage (full weights, ``--algorithm.steps 0``), then GRPO with rank-16 adapters on every
-    linear layer at the LoRA learning rate (10x full fine-tuning's). Held-out accuracy rises by 10
-    points or more; only the adapters trained and synced; the reference is the SFT model (the
-    adapters off) on the trainer ranks; the final model is an adapter directory and a merged HF model
-    whose greedy accuracy is the one the job logged."""
+@pytest.mark.parametrize("generation", ["trainers", "worker"])
+def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, generation):
+    """The default job with adapters as a user types it (``--model.lora.rank 16 --algorithm.lr 3e-3``), its
+    SFT stage included (1000 steps here, 1500 as shipped): the stage trains every weight of the random tiny model
+    (``sft.full_weights`` decides so), and RL trains rank-16 adapters on the SFT'd model, generating on the
+    trainer ranks or in an HF generator worker. The first RL step samples as the SFT'd model does (its
+    reward is the one-process model's on the same prompts, to sampling noise), from the reference (KL 0);
+    held-out accuracy rises by 10 points or more; what trains and what is frozen are counted by hand; the
+    merged final model's greedy accuracy is the one the job logged."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from primitives.env.rewards import exact_match
@@ -498,27 +544,34 @@ def test_lora_lifts_the_default_task_from_the_sft_model(tmp_path):
     from primitives.io.evaluation import greedy_accuracy
     from tests.conftest import lora_numel, run_job
 
-    sft = str(tmp_path / "sft")
-    run_job(["rl", DEFAULT, "--logging.out", sft, "--algorithm.steps", "0", "--eval.final-pass-k", "0",
-             "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
     out = str(tmp_path / "lora")
-    summary = run_job(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path",
-                       os.path.join(sft, "final_model", "hf"), "--sft.steps", "0", "--model.lora.rank", "16",
-                       "--algorithm.lr", "3e-3", "--eval.final-pass-k", "0",
-                       "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
+    layout = [] if generation == "trainers" else ["--cluster.generate-on-trainers", "False",
+                                                  "--cluster.generators", "1"]
+    summary = run_job(["rl", DEFAULT, "--logging.out", out, "--model.lora.rank", "16", "--algorithm.lr", "3e-3",
+                       "--sft.steps", "1000", "--algorithm.steps", "30", "--eval.final-pass-k", "0",
+                       "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7", *layout])
+    sft = os.path.join(out, "sft_model", "hf")
+    assert summary["sft_model"] == os.path.dirname(sft) and summary["generation"] == (
+        "trainers" if generation == "trainers" else "workers")
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10, summary
-    assert summary["reference"] == "trainers"
-    base = os.path.join(sft, "final_model", "hf")
-    assert summary["trained_params"] == lora_numel(base, 16)  # counted by hand from the model's linear layers
-    # frozen: the base model and the reference's adapter (KL is on: it is built, equal in size to the policy's)
-    assert summary["frozen_params"] == lora_numel(base, 16) + sum(
-        p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters())
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"sync/bytes"' in line]
-    assert rows and {r["sync/bytes"] for r in rows} == {0.0}  # generation on the trainer ranks: nothing to send
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len([r for r in rows if r.get("phase") == "sft" and "loss/sft" in r]) == 1000
+    first = next(r for r in rows if "reward/mean" in r)
+    assert first["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
+    task = arithmetic_task(seed=0, num_heldout=128)
+    groups = json.loads(open(os.path.join(out, "trained_groups.jsonl")).readline())["groups"]
+    prompts = [task.train[int(g.split("/i")[1])] for g in groups]
+    assert len(prompts) == 32
+    assert first["reward/mean"] == pytest.approx(_sampled_reward(sft, prompts, 8), abs=0.12), first
+    assert summary["trained_params"] == lora_numel(sft, 16)  # counted by hand from the model's linear layers
+    # frozen: the SFT'd model and the reference's adapter (KL is on: it is built, equal in size to the policy's)
+    assert summary["frozen_params"] == lora_numel(sft, 16) + sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(sft).parameters())
+    syncs = {r["sync/bytes"] for r in rows if "sync/bytes" in r}
+    assert syncs == ({0.0} if generation == "trainers" else {4.0 * lora_numel(sft, 16)})  # nothing, or the adapters
     final = os.path.join(out, "final_model")
     assert os.path.isfile(os.path.join(final, "adapter", "adapter_model.safetensors"))
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "hf"))
-    heldout = arithmetic_task(seed=0, num_heldout=128).eval
-    accuracy = greedy_accuracy(merged, AutoTokenizer.from_pretrained(os.path.join(final, "hf")), heldout,
+    accuracy = greedy_accuracy(merged, AutoTokenizer.from_pretrained(os.path.join(final, "hf")), task.eval,
                                exact_match("first_number"), max_new_tokens=5)
     assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)

@@ -92,3 +92,53 @@ def test_generator_workers_sample_what_the_trainer_ranks_sample(worker_run, host
     assert hosted_run["reference"] == worker_run["reference"]  # the EMA adapter moved alike
     assert hosted_run["tokens"] == worker_run["tokens"]  # generator rank 1 after 3 steps: the same tokens
     assert len({tuple(t) for t in hosted_run["tokens"]}) > 1
+
+
+def test_rl_starts_from_the_sft_stage_adapters_and_a_restore_keeps_them(ray_local, tiny_model_path):
+    """The RL job's SFT stage on the adapters (``cluster.jobs.rl.sft_stage``, as the job runs it), then
+    the places where the SFT'd adapters could be lost: the sync to the generator worker holds them,
+    the reference becomes them (not the base model), the optimizer's reset keeps them, and the
+    snapshot taken right after the stage restores them, when a trainer rank is killed in the first RL
+    step (at learning rate 0, so the step leaves every weight where the stage left it)."""
+    import signal
+
+    from transformers import AutoTokenizer
+
+    from cluster.jobs.config import RLConfig, RLJob, SFTConfig
+    from cluster.jobs.inputs import RLInputs, sft_samples
+    from cluster.jobs.rl import sft_stage
+    from cluster.ray_wing.config import ClusterConfig
+    from primitives.fixtures.tasks import arithmetic_task
+    from tests.chaos import signal_when
+
+    job = RLJob(sft=SFTConfig(steps=3, batch=8, lr=3e-2), algorithm=RLConfig(lr=0.0))
+    samples, _ = sft_samples(job.sft, AutoTokenizer.from_pretrained(tiny_model_path),
+                             arithmetic_task(num_train=32, num_heldout=1))
+    inputs = RLInputs(job, [], [], samples, [], None, None, (), None, {}, None)
+    cfg = ClusterConfig(generators=1, trainers=2, reward_workers=1, call_timeout_s=300)
+    cluster = build_rl_cluster(ModelConfig(tiny_model_path, lora=LORA), cfg, TrainerConfig(zero_stage=2, lr=3e-2),
+                               spread_reward, with_reference=True, bucket_mb=0.5)
+    backend = RayBackend(cluster, max_actor_restarts=2, snapshot_every=1)
+    try:
+        start = gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0]
+        logged = []
+        sft_stage(cluster, inputs, logged.append)
+        assert [m["step"] for m in logged if "loss/sft" in m] == [0, 1, 2]
+        sft = gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0]
+        moved = {n for n in sft if sft[n] != start[n]}
+        assert {n for n in moved if ".lora_A." in n} and {n for n in moved if ".lora_B." in n}  # both moved
+        held = gather(fan_out(cluster.generators.group, "weight_checksums"), 300)[0]
+        assert {n: held[n] for n in sft} == sft  # the generator worker samples with the SFT'd adapters
+        assert gather([call(cluster.trainers, 1, "reference_checksums")], 300)[0] == sft
+        backend.prepare_recovery()  # the snapshot: right after the stage, as the job takes it
+        killed = signal_when("TrainerWorker", "train_planned", signal.SIGKILL)
+        state = train(backend, make_prompt_source(_items(), seed=1), constant_schedule(grpo(kl_coef=0.05)),
+                      RLRun(GEN, num_steps=1, prompts_per_step=4, lr_schedule=lambda s: 0.0, progress=False))
+        assert killed and [f["role"] for f in backend.faults] == ["trainer"]
+        c = backend.cluster
+        assert gather([call(c.trainers, r, "weight_checksums") for r in range(2)], 300) == [sft, sft]
+        assert gather([call(c.trainers, r, "reference_checksums") for r in range(2)], 300) == [sft, sft]
+        first = state.metrics_history[0]
+        assert abs(first["kl/ref_k3"]) < 1e-7 and first["mismatch/max_abs_logp_diff"] < 1e-5, first
+    finally:
+        shutdown_cluster(backend.cluster)
