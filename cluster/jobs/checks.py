@@ -221,17 +221,20 @@ def sft_errors(sft, in_rl_job: bool) -> list:
                    (sft.path is not None, "sft.path is required: the SFT data file or directory"),
                    (sft.full_weights is None, f"sft.full_weights {sft.full_weights} would be ignored: rayrl sft "
                                               "trains the adapters with model.lora, else every weight (full_weights is "
-                                              "for an RL job's SFT stage before RL on adapters)")]
+                                              "for an RL job's SFT stage before RL on adapters)"),
+                   (not sft.save, "sft.save would be ignored: rayrl sft saves its model in <out>/final_model")]
     return failed_checks(checks)
 
 
 def sft_weights_errors(job: RLJob) -> list:
     """``sft.full_weights`` says what an RL job's SFT stage trains when RL trains adapters: it needs an
-    SFT stage, and false (the adapters) needs adapters."""
+    SFT stage, and false (the adapters) needs adapters. ``sft.save`` needs an SFT stage."""
     full = job.sft.full_weights
+    saved = failed_checks([(not job.sft.save or job.sft.steps > 0,
+                            "sft.save would be ignored: sft.steps is 0 (no SFT stage)")])
     if full is None:
-        return []
-    return failed_checks([
+        return saved
+    return saved + failed_checks([
         (job.sft.steps > 0, f"sft.full_weights {full} would be ignored: sft.steps is 0 (no SFT stage)"),
         (full or job.model.lora.enabled, "sft.full_weights false needs model.lora (rank > 0): without adapters the "
                                          "SFT stage trains every weight"),

@@ -130,6 +130,7 @@ class SFTConfig(NamedTuple):
     # (also RL's reference, the adapters off); false, it trains the adapters, which RL goes on training. None:
     # true for the embedded tiny model (random weights: adapters cannot train its embeddings), else false
     full_weights: Optional[bool] = None
+    save: bool = False  # an RL job: keep the SFT stage's model in <out>/sft_model (hf/ loads with from_pretrained)
 
 
 class EvalConfig(NamedTuple):

@@ -123,7 +123,8 @@ def sft_stage(cluster, inputs: RLInputs, logger) -> None:
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
 
 
-SFT_MODEL = "sft_model"  # <out>/sft_model: a full-weight SFT stage's model, the base of RL's adapters
+# <out>/sft_model: the SFT stage's model (sft.save; the PPO critic's start; LoRA's base after a full-weight stage)
+SFT_MODEL = "sft_model"
 
 
 def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
@@ -163,8 +164,9 @@ def with_critic(backend, inputs: RLInputs, with_sft: bool):
     job, cfg, algo = inputs.job, inputs.job.cluster, inputs.job.algorithm
     model = job.model
     if with_sft and algo.critic_init == "policy":
-        sft_copy = os.path.join(job.logging.out, "sft_model")
-        backend.save(sft_copy, TrainState())
+        sft_copy = os.path.join(job.logging.out, SFT_MODEL)
+        if not job.sft.save:  # else the SFT stage's model is saved there already
+            backend.save(sft_copy, TrainState())
         model = ModelConfig(os.path.join(sft_copy, "hf"), job.model.dtype, job.model.device,
                             job.model.trust_remote_code, job.model.attn_implementation)
     critic_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=algo.critic_lr or algo.lr,
@@ -238,6 +240,8 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     try:
         if with_sft:
             sft_stage(backend.cluster, inputs, logger)
+            if job.sft.save:
+                backend.save(os.path.join(out, SFT_MODEL), TrainState())
             skipped = time.time() - built
         if any_needs_values(algos):
             with_critic(backend, inputs, with_sft)
@@ -292,7 +296,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
             **accuracy_figures(before, after), **final, **memory, "faults": faults, "cluster_started_at": cluster_start,
             "sft_stage_s": sft_stage_s, "startup": startup, "history": history,
-            **({"sft_model": os.path.join(out, SFT_MODEL)} if sft_stage_s else {})}
+            **({"sft_model": os.path.join(out, SFT_MODEL)} if sft_stage_s or (with_sft and job.sft.save) else {})}
 
 
 # ----------------------------------------------------------------------------- SFT

@@ -103,7 +103,7 @@ def test_the_readme_table_says_what_the_tests_do():
     rows = [line for line in text.splitlines() if line.startswith("| ") and "`test_lora_combinations`" in line]
     listed = {tuple(cell.strip() for cell in row.strip("|").split("|")[:4]) for row in rows}
     assert listed == {(s, g, r, str(z)) for s, g, r, z in RUNS}
-    assert GENERATE_ON_ZERO3.split(":")[0] in text
+    assert GENERATE_ON_ZERO3.split(":")[0] in " ".join(text.split())
 
 
 def test_the_sft_stage_trains_every_weight_of_the_random_tiny_model_by_default():
@@ -122,10 +122,23 @@ def test_the_sft_stage_trains_every_weight_of_the_random_tiny_model_by_default()
 @pytest.mark.parametrize("sft,message", [
     (SFTConfig(steps=0, full_weights=True), "sft.full_weights True would be ignored: sft.steps is 0"),
     (SFTConfig(steps=3, full_weights=False), "sft.full_weights false needs model.lora (rank > 0)"),
+    (SFTConfig(steps=0, save=True), "sft.save would be ignored: sft.steps is 0 (no SFT stage)"),
 ])
 def test_sft_full_weights_that_cannot_apply_is_refused(sft, message):
     job = RLJob(model=ModelConfig("tiny"), data=DataConfig(task="arithmetic"), sft=sft)
     assert any(message in e for e in rl_errors(job)), rl_errors(job)
+    assert not any(message in e for e in rl_errors(job._replace(sft=sft._replace(steps=3, save=False,
+                                                                                 full_weights=None))))
+
+
+def test_sft_save_in_an_sft_job_is_refused_and_in_an_rl_stage_taken():
+    from cluster.jobs.checks import sft_errors
+
+    assert any("sft.save would be ignored: rayrl sft saves its model in <out>/final_model" in e
+               for e in sft_errors(SFTConfig(path="data.jsonl", save=True), in_rl_job=False))
+    assert not any("sft.save" in e for e in sft_errors(SFTConfig(path="data.jsonl"), in_rl_job=False))
+    job = RLJob(model=ModelConfig("tiny"), data=DataConfig(task="arithmetic"), sft=SFTConfig(steps=3, save=True))
+    assert not any("sft.save" in e for e in rl_errors(job))
 
 
 def _rows(out: str) -> list:
