@@ -13,18 +13,39 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def run_job(args: list):
-    """``rayrl <args>`` (e.g. ``["rl", "job.yaml", "--algorithm.steps", "2"]``) through the
-    command-line entry point, on a Ray of its own that is shut down after it; its summary."""
+RAY_CPUS = 16  # logical CPUs of the test run's Ray: room for the largest job's actors (they share 2 cores)
+
+
+def ray_up():
+    """The test run's one local Ray, started on first use (and again after a test that shut it down,
+    as the tests of starting and leaving Ray do): loopback, quiet, the checkout on every actor's path.
+    Its variables reach the actors as the environment of Ray's own processes, as ``start_ray`` sets
+    them, so actors take the worker processes Ray starts ahead. Each job or cluster removes its actors
+    and placement groups when it ends; the next one joins this Ray (``start_ray`` joins a running one)."""
     import ray
 
+    if not ray.is_initialized():
+        from rl_actors.common import environ
+
+        env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TQDM_DISABLE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        with environ(env):
+            ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "ray" in sys.modules:
+        sys.modules["ray"].shutdown()
+
+
+def run_job(args: list):
+    """``rayrl <args>`` (e.g. ``["rl", "job.yaml", "--algorithm.steps", "2"]``) through the
+    command-line entry point, on the test run's Ray (``ray_up``); its summary."""
     from cluster.jobs.cli import run
 
-    ray.shutdown()
-    try:
-        return run(list(args))
-    finally:
-        ray.shutdown()
+    ray_up()
+    return run(list(args))
 
 
 @pytest.fixture(scope="session")
@@ -46,14 +67,8 @@ def tiny_model(tokenizer):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray for one test module (loopback, 8 logical CPUs), shut down after it."""
-    import ray
-
-    ray.shutdown()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "TQDM_DISABLE": "1"}})
-    yield ray
-    ray.shutdown()
+    """The test run's Ray (``ray_up``), for a module of tests that start actors."""
+    return ray_up()
 
 
 @pytest.fixture(scope="session")
@@ -94,3 +109,46 @@ def lora_numel(path, rank):
     head = model.get_output_embeddings()
     return sum(rank * (m.in_features + m.out_features) for m in model.modules()
                if isinstance(m, torch.nn.Linear) and m is not head)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test on the run's Ray fixture is a Ray test (``-m "not ray"`` leaves it out); a module or test
+    that starts Ray by other means carries the ``ray`` mark itself."""
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_ray_in_the_fast_tier():
+    """``make test-fast`` (RAYRL_FAST_TESTS=1) runs the tests without the ``ray`` mark: one that starts
+    Ray anyway fails at once, naming the mark it lacks, so the fast tier stays fast and Ray-free."""
+    if os.environ.get("RAYRL_FAST_TESTS"):
+        import ray
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("make test-fast: this test starts Ray; give it (or its module) the mark "
+                               "pytest.mark.ray")
+
+        ray.init = refuse
+    yield
+
+
+DEFAULT_JOB = os.path.join(ROOT, "examples", "configs", "default.yaml")
+
+
+@pytest.fixture(scope="session")
+def default_job(tmp_path_factory):
+    """The default job as `make run` runs it, once per test run (shorter: 40 RL steps, 128 held-out
+    problems), keeping its SFT stage's model (``sft.save``): ``(out, summary)``. Its own test checks the
+    run; tests that need a trained policy of the default task start from ``<out>/sft_model/hf``."""
+    out = str(tmp_path_factory.mktemp("default_job") / "run")
+    summary = run_job(["rl", DEFAULT_JOB, "--logging.out", out, "--algorithm.steps", "40", "--eval.every", "20",
+                       "--sft.save", "True", "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
+    return out, summary
+
+
+@pytest.fixture(scope="session")
+def sft_policy(default_job):
+    """The default task's SFT'd policy (the default job's SFT stage, 1500 steps), an HF directory."""
+    return os.path.join(default_job[0], "sft_model", "hf")

@@ -7,6 +7,8 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 from cluster.jobs.outputs import startup_figures
 from cluster.ray_wing.roles import stage_seconds
 from rl_actors.common import environ
@@ -51,6 +53,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.ray
 def test_a_local_ray_gives_the_actors_their_environment_without_a_runtime_env():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TQDM_DISABLE", "PYTHONPATH")}
     with tempfile.TemporaryDirectory(prefix="rr", dir="/tmp") as tmp:  # short: Ray's socket paths are bounded
@@ -90,6 +93,7 @@ def test_deepspeed_on_cpu_skips_the_shared_memory_op_and_muon_compilation():
     assert "INDUCTOR False DYNAMO_OFF False PLAIN function" in proc.stdout
 
 
+@pytest.mark.ray
 def test_the_job_summary_reports_startup_seconds_by_stage(tmp_path):
     from cluster.jobs.cli import run
 

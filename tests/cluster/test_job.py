@@ -27,7 +27,7 @@ from cluster.jobs.sft import run_sft
 from primitives.env.rewards import RewardSpec
 from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
 from primitives.types import LoraConfig, ModelConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ray_up
 
 DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
 
@@ -191,6 +191,7 @@ def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path
     assert "ray" not in sys.modules
 
 
+@pytest.mark.ray
 def test_an_error_found_while_ray_starts_leaves_no_ray_running(tmp_path, tiny_model_path, monkeypatch):
     """run_rl starts Ray beside the model's loading, after every value check: a prompt too long
     for the tokenizer is found then, and the job stops with its message and shuts Ray down."""
@@ -273,22 +274,20 @@ def test_a_bad_group_size_is_named_alone(tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_with_a_critic_learns_the_default_task(tmp_path):
-    """``--algorithm.name ppo``: the job adds a critic group after the SFT stage, initialised
-    from the SFT policy; GAE on its values lifts held-out accuracy by 10 points or more in 40
-    steps, the critic's value loss falls, and the final checkpoint holds the critic."""
-    import ray
+def test_ppo_with_a_critic_learns_the_default_task(tmp_path, sft_policy):
+    """``--algorithm.name ppo`` from the default job's SFT'd policy: the job adds a critic group after
+    a short SFT stage, initialised from the policy it leaves; GAE on its values lifts held-out accuracy
+    by 10 points or more in 40 steps, the critic's value loss falls, and the final checkpoint holds the
+    critic."""
 
     from cluster.jobs.cli import run
 
-    ray.shutdown()
+    ray_up()
     out = str(tmp_path / "ppo")
-    try:
-        summary = run(["rl", DEFAULT, "--logging.out", out, "--algorithm.name", "ppo", "--algorithm.steps", "40",
-                       "--eval.every", "20", "--eval.final-pass-k", "0",
-                       "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
-    finally:
-        ray.shutdown()
+    summary = run(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path", sft_policy,
+                   "--sft.steps", "5", "--algorithm.name", "ppo", "--algorithm.steps", "40",
+                   "--eval.every", "20", "--eval.final-pass-k", "0",
+                   "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
     assert summary["algorithm"] == "ppo"
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"critic/value_loss"' in line]
@@ -300,19 +299,12 @@ def test_ppo_with_a_critic_learns_the_default_task(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_job_lifts_heldout_accuracy(tmp_path):
-    """The default job as `make run` runs it (shorter), through the command-line entry point."""
-    import ray
-
-    from cluster.jobs.cli import run
-
-    ray.shutdown()
-    out = str(tmp_path / "run")
-    try:
-        summary = run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "40", "--eval.every", "20",
-                        "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
-    finally:
-        ray.shutdown()
+def test_default_job_lifts_heldout_accuracy(default_job):
+    """The default job as `make run` runs it (shorter), through the command-line entry point (the
+    ``default_job`` fixture, whose SFT'd policy other tests start from)."""
+    out, summary = default_job
+    assert summary["sft_model"] == os.path.join(out, "sft_model")
+    assert os.path.isfile(os.path.join(out, "sft_model", "hf", "model.safetensors"))
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
     assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
     assert (summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (2, 2, 2)
@@ -351,26 +343,26 @@ def test_default_job_lifts_heldout_accuracy(tmp_path):
     accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf), heldout,
                                exact_match("first_number"), max_new_tokens=5)
     assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)
+    # and the kept SFT model (sft.save), the one the evaluation before RL scored
+    sft = os.path.join(out, "sft_model", "hf")
+    accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(sft), AutoTokenizer.from_pretrained(sft), heldout,
+                               exact_match("first_number"), max_new_tokens=5)
+    assert accuracy == pytest.approx(summary["accuracy_before_rl"], abs=1e-9)
 
 
 @pytest.mark.slow
 def test_checkpoint_then_resume_from_the_command_line(tmp_path):
-    import ray
-
     from cluster.jobs.cli import run
 
     out = str(tmp_path / "run")
     short = ["--sft.steps", "20", "--eval.enabled", "False", "--eval.final-pass-k", "0"]
-    ray.shutdown()
-    try:
-        run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--checkpoint.every", "2", *short])
-        ckpt = os.path.join(out, "checkpoints", "step_2")
-        assert os.path.isfile(os.path.join(ckpt, "train_state.json"))
-        assert os.path.isdir(os.path.join(ckpt, "reference")) and os.path.isdir(os.path.join(ckpt, "deepspeed"))
-        summary = run(["rl", DEFAULT, "--logging.out", out + "_resumed", "--algorithm.steps", "3",
-                        "--checkpoint.resume", ckpt, *short])
-    finally:
-        ray.shutdown()
+    ray_up()
+    run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--checkpoint.every", "2", *short])
+    ckpt = os.path.join(out, "checkpoints", "step_2")
+    assert os.path.isfile(os.path.join(ckpt, "train_state.json"))
+    assert os.path.isdir(os.path.join(ckpt, "reference")) and os.path.isdir(os.path.join(ckpt, "deepspeed"))
+    summary = run(["rl", DEFAULT, "--logging.out", out + "_resumed", "--algorithm.steps", "3",
+                    "--checkpoint.resume", ckpt, *short])
     rows = [json.loads(line) for line in open(os.path.join(out + "_resumed", "metrics.jsonl"))]
     assert [r["step"] for r in rows if "reward/mean" in r] == [2]  # continued at step 2; no SFT again
     assert not any("loss/sft" in r for r in rows)
@@ -395,17 +387,13 @@ def _sft_job(tmp_path, model, out, steps, **changes):
 def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_path):
     """`rayrl sft`: eval loss on a held-out quarter falls; 6 steps straight equal 3 steps,
     a checkpoint, and 3 more steps resumed from it (weights and logged losses)."""
-    import ray
     from safetensors.numpy import load_file
 
-    ray.shutdown()
-    try:
-        straight = run_sft(_sft_job(tmp_path, tiny_model_path, "straight", 6,
-                                    checkpoint=CheckpointConfig(every=3)))
-        ckpt = str(tmp_path / "straight" / "checkpoints" / "step_3")
-        resumed = run_sft(_sft_job(tmp_path, tiny_model_path, "resumed", 6, checkpoint=CheckpointConfig(resume=ckpt)))
-    finally:
-        ray.shutdown()
+    ray_up()
+    straight = run_sft(_sft_job(tmp_path, tiny_model_path, "straight", 6,
+                                checkpoint=CheckpointConfig(every=3)))
+    ckpt = str(tmp_path / "straight" / "checkpoints" / "step_3")
+    resumed = run_sft(_sft_job(tmp_path, tiny_model_path, "resumed", 6, checkpoint=CheckpointConfig(resume=ckpt)))
     assert straight["eval_samples"] == 16 and straight["train_samples"] == 48
     assert straight["eval_loss_after"] < straight["eval_loss_before"]
     assert resumed["resumed_at_step"] == 3
@@ -433,20 +421,17 @@ def test_sft_job_learns_checkpoints_and_resumes_exactly(tmp_path, tiny_model_pat
     assert straight["eval_loss_after"] == pytest.approx(single["eval/loss_sft"], abs=1e-5)
 
 
+@pytest.mark.ray
 def test_sft_job_with_lora_trains_the_adapters_and_saves_both_forms(tmp_path, tiny_model_path):
     """`rayrl sft` with ``model.lora``: the held-out loss falls with the base frozen, and the final model
     is a PEFT adapter directory and a merged HF model that compute the same logits."""
-    import ray
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ray.shutdown()
-    try:
-        job = _sft_job(tmp_path, tiny_model_path, "lora", 6)
-        summary = run_sft(job._replace(model=ModelConfig(tiny_model_path, lora=LoraConfig(rank=8))))
-    finally:
-        ray.shutdown()
+    ray_up()
+    job = _sft_job(tmp_path, tiny_model_path, "lora", 6)
+    summary = run_sft(job._replace(model=ModelConfig(tiny_model_path, lora=LoraConfig(rank=8))))
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     final = os.path.dirname(summary["hf_model"])
     merged = AutoModelForCausalLM.from_pretrained(summary["hf_model"])
@@ -467,16 +452,13 @@ def test_sft_job_with_lora_trains_the_adapters_and_saves_both_forms(tmp_path, ti
     from primitives.types import GenerationConfig
 
     rl_out = tmp_path / "rl"
-    ray.shutdown()
-    try:
-        run_rl(RLJob(model=ModelConfig(summary["hf_model"], lora=LoraConfig(rank=8)),
-                     data=DataConfig(task="arithmetic", task_kwargs={"num_train": 32, "num_heldout": 8}),
-                     algorithm=RLConfig(steps=1, prompts_per_step=4, kl_coef=0.05),
-                     generation=SamplingConfig(group_size=4, max_new_tokens=4),
-                     cluster=ClusterConfig(generate_on_trainers=True, generators=0, reference_on_trainers=True),
-                     eval=EvalConfig(every=0, final_pass_k=0), logging=LoggingConfig(out=str(rl_out))))
-    finally:
-        ray.shutdown()
+    ray_up()
+    run_rl(RLJob(model=ModelConfig(summary["hf_model"], lora=LoraConfig(rank=8)),
+                 data=DataConfig(task="arithmetic", task_kwargs={"num_train": 32, "num_heldout": 8}),
+                 algorithm=RLConfig(steps=1, prompts_per_step=4, kl_coef=0.05),
+                 generation=SamplingConfig(group_size=4, max_new_tokens=4),
+                 cluster=ClusterConfig(generate_on_trainers=True, generators=0, reference_on_trainers=True),
+                 eval=EvalConfig(every=0, final_pass_k=0), logging=LoggingConfig(out=str(rl_out))))
     before = [json.loads(line) for line in open(rl_out / "samples" / "step_0.jsonl")]  # before the first step
     heldout = arithmetic_task(seed=0, num_train=32, num_heldout=8).eval
     tok = AutoTokenizer.from_pretrained(summary["hf_model"])

@@ -13,6 +13,8 @@ from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
+pytestmark = pytest.mark.ray  # a simulated cluster of its own
+
 
 @pytest.fixture(scope="module")
 def two_nodes():

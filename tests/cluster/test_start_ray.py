@@ -9,7 +9,9 @@ import tempfile
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import RAY_CPUS, ROOT
+
+pytestmark = pytest.mark.ray  # starts Ray processes of its own
 
 PROBE = """
 import json, sys
@@ -17,6 +19,7 @@ from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.placement import RoleSpec
 from cluster.ray_wing.roles import start_ray
 import ray
+
 address = start_ray(ClusterConfig(ray_address=sys.argv[1] or None), [RoleSpec("generator", 1, 1.0, 0.0)])
 print("JOINED", json.dumps({"address": address, "cpus": ray.cluster_resources().get("CPU")}))
 ray.shutdown()
@@ -55,4 +58,4 @@ def test_a_given_address_is_joined_without_local_arguments(ray_local, stale_sess
     head = ray_local.get_runtime_context().gcs_address
     joined = _start_ray(stale_session_file, head)
     assert joined["address"] == head
-    assert joined["cpus"] == 8  # the head's own logical CPUs (ray_local), not a new local Ray's
+    assert joined["cpus"] == RAY_CPUS  # the head's own logical CPUs (the test run's Ray), not a new local Ray's

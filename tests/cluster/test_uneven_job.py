@@ -6,25 +6,24 @@ import json
 import math
 import os
 
-from tests.conftest import ROOT
+import pytest
+
+from tests.conftest import ROOT, ray_up
+
+pytestmark = pytest.mark.ray  # a whole job on Ray
 
 DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
 
 
 def test_nine_rows_per_step_on_two_zero2_ranks_complete(tmp_path):
-    import ray
-
     from cluster.jobs.cli import run
 
     out = str(tmp_path / "run")
-    ray.shutdown()
-    try:
-        summary = run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--algorithm.prompts-per-step",
-                       "3", "--generation.group-size", "3", "--cluster.micro-batch-size", "4", "--cluster.trainers",
-                       "2", "--cluster.zero-stage", "2", "--sft.steps", "2", "--sft.batch", "9", "--eval.enabled",
-                       "False", "--eval.final-pass-k", "0"])
-    finally:
-        ray.shutdown()
+    ray_up()
+    summary = run(["rl", DEFAULT, "--logging.out", out, "--algorithm.steps", "2", "--algorithm.prompts-per-step",
+                   "3", "--generation.group-size", "3", "--cluster.micro-batch-size", "4", "--cluster.trainers",
+                   "2", "--cluster.zero-stage", "2", "--sft.steps", "2", "--sft.batch", "9", "--eval.enabled",
+                   "False", "--eval.final-pass-k", "0"])
     assert (summary["rl_steps"], summary["trainer_ranks"], summary["zero_stage"]) == (2, 2, 2)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rl = [r for r in rows if "reward/mean" in r]

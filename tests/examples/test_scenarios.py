@@ -12,6 +12,8 @@ import torch
 
 from primitives.io.loggers import read_jsonl_metrics
 
+pytestmark = pytest.mark.ray  # each scenario on a local Ray
+
 
 def run_example(name: str, tmp_path, *flags) -> tuple:
     """``(module, summary, metrics rows, out dir)`` of ``examples/<name>.py`` run with ``flags``.

@@ -12,7 +12,6 @@ from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
 from primitives.env.rewards import vector_reward_fn, weighted_sum_aggregator
-from primitives.fixtures.pretrained import save_smollm2
 from primitives.fixtures.tasks import (
     ArithmeticTaskSpec,
     chat_arithmetic_items,
@@ -35,10 +34,14 @@ def finished_turn(rollout) -> float:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2():
+    """SmolLM2 as a job loads it: converted once into the model cache, which every job of the run reads."""
     from transformers import AutoTokenizer
 
-    path = save_smollm2(str(tmp_path_factory.mktemp("smollm2") / "model"))
+    from cluster.jobs.inputs import resolve_model
+    from primitives.types import ModelConfig
+
+    path = resolve_model(ModelConfig("smollm2"), "", seed=0).model_name_or_path
     return path, AutoTokenizer.from_pretrained(path)
 
 
