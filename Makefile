@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make run    - set up .venv if missing, then run the default job (rayrl rl examples/configs/default.yaml)
 #   make test   - set up .venv if missing, then run the test suite
+#   make test-fast - the tests that start no Ray and run no whole job (the edit-test loop, under 3 minutes)
 #   make lint   - ruff with the rules chosen in pyproject.toml (CI runs it too)
 # Set-up order matters: the CPU build of torch first (an unpinned torch pulls CUDA wheels),
 # then DeepSpeed from source without build isolation (it must see that torch), then vLLM's CPU build
@@ -24,7 +25,7 @@ VLLM_LEAVE_OUT ?= torchvision torchaudio torchcodec
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test lint venv clean
+.PHONY: run test test-fast lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' || \
@@ -47,6 +48,12 @@ run: venv
 test: venv
 	@$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests - a failure" >&2; fi; exit $$rc
+
+# no Ray and no whole job: maths, records, config checks, data, rewards, the single-process loop. Any test
+# that starts Ray without the `ray` mark fails here (tests/conftest.py blocks the import)
+test-fast: venv
+	@RAYRL_FAST_TESTS=1 $(PY) -m pytest tests -m "not ray and not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
 lint: venv
 	$(VENV)/bin/ruff check .
