@@ -1,0 +1,60 @@
+"""Where the test suite's time goes: each test module's seconds and the slowest tests, from a JUnit
+XML report of one run (``pytest --junitxml=report.xml``), as Markdown tables for docs/testing.md.
+
+    make test PYTEST_ARGS="--junitxml=/tmp/report.xml"
+    python benchmarks/suite_times.py /tmp/report.xml --slowest 25
+    python benchmarks/suite_times.py /tmp/after.xml --before /tmp/before.xml   # a column per run
+
+A module's time is the sum of its tests' times as pytest reports them: a module-scoped fixture's
+setup counts in the first test that uses it, and a session fixture's (``default_job``) in the first
+test of the run that asks for it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import xml.etree.ElementTree as ET
+
+
+def read_report(path: str) -> list:
+    """``[(seconds, module, test name), ...]`` of every test case in a JUnit XML report."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname = case.get("classname", "")
+        parts = classname.split(".")
+        module = ".".join(parts[:-1]) if parts[-1][:1].isupper() else classname  # a test class's module
+        cases.append((float(case.get("time", 0.0)), module.replace(".", "/") + ".py", case.get("name", "")))
+    return cases
+
+
+def module_seconds(cases: list) -> dict:
+    totals = collections.defaultdict(float)
+    for seconds, module, _ in cases:
+        totals[module] += seconds
+    return dict(totals)
+
+
+def markdown(cases: list, slowest: int, before: list | None = None) -> str:
+    now, then = module_seconds(cases), module_seconds(before) if before else {}
+    modules = sorted(set(now) | set(then), key=lambda m: -now.get(m, 0.0))
+    head = "| module | before s | s |\n|---|---:|---:|" if before else "| module | s |\n|---|---:|"
+    rows = [f"| `{m}` | {then.get(m, 0.0):.0f} | {now.get(m, 0.0):.0f} |" if before else
+            f"| `{m}` | {now.get(m, 0.0):.0f} |" for m in modules]
+    total = (f"| all ({len(before)} -> {len(cases)} tests) | {sum(then.values()):.0f} | {sum(now.values()):.0f} |"
+             if before else f"| all ({len(cases)} tests) | {sum(now.values()):.0f} |")
+    lines = [head, *rows, total, "", f"The {slowest} slowest tests:", "", "| s | test |", "|---:|---|"]
+    lines += [f"| {s:.0f} | `{m}::{name}` |" for s, m, name in sorted(cases, reverse=True)[:slowest]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("report", help="JUnit XML of a test run (pytest --junitxml)")
+    parser.add_argument("--before", help="JUnit XML of an earlier run, for a column beside")
+    parser.add_argument("--slowest", type=int, default=25, help="how many of the slowest tests to list")
+    args = parser.parse_args(argv)
+    print(markdown(read_report(args.report), args.slowest, read_report(args.before) if args.before else None))
+
+
+if __name__ == "__main__":
+    main()
