@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure, Held, StepResult, plan_parts
-from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, first_death, gather, split_evenly
+from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, first_death, gather, settle, split_evenly
 from cluster.ray_wing.recovery import (
     Snapshot,
     Update,
@@ -240,10 +240,10 @@ class RayBackend:
             waited = self.cluster.timeout_s
             chunks = gather(summary_calls, 0, waited)
             for _, calls in refs.branches[:-1]:  # the reference's counts: a failure there, not in the train step
-                gather(calls, 0, waited)
+                settle(calls, 0, waited)
         except ActorFailure:
-            for _, calls in phases:  # the earliest failure names its actor
-                gather(calls, 0, waited)
+            for _, calls in phases:  # the earliest failure names its actor (the chunks stay where they are)
+                settle(calls, 0, waited)
             raise
         with_ref = bool(refs.branches)  # the reference's arrays join the rollouts where they are trained
         return [Held(s._replace(has_ref=True) if with_ref else s, part, i)

@@ -118,12 +118,36 @@ def kill_group(group: WorkerGroup) -> None:
         remove_placement_group(pg)
 
 
+TRANSFER_S = 120.0  # at least this long to fetch a finished result from another node's object store
+
+
 def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = None) -> list:
     """``ray.get`` of every call, bounded by ``timeout_s``; errors name the actor. A dead actor
     fails it at once; calls unanswered after ``timeout_s`` fail it as stuck (``waited_s``: the
-    wait to report, when the calls were waited for before, elsewhere)."""
+    wait to report, when the calls were waited for before, elsewhere). Once every call has
+    answered, its result may still have to come from another node: that transfer has its own
+    bound (the larger of ``timeout_s``, ``waited_s`` and ``TRANSFER_S``), so ``timeout_s=0``
+    means "already waited for", never "the result must be here already"."""
+    _wait_all(calls, timeout_s, waited_s)
+    return [_value(c, max(timeout_s, waited_s or 0.0, TRANSFER_S)) for c in calls]
+
+
+def settle(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = None) -> None:
+    """Waits (at most ``timeout_s``) for every call to answer and raises the ``ActorFailure`` of
+    the first that died, raised or did not answer, as ``gather`` would, without fetching any
+    result: a finished result that lives on another node stays there."""
+    _wait_all(calls, timeout_s, waited_s)
+    for c in calls:
+        failure = _failure(c)
+        if failure is not None:
+            raise failure
+
+
+def _wait_all(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float]) -> None:
+    """Until every call has answered: a dead actor fails the wait at once; calls unanswered
+    after ``timeout_s`` fail it as stuck (a rank that raised first is named instead: its
+    peers wait for it in a collective)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     by_ref = {c.ref: c for c in calls}
     pending, deadline = list(by_ref), time.monotonic() + timeout_s
@@ -133,14 +157,9 @@ def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = 
         if not ready:
             late = [c for c in calls if c.ref in set(pending)]
             for c in calls:  # a rank that raised leaves its peers waiting in a collective: the error is its
-                if c.ref not in set(pending):
-                    try:
-                        ray.get(c.ref, timeout=0)
-                    except RayTaskError as e:
-                        cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-                        raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
-                    except RayActorError:
-                        pass
+                failure = _failure(c) if c.ref not in set(pending) else None
+                if failure is not None and not failure.died:
+                    raise failure
             names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
             raise ActorFailure(f"no answer within {waited_s or timeout_s:.0f}s from: {names} (stuck or too slow; "
                                f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank,
@@ -148,19 +167,44 @@ def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = 
         died = _died(by_ref[ready[0]])
         if died is not None:
             raise died
-    out = []
-    for c in calls:
-        try:
-            out.append(ray.get(c.ref, timeout=timeout_s))
-        except RayActorError as e:
-            raise _death(c, e) from e
-        except RayTaskError as e:
-            cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-            raise ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank) from e
-        except GetTimeoutError as e:
-            raise ActorFailure(f"{c.role} {c.rank}.{c.method}: no answer within {timeout_s:.0f}s",
-                               c.role, c.rank) from e
-    return out
+
+
+def _value(c: Call, transfer_s: float):
+    """The result of a call that has answered, fetched here within ``transfer_s``."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(c.ref, timeout=transfer_s)
+    except RayActorError as e:
+        raise _death(c, e) from e
+    except RayTaskError as e:
+        raise _raised(c, e) from e
+    except GetTimeoutError as e:
+        raise ActorFailure(f"{c.role} {c.rank}.{c.method}: its result did not arrive within {transfer_s:.0f}s",
+                           c.role, c.rank, stuck=True) from e
+
+
+def _failure(c: Call) -> Optional[ActorFailure]:
+    """The failure of a call that has answered (its actor died, or its method raised); None when
+    it returned a value, here or on another node (that value is not fetched)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:  # an error is small and kept by the caller; a large value on another node times out at once
+        ray.get(c.ref, timeout=0)
+    except RayActorError as e:
+        return _death(c, e)
+    except RayTaskError as e:
+        return _raised(c, e)
+    except GetTimeoutError:
+        return None
+    return None
+
+
+def _raised(c: Call, error) -> ActorFailure:
+    cause = error.as_instanceof_cause() if hasattr(error, "as_instanceof_cause") else error
+    return ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank)
 
 
 def first_death(calls: Sequence[Call]) -> Optional[ActorFailure]:
@@ -178,16 +222,8 @@ def first_death(calls: Sequence[Call]) -> Optional[ActorFailure]:
 def _died(c: Call) -> Optional[ActorFailure]:
     """The failure of a finished call whose actor died (None otherwise), without fetching its
     result: an actor's death is reported as its call's error, which is small."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    try:
-        ray.get(c.ref, timeout=0)
-    except RayActorError as e:
-        return _death(c, e)
-    except Exception:
-        return None
-    return None
+    failure = _failure(c)
+    return failure if failure is not None and failure.died else None
 
 
 def _death(c: Call, error) -> ActorFailure:
