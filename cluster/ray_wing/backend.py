@@ -493,6 +493,7 @@ class RayBackend:
             raise ValueError(f"scale_generators: the count must be an int >= 1, got {n!r}")
         before, t0 = c.generators.size, time.perf_counter()
         if n != before:
+            restarts = self.restarts
             self.settle(in_flight)
             unfinished = [call for coll in in_flight for call in coll.handle.phases[0][1] if call.rank >= n]
             if unfinished and ray.wait([x.ref for x in unfinished], num_returns=len(unfinished), timeout=0,
@@ -502,7 +503,9 @@ class RayBackend:
                                    "cluster.call_timeout_s if the work is simply long)", "generator",
                                    unfinished[0].rank)
             self.cluster = scale_generator_group(self.cluster, n)
-            if n > before:  # the kept ones hold these weights already; the broadcast reaches all
+            # new workers hold no weights yet, nor does one that settle() replaced (it waits for the next sync):
+            # the broadcast reaches them all; kept workers that were never replaced hold these weights already
+            if n > before or self.restarts > restarts:
                 sync_weights(self.cluster, self.version, move_reference=False)
             tqdm.write(f"generator workers: {before} -> {n} ({time.perf_counter() - t0:.1f} s)")
         return {"generators/count": float(n), "time/scale": time.perf_counter() - t0}

@@ -176,6 +176,37 @@ def test_scaling_settings_are_checked_before_ray():
     assert any("cluster.scaling" in e and "would be ignored" in e for e in rl_errors(hosted))
 
 
+def _same_weights(backend) -> bool:
+    """Every generator worker holds the trainers' weights."""
+    c = backend.cluster
+    trainer = gather(fan_out(c.trainers, "weight_checksums"), c.timeout_s)[0]
+    return all(s == trainer for s in gather(fan_out(c.generators.group, "weight_checksums"), c.timeout_s))
+
+
+def test_a_generator_that_died_before_a_shrink_serves_the_trained_weights(ray_local, tiny_model_path, items):
+    """After a step (the trainers' weights are version 1), generator 0 dies; the shrink 3 -> 2 finds it
+    dead and replaces it (``settle``), and the worker kept must then hold version 1, not the base
+    model's weights: before the fix a shrink never synced, so the replacement served version 0 and
+    every later step regenerated its stale rollouts until the step failed."""
+    from tests.rl_actors.test_cluster_sync import _kill_and_wait as kill_and_wait
+
+    cfg = ClusterConfig(generators=3, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
+    backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
+                                          with_reference=False, seed=0))
+    try:
+        run = RLRun(GEN, num_steps=1, prompts_per_step=PROMPTS, lr_schedule=lambda s: LR, progress=False)
+        state = train(backend, make_prompt_source(items, seed=2), constant_schedule(grpo(kl_coef=0.0)), run)
+        assert state.policy_version == backend.version == 1 and _same_weights(backend)
+        kill_and_wait(ray_local, backend.cluster.generators.group.actors[0])
+        assert backend.scale_generators(2)["generators/count"] == 2.0
+        assert [f["role"] for f in backend.faults] == ["generator"] and _same_weights(backend)
+        state = train(backend, make_prompt_source(items, seed=2), constant_schedule(grpo(kl_coef=0.0)),
+                      run._replace(num_steps=2), state=state)
+        assert state.policy_version == 2 and state.metrics_history[-1]["staleness/regenerated"] == 0.0
+    finally:
+        shutdown_cluster(backend.cluster)
+
+
 def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replaceable(ray_local, tiny_model_path):
     """3 -> 1 -> 4 workers: ranks 1 and 2 come back into the start count's bundles (no new
     placement group for them), rank 3 gets a group of its own; rank 3, killed, is replaced in
@@ -190,11 +221,6 @@ def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replac
     def live_groups() -> int:
         return sum(pg["state"] == "CREATED" for pg in placement_group_table().values())
 
-    def same_weights(backend) -> bool:
-        c = backend.cluster
-        trainer = gather(fan_out(c.trainers, "weight_checksums"), c.timeout_s)[0]
-        return all(s == trainer for s in gather(fan_out(c.generators.group, "weight_checksums"), c.timeout_s))
-
     cfg = ClusterConfig(generators=3, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
     from primitives.maths.kl import create_ema_updater
 
@@ -206,17 +232,17 @@ def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replac
         backend.scale_generators(4)
         group = backend.cluster.generators.group
         assert group.size == 4 and group.slots[:3] == (None, None, None) and group.slots[3] is not None
-        assert live_groups() == at_start + 1 and same_weights(backend)
+        assert live_groups() == at_start + 1 and _same_weights(backend)
         kill_and_wait(ray_local, group.actors[3])
         backend.recover(ActorFailure("generator 3 died", "generator", 3, True), since=backend.restarts)
         replaced = backend.cluster.generators.group
-        assert replaced.actors[3] != group.actors[3] and replaced.slot(3) == group.slot(3) and same_weights(backend)
+        assert replaced.actors[3] != group.actors[3] and replaced.slot(3) == group.slot(3) and _same_weights(backend)
         backend.scale_generators(2)
-        assert live_groups() == at_start and backend.cluster.generators.size == 2 and same_weights(backend)
+        assert live_groups() == at_start and backend.cluster.generators.size == 2 and _same_weights(backend)
         c = backend.cluster
         assert c.sync_address.world_size == 1 + 2 + 1  # trainer rank 0, two generators, the reference
         # a step's sync (the reference moves): a rank missing from the re-formed group would stall the broadcast
-        assert backend.sync(version=1, step=1, kl=None)["sync/bytes"] > 0 and same_weights(backend)
+        assert backend.sync(version=1, step=1, kl=None)["sync/bytes"] > 0 and _same_weights(backend)
         ref = gather([call(c.reference.group, 0, "weight_checksums")], c.timeout_s)[0]
         assert ref == gather(fan_out(c.trainers, "weight_checksums"), c.timeout_s)[0]  # EMA of equal weights
         # a failure of a worker that left is only redone: nothing to replace
