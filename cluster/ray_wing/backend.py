@@ -144,6 +144,17 @@ def wait_each(phases: Sequence[tuple], timeout_s: float) -> dict:
     return {name: done.get(name, time.perf_counter() - t0) for name, _ in phases}
 
 
+def _single_actors_first(targets: Sequence[tuple], reference) -> list:
+    """``(role, rank)`` targets of a recovery in the order to recover them: generator, reward and
+    reference workers before trainer and critic groups (a reference on the trainer ranks is the
+    trainers'). A rebuilt group rejoins the weight-sync group with every generator, so a stuck
+    generator that waited in a broadcast beside trainer rank 0 must be replaced first, or the
+    rebuild waits on it and fails again until the restarts are spent."""
+    on_trainers = reference is not None and reference.where == "trainers"
+    named = [("trainer" if role == "reference" and on_trainers else role, rank) for role, rank in targets]
+    return sorted(named, key=lambda target: target[0] in DEEPSPEED_ROLES)
+
+
 class RayBackend:
     """The RL loop's operations on a Ray cluster (see ``cluster.loop.train.train``).
 
@@ -554,9 +565,7 @@ class RayBackend:
                 return None  # one replaced already: only the work is redone
             targets = (where,)
         done = None
-        for role, rank in targets:
-            if role == "reference" and self.cluster.reference.where == "trainers":
-                role = "trainer"  # the reference copy lives in the trainer ranks
+        for role, rank in _single_actors_first(targets, self.cluster.reference):
             if role in RECOVERABLE_ROLES:
                 done = self._recover_one(failure, role, rank, since, send_weights, lost) or done
         return done
@@ -582,19 +591,24 @@ class RayBackend:
                    f"{'rebuilding the ' + role + ' group' if role in DEEPSPEED_ROLES else 'replacing it'} "
                    "and doing its work again")
         t0 = time.perf_counter()
-        if role in DEEPSPEED_ROLES:
-            self.cluster = rebuild_group(self.cluster, role)
-            self._restore_groups()
-        else:
-            self.cluster = replace_actor(self.cluster, role, rank)
-            if role == "reference":
-                gather([call(self.cluster.reference.group, rank, "restore", self.snapshot.reference)],
-                       self.cluster.timeout_s)
-            if role == "generator" and send_weights:
-                sync_weights(self.cluster, self.version, move_reference=False)
+        record = {"role": role, "rank": rank, "stuck": stuck, "lost": lost, "version": self.version}
+        try:
+            if role in DEEPSPEED_ROLES:
+                self.cluster = rebuild_group(self.cluster, role)
+                self._restore_groups()
+            else:
+                self.cluster = replace_actor(self.cluster, role, rank)
+                if role == "reference":
+                    gather([call(self.cluster.reference.group, rank, "restore", self.snapshot.reference)],
+                           self.cluster.timeout_s)
+                if role == "generator" and send_weights:
+                    sync_weights(self.cluster, self.version, move_reference=False)
+        except BaseException as error:  # a recovery that failed counts too: the summary shows what it cost
+            self.faults.append({**record, "seconds": time.perf_counter() - t0, "replayed": 0,
+                                "failed": f"{type(error).__name__}: {error}"[:300]})
+            raise
         seconds = time.perf_counter() - t0
-        self.faults.append({"role": role, "rank": rank, "stuck": stuck, "seconds": seconds, "lost": lost,
-                            "replayed": len(self.log), "version": self.version})
+        self.faults.append({**record, "seconds": seconds, "replayed": len(self.log)})
         tqdm.write(f"{role} {rank}: recovered in {seconds:.1f} s")
         return role
 
@@ -612,16 +626,20 @@ class RayBackend:
 
     def fault_summary(self) -> dict:
         """What the run survived, for its summary: each recovery (role, rank, stuck or dead, the
-        policy version it happened at, seconds to recover, updates made again), restarts and
-        median recovery seconds by role, seconds lost, and the snapshots' median cost."""
+        policy version it happened at, seconds to recover, updates made again; ``failed``, the
+        error, for an attempt that did not succeed), restarts (attempts) and failed attempts by
+        role, the median seconds of a successful recovery by role, seconds lost, and the
+        snapshots' median cost."""
         by_role: dict = {}
         for f in self.faults:
-            by_role.setdefault(f["role"], []).append(f["seconds"])
+            by_role.setdefault(f["role"], []).append(f)
         costs = self.snapshot_costs
         return {"recoveries": [{k: round(v, 3) if isinstance(v, float) else v for k, v in f.items()}
                                for f in self.faults],
-                "restarts": {role: len(xs) for role, xs in by_role.items()},
-                "recovery_s_median": {role: round(float(np.median(xs)), 3) for role, xs in by_role.items()},
+                "restarts": {role: len(fs) for role, fs in by_role.items()},
+                "failed_recoveries": {role: n for role, fs in by_role.items() if (n := sum("failed" in f for f in fs))},
+                "recovery_s_median": {role: round(float(np.median(ok)), 3) for role, fs in by_role.items()
+                                      if (ok := [f["seconds"] for f in fs if "failed" not in f])},
                 "seconds_lost": round(sum(f["seconds"] + f["lost"] for f in self.faults), 3),
                 "snapshot_every": self.snapshot_every if self.snapshot_every is not None else "by cost",
                 "snapshots": len(costs),

@@ -195,6 +195,21 @@ def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_pa
     assert time.time() - t0 < 180
 
 
+def test_generator_stopped_in_a_weight_sync_is_replaced_before_the_trainers(ray_local, tiny_model_path):
+    """A generator stopped (SIGSTOP) while it receives the weights leaves trainer rank 0 blocked in the
+    broadcast: the timeout names both. The generator is replaced first, then the trainer group is
+    rebuilt (its new weight-sync group reaches the new generator), and the run ends with the
+    undisturbed weights. Before, the trainers came first and their rebuild waited on the stopped
+    generator until the restarts were spent; a failed attempt now shows in ``faults`` too."""
+    base, _, _ = _undisturbed(tiny_model_path, "grpo")
+    weights, _, backend = _run(tiny_model_path, kills=[(1, "GeneratorWorker", "receive_weights", signal.SIGSTOP)],
+                               timeout=20.0)
+    assert [(f["role"], f["stuck"]) for f in backend.faults][:2] == [("generator", True), ("trainer", True)], \
+        backend.faults
+    assert not any("failed" in f for f in backend.faults), backend.faults
+    assert _max_diff(base, weights) <= 1e-5
+
+
 def test_recoveries_are_bounded_and_a_raising_function_is_not_retried(ray_local, tiny_model_path):
     """``max_actor_restarts`` bounds the recoveries (the error says so); a user function that
     raises is a bug, reported at once, never retried."""
