@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from contextlib import nullcontext
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -45,6 +44,7 @@ import torch
 from primitives.io.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.types import ModelConfig
 from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
+from rl_actors.scratch import scratch
 
 
 def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
@@ -361,13 +361,10 @@ class DeepSpeedRank:
         optimizer shards, as ``save`` writes them) as bytes, the step count and the RNG. All ranks
         call it together (the save is collective); returned to the driver, the part lives in
         the object store and outlives this process (``restore``)."""
-        tmp = tempfile.mkdtemp(prefix=f"snapshot-{self.role}{self.rank}-", dir=scratch_dir(self.state_bytes()))
-        try:
+        with scratch(f"snapshot-{self.role}{self.rank}", self.state_bytes(), self.world_size) as tmp:
             self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps}, save_latest=False,
                                         exclude_frozen_parameters=self.frozen)
             files = read_tree(tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return {"rank": self.rank, "world_size": self.world_size, "zero_stage": self.config.zero_stage,
                 "files": files, "steps": self.steps, "rng": capture_rng_state()}
 
@@ -380,14 +377,12 @@ class DeepSpeedRank:
             raise ValueError(f"{self.role} {self.rank}: a snapshot of ranks {ranks} (ZeRO "
                              f"{sorted({p['zero_stage'] for p in parts})}) does not fit a group of {self.world_size} "
                              f"ranks under ZeRO-{self.config.zero_stage}")
-        tmp = tempfile.mkdtemp(prefix=f"restore-{self.role}{self.rank}-",
-                               dir=scratch_dir(sum(snapshot_bytes(p["files"]) for p in parts)))
-        try:
+        # every rank writes the whole group's files: its peers on the machine fill shared memory as much
+        with scratch(f"restore-{self.role}{self.rank}", sum(snapshot_bytes(p["files"]) for p in parts),
+                     self.world_size) as tmp:
             for part in parts:
                 write_tree(tmp, part["files"])
             self.engine.load_checkpoint(tmp, tag="engine", load_module_strict=not self.frozen)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         mine = next(p for p in parts if p["rank"] == self.rank)
         self.steps = int(mine["steps"])
         restore_rng_state(mine["rng"])
@@ -396,16 +391,6 @@ class DeepSpeedRank:
 def full_numel(p: torch.Tensor) -> int:
     """A parameter's whole size, also where ZeRO-3 holds only this rank's partition of it."""
     return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-
-
-def scratch_dir(needed: int = 0) -> str:
-    """Where a snapshot's files pass through: shared memory (``/dev/shm``) where the machine has
-    it with room for ``needed`` bytes and a quarter more (a container's is often 64 MB), so that
-    nothing touches a disk; else the temporary directory."""
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= needed * 1.25:
-        return shm
-    return tempfile.gettempdir()
 
 
 def read_tree(directory: str) -> dict:

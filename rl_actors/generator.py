@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence, Union
 
@@ -411,7 +410,7 @@ class VLLMAdapters:
         from vllm.lora.request import LoRARequest
 
         from primitives.model.lora import write_adapter
-        from rl_actors.deepspeed_rank import scratch_dir
+        from rl_actors.scratch import scratch
 
         tensors = {}
 
@@ -421,7 +420,7 @@ class VLLMAdapters:
         moved = broadcast_buckets(self.group, meta, bucket_bytes, self.rank, self.device, on_received=keep)
         self.syncs += 1
         # shared memory where it has room (no disk in a sync's path), as a snapshot's files go
-        with tempfile.TemporaryDirectory(prefix="rayrl-lora-", dir=scratch_dir(moved)) as root:
+        with scratch("lora", moved) as root:
             path = write_adapter(os.path.join(root, f"policy-v{version}"), tensors, self.lora)
             request = LoRARequest(f"policy-v{version}-sync{self.syncs}", self.syncs, path)
             if self.lora_request is not None:

@@ -418,8 +418,13 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
 
 
 def shutdown_cluster(cluster: RLCluster) -> None:
+    """Kill every actor and free its bundles; then remove the scratch directories that actors killed
+    mid-snapshot left on this machine (``rl_actors.scratch``; other nodes sweep at their next snapshot)."""
+    from rl_actors.scratch import sweep
+
     own = [getattr(cluster.generators, "group", None), cluster.trainers, cluster.rewards,
            getattr(cluster.reference, "group", None), cluster.critics]  # hosted roles go with the trainers
     for group in own:
         if group is not None:
             kill_group(group)
+    sweep()

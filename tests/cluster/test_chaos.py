@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.chaos import ROLE_CLASSES, actor_pids
+from tests.chaos import ROLE_CLASSES, actor_pids, our_scratch
 from tests.conftest import run_job
 
 STEPS = 12
@@ -95,6 +95,7 @@ def test_chaos_run_ends_with_the_undisturbed_weights(tmp_path):
         thread.join(5)
 
     print("killed (role, pid, steps logged):", killed)
+    assert our_scratch() == []  # what the killed ranks left in /dev/shm went with the run
     assert sorted(role for role, _, _ in killed) == sorted(ROLE_CLASSES), killed  # one of each role was killed
     assert all(step < STEPS for _, _, step in killed), killed  # while the run was training
     faults = summary["faults"]

@@ -24,7 +24,16 @@ from primitives.maths.algorithms import constant_schedule, grpo, ppo
 from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
-from tests.chaos import signal_when
+from tests.chaos import our_scratch, signal_when
+
+
+@pytest.fixture(autouse=True)
+def no_scratch_left():
+    """A rank killed mid-snapshot (or by its group's rebuild) leaves its scratch directory behind:
+    the next snapshot on the machine, or the cluster's shutdown, removes it. None may outlive a test."""
+    yield
+    assert our_scratch() == []
+
 
 ITEMS = make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=3))[0]
 STEPS = 6

@@ -1,0 +1,76 @@
+"""Scratch directories that a snapshot, a restore or a vLLM adapter load pass their files
+through: shared memory (``/dev/shm``) where it has room, so that nothing touches a disk.
+
+Each is named ``rayrl-<kind>-pid<pid>-...`` after the process that made it. A process killed
+while one is open (a rank killed mid-snapshot, or one its group's rebuild kills) cannot remove
+it; the next process that opens one on that machine removes every ``rayrl-`` directory whose
+process no longer runs (``sweep``), and the driver sweeps when a cluster shuts down, so each
+leftover lives only until the next snapshot or the run's end.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+PREFIX = "rayrl-"
+SHM = "/dev/shm"
+_OWNER = re.compile(r"^rayrl-[\w.-]*?-pid(\d+)-")
+
+
+def scratch_dir(needed: int = 0) -> str:
+    """``/dev/shm`` where the machine has it with room for ``needed`` bytes and a quarter more
+    (a container's is often 64 MB), else the temporary directory."""
+    if os.path.isdir(SHM) and os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free >= needed * 1.25:
+        return SHM
+    return tempfile.gettempdir()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
+
+
+def leftovers(roots: Optional[tuple] = None) -> list:
+    """Our scratch directories (under ``roots``: shared memory and the temporary directory)
+    whose process no longer runs."""
+    out = []
+    for root in roots or (SHM, tempfile.gettempdir()):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            owner = _OWNER.match(name)
+            if owner and not _running(int(owner.group(1))):
+                out.append(os.path.join(root, name))
+    return out
+
+
+def sweep(roots: Optional[tuple] = None) -> int:
+    """Remove the scratch directories of processes that no longer run; how many were removed."""
+    gone = leftovers(roots)
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(gone)
+
+
+@contextmanager
+def scratch(kind: str, needed: int, sharers: int = 1) -> Iterator[str]:
+    """A new scratch directory for about ``needed`` bytes, removed on exit. ``sharers``: how many
+    processes may fill the same machine's shared memory at once (a group's ranks snapshot
+    together), so one rank's room check counts its peers' writes too."""
+    sweep()
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-pid{os.getpid()}-", dir=scratch_dir(needed * max(1, sharers)))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
