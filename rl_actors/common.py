@@ -23,11 +23,50 @@ def planned_inputs(num_parts: int, resolved: Sequence) -> tuple:
     return parts, ([v for share in shares for v in share] if shares else None)
 
 
+HEARTBEAT_KEY = "rayrl/heartbeat/"  # + the actor's id: a count in Ray's key-value store, raised every HEARTBEAT_EVERY_S
+HEARTBEAT_EVERY_S = 2.0
+
+
+def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
+    """In a Ray actor, a daemon thread that raises this actor's count in Ray's key-value store every
+    ``every_s`` seconds, in a long call too. It stops when the process does not run: stopped
+    (SIGSTOP), or hung in native code that holds the interpreter. The driver takes an actor whose
+    count has not moved for ``cluster.heartbeat_s`` for stuck (``cluster.ray_wing.groups``), long
+    before ``cluster.call_timeout_s``. Outside an actor it does nothing (False)."""
+    if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+        return False
+    import threading
+    import time
+
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    actor = ray.get_runtime_context().get_actor_id()
+    if not actor:
+        return False
+    key = (HEARTBEAT_KEY + actor).encode()
+
+    def beat() -> None:
+        count = 0
+        while True:
+            count += 1
+            try:
+                _internal_kv_put(key, str(count).encode(), overwrite=True)
+            except Exception:  # Ray shutting down: the driver reads a stale count only if it still waits
+                pass
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, name="rayrl-heartbeat", daemon=True).start()
+    return True
+
+
 def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch: bool = True) -> None:
     """One actor per core: more torch threads than cores oversubscribes the machine badly.
     An actor that may never need torch (a reward worker running plain Python) passes
     ``needs_torch=False`` and saves its import (about a second of CPU); a torch imported there
-    later still starts with ``num_threads`` threads (``OMP_NUM_THREADS``, read at its import)."""
+    later still starts with ``num_threads`` threads (``OMP_NUM_THREADS``, read at its import).
+    In a Ray actor, its heartbeat starts (``start_heartbeat``)."""
+    start_heartbeat()
     os.environ["OMP_NUM_THREADS"] = str(max(1, num_threads))
     if needs_torch or "torch" in sys.modules:
         import torch

@@ -24,7 +24,17 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure, Held, StepResult, plan_parts
-from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, first_death, gather, settle, split_evenly
+from cluster.ray_wing.groups import (
+    actor_id,
+    call,
+    call_split,
+    fan_out,
+    first_death,
+    gather,
+    settle,
+    split_evenly,
+    wait_next,
+)
 from cluster.ray_wing.recovery import (
     Snapshot,
     Update,
@@ -128,13 +138,13 @@ def flat_parts(parts: Sequence) -> list:
 
 def wait_each(phases: Sequence[tuple], timeout_s: float) -> dict:
     """Seconds until each ``(name, calls)`` phase has all its results, phases waited for
-    together (no error checks: ``gather`` names failures afterwards)."""
-    import ray
-
+    together (no error checks but heartbeats: ``gather`` names failures afterwards)."""
     t0, left, done = time.perf_counter(), {name: {c.ref for c in calls} for name, calls in phases}, {}
-    pending = [c.ref for _, calls in phases for c in calls]
+    by_ref = {c.ref: c for _, calls in phases for c in calls}
+    pending = list(by_ref)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s, fetch_local=False)
+        # an actor whose heartbeat stopped fails the wait at once, named (wait_next); a slow one is named by gather
+        ready, pending = wait_next(pending, by_ref, time.monotonic() + timeout_s)
         if not ready:
             break
         for name, refs in left.items():

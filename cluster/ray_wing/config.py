@@ -44,6 +44,8 @@ class ClusterConfig(NamedTuple):
     local_cpus: Optional[int] = None  # logical CPUs of a local Ray (default: enough for all actors)
     call_timeout_s: float = 600.0  # bound on every wait for actors; one that does not answer in it is taken for stuck:
     # killed and replaced like a dead one (raise it for work that is simply long)
+    heartbeat_s: float = 45.0  # an actor whose heartbeat (a count every 2 s from a thread of its own) stops for this
+    # long is stopped or hung: killed and replaced at once, whatever call_timeout_s (0: only call_timeout_s finds it)
     max_restarts: int = 10  # actor replacements and group rebuilds a run survives in all; one more ends it, named
     # steps between in-memory snapshots of the trainer and critic ranks, kept outside them (in Ray's object store), from
     # which a group is rebuilt when a rank dies (the updates made since are made again); None: as often as costs at

@@ -119,6 +119,79 @@ def kill_group(group: WorkerGroup) -> None:
 
 
 TRANSFER_S = 120.0  # at least this long to fetch a finished result from another node's object store
+CHECK_S = 5.0  # while waiting for calls, their actors' heartbeats are read this often
+
+
+class Heartbeats:
+    """The driver's view of its actors' heartbeats (``rl_actors.common.start_heartbeat``): when, by
+    the driver's clock, each actor's count last moved. An actor whose count has not moved for
+    ``stale_s`` is stopped or hung, whatever its call's timeout; one with no count yet (still
+    starting, or an actor class without one) is left to the call timeout. ``stale_s`` 0: off."""
+
+    def __init__(self, stale_s: float = 45.0, read: Optional[Callable] = None, clock: Callable = time.monotonic):
+        self.stale_s, self.read, self.clock = stale_s, read or _read_heartbeats, clock
+        self.seen: dict = {}  # actor id -> (count, driver time it was first seen at that count)
+
+    def stale(self, actor_ids) -> set:
+        """Those of ``actor_ids`` whose count has not moved for ``stale_s`` (seen from here)."""
+        if self.stale_s <= 0 or not actor_ids:
+            return set()
+        now, counts, out = self.clock(), self.read(sorted(set(actor_ids))), set()
+        for actor, count in counts.items():
+            seen = self.seen.get(actor)
+            if count is None:
+                continue
+            if seen is None or seen[0] != count:
+                self.seen[actor] = (count, now)
+            elif now - seen[1] >= self.stale_s:
+                out.add(actor)
+        return out
+
+
+def _read_heartbeats(actor_ids: Sequence[str]) -> dict:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from rl_actors.common import HEARTBEAT_KEY
+
+    out = {}
+    for actor in actor_ids:
+        try:
+            raw = _internal_kv_get((HEARTBEAT_KEY + actor).encode())
+        except Exception:
+            raw = None
+        out[actor] = int(raw) if raw else None
+    return out
+
+
+HEARTBEATS = Heartbeats()  # this driver's; build_rl_cluster sets its bound from cluster.heartbeat_s
+
+
+def watch_heartbeats(stale_s: float) -> None:
+    """Take an actor whose heartbeat has not moved for ``stale_s`` seconds for stuck (0: only the
+    call timeout finds a stuck actor)."""
+    HEARTBEATS.stale_s = float(stale_s)
+
+
+def wait_next(pending: list, by_ref: dict, deadline: float) -> tuple:
+    """``ray.wait`` for the next of the ``pending`` refs (of the calls ``by_ref``) to finish, until
+    ``deadline`` (``time.monotonic()``): ``(ready, still pending)``, nothing fetched. Every
+    ``CHECK_S`` meanwhile, the heartbeats of the pending calls' actors are read: a call whose actor's
+    heartbeat stopped fails at once, as stuck, naming that actor alone (its peers, waiting for it in
+    a collective, beat on)."""
+    import ray
+
+    while True:
+        left = deadline - time.monotonic()
+        ready, rest = ray.wait(pending, num_returns=1, timeout=max(0.0, min(left, CHECK_S)), fetch_local=False)
+        if ready or left <= CHECK_S:
+            return ready, rest
+        stopped = HEARTBEATS.stale({by_ref[r].actor_id for r in rest if by_ref[r].actor_id})
+        late = [by_ref[r] for r in rest if by_ref[r].actor_id in stopped]
+        if late:
+            names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
+            raise ActorFailure(f"no heartbeat for {HEARTBEATS.stale_s:.0f}s from: {names} (the process is stopped or "
+                               "hung; cluster.heartbeat_s)", late[0].role, late[0].rank, stuck=True,
+                               late=tuple(dict.fromkeys((c.role, c.rank) for c in late)))
 
 
 def gather(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = None) -> list:
@@ -144,16 +217,13 @@ def settle(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float] = 
 
 
 def _wait_all(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float]) -> None:
-    """Until every call has answered: a dead actor fails the wait at once; calls unanswered
-    after ``timeout_s`` fail it as stuck (a rank that raised first is named instead: its
-    peers wait for it in a collective)."""
-    import ray
-
+    """Until every call has answered: a dead actor, or one whose heartbeat stopped, fails the wait
+    at once; calls unanswered after ``timeout_s`` fail it as stuck (a rank that raised first is
+    named instead: its peers wait for it in a collective)."""
     by_ref = {c.ref: c for c in calls}
     pending, deadline = list(by_ref), time.monotonic() + timeout_s
     while pending:  # a dead actor fails the wait at once: its peers may wait for it in a collective
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()),
-                                  fetch_local=False)
+        ready, pending = wait_next(pending, by_ref, deadline)
         if not ready:
             late = [c for c in calls if c.ref in set(pending)]
             for c in calls:  # a rank that raised leaves its peers waiting in a collective: the error is its

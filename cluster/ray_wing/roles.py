@@ -19,6 +19,7 @@ from cluster.ray_wing.groups import (
     fan_out,
     gather,
     kill_group,
+    watch_heartbeats,
 )
 from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
 from cluster.ray_wing.placement import (
@@ -158,6 +159,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     from rl_actors.reward import RewardWorker
     from rl_actors.trainer import TrainerWorker
 
+    watch_heartbeats(cfg.heartbeat_s)
     marks = [("start", time.time())]
     check_cluster_hooks(reward_fn, aggregate_fn, shaping_fn, ref_update_fn)
     if node_resources is None and cfg.pin_roles:
@@ -241,6 +243,7 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     """The trainer group alone (an SFT job): no generators, reward workers or reference."""
     from rl_actors.trainer import TrainerWorker
 
+    watch_heartbeats(cfg.heartbeat_s)
     pins = NODE_GROUP_PINS if cfg.pin_roles else None
     roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
     address = start_ray(cfg, roles)

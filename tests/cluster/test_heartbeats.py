@@ -1,0 +1,97 @@
+"""Heartbeats: an actor whose process stops is found within ``cluster.heartbeat_s`` (plus the
+driver's reading interval), named alone, long before the call timeout; a healthy call longer than
+the bound is left alone; an actor with no heartbeat is left to the call timeout."""
+import os
+import signal
+import time
+
+import pytest
+
+from cluster.loop.protocol import ActorFailure
+from cluster.ray_wing.groups import CHECK_S, HEARTBEATS, Call, Heartbeats, actor_id, gather, watch_heartbeats
+
+
+def test_a_count_is_stale_once_it_has_not_moved_for_the_bound_seen_from_the_driver():
+    now, counts = [0.0], {"a": 1, "b": 1, "c": None}
+    beats = Heartbeats(60.0, read=lambda ids: {i: counts.get(i) for i in ids}, clock=lambda: now[0])
+    actors = {"a", "b", "c"}
+    assert beats.stale(actors) == set()  # first seen at t = 0
+    now[0], counts["a"] = 30.0, 2  # a beats; b has stopped; c never beat (left to the call timeout)
+    assert beats.stale(actors) == set()
+    now[0] = 59.9
+    assert beats.stale(actors) == set()
+    now[0] = 60.0
+    assert beats.stale(actors) == {"b"}
+    now[0] = 89.9  # a's count last moved when seen at t = 30
+    assert beats.stale(actors) == {"b"}
+    now[0] = 90.0
+    assert beats.stale(actors) == {"a", "b"}
+    counts["b"] = 7  # b beats again (it was only slow): no longer stale, its clock starts again
+    assert beats.stale(actors) == {"a"} and beats.stale({"b"}) == set()
+    assert beats.stale(set()) == set()
+    assert Heartbeats(0.0, read=lambda ids: {i: 1 for i in ids}, clock=lambda: 1e9).stale(actors) == set()  # off
+
+
+def test_the_default_finds_a_stopped_process_within_a_minute():
+    from cluster.ray_wing.config import ClusterConfig
+    from rl_actors.common import HEARTBEAT_EVERY_S
+
+    # the last beat, then at most one reading interval until the driver sees that count, then the bound
+    assert HEARTBEAT_EVERY_S + CHECK_S + ClusterConfig().heartbeat_s + CHECK_S <= 60
+
+
+class Sleeper:
+    """An actor with a heartbeat (``setup_process`` starts it) that sleeps when asked."""
+
+    def __init__(self, beat: bool = True):
+        from rl_actors.common import setup_process
+
+        if beat:
+            setup_process(needs_torch=False)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+@pytest.fixture
+def heartbeat_10s():
+    before = HEARTBEATS.stale_s
+    watch_heartbeats(10.0)
+    yield
+    watch_heartbeats(before)
+
+
+def _call(ray, actor, seconds):
+    return Call(actor.sleep.remote(seconds), "generator", 0, "sleep", actor_id(actor))
+
+
+def test_a_healthy_call_longer_than_the_bound_is_left_alone(ray_local, heartbeat_10s):
+    actor = ray_local.remote(num_cpus=0)(Sleeper).remote()
+    try:
+        assert gather([_call(ray_local, actor, 25.0)], timeout_s=120) == [25.0]
+    finally:
+        ray_local.kill(actor)
+
+
+def test_a_stopped_actor_is_named_within_the_bound_not_the_call_timeout(ray_local, heartbeat_10s):
+    actor = ray_local.remote(num_cpus=0)(Sleeper).remote()
+    quiet = ray_local.remote(num_cpus=0)(Sleeper).remote(beat=False)
+    pid = ray_local.get(actor.pid.remote(), timeout=60)
+    time.sleep(3)  # a beat or two
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ActorFailure, match=r"no heartbeat for 10s from: generator 0\.sleep") as failure:
+            gather([_call(ray_local, actor, 1.0), Call(quiet.sleep.remote(30.0), "reward", 0, "sleep",
+                                                       actor_id(quiet))], timeout_s=300)
+        waited = time.monotonic() - t0
+        assert failure.value.stuck and failure.value.late == (("generator", 0),)  # the quiet one is not named
+        assert 10.0 <= waited <= 10.0 + 2 * CHECK_S + 5.0, waited
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray_local.kill(actor)
+        ray_local.kill(quiet)
