@@ -120,7 +120,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         def load(metas, tensors):
             self.model.load_weights([(m.name, t) for m, t in zip(metas, tensors)])
 
-        broadcast_buckets(self.group, meta, info.bucket_bytes, self.rank, torch.device("cpu"), on_received=load)
+        try:
+            broadcast_buckets(self.group, meta, info.bucket_bytes, self.rank, torch.device("cpu"), on_received=load)
+        except BaseException:
+            # the sender died mid-sync: a layer may be half-buffered in vLLM's layerwise reload, and vLLM's worker
+            # does not finish the reload when a receive fails, so the next start_weight_update would skip that
+            # layer's set-up and fail in it ('Parameter' object has no attribute 'weight_loader'). Finish it now:
+            # a half-loaded layer is processed with what arrived, the others keep their weights; the sync made
+            # again after the recovery overwrites every weight (the version is stamped only after a whole sync)
+            self.finish_weight_update()
+            raise
 
     def shutdown(self) -> None:
         self.group = None

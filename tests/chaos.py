@@ -68,3 +68,21 @@ def our_scratch() -> list:
         if os.path.isdir(root):
             found += [os.path.join(root, n) for n in os.listdir(root) if n.startswith(PREFIX) and "-pid" in n]
     return found
+
+
+def cut_sender(address, meta: list, bucket_bytes: int, sent: int, linger_s: float = 10.0) -> None:
+    """Trainer rank 0 of a weight sync that dies mid-way: joins the sync group at ``address`` as
+    rank 0, broadcasts the buckets of the first ``sent`` tensors of ``meta`` (random values), gives
+    the receivers ``linger_s`` to take them in, and exits as a killed process would, without
+    closing anything (run it in a process of its own)."""
+    import torch
+
+    from rl_actors.weight_sync import broadcast_buckets, init_sync_group
+
+    torch.set_num_threads(1)
+    group = init_sync_group(address, 0, timeout_s=120)
+    broadcast_buckets(group, meta[:sent], bucket_bytes, 0, torch.device("cpu"),
+                      get_tensors=lambda ms: [torch.randn(m.shape).to(getattr(torch, m.dtype)) for m in ms])
+    time.sleep(linger_s)
+    os._exit(1)
+

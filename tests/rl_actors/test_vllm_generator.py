@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
 
+from cluster.loop.protocol import ActorFailure
 from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend, sync_weights
 from cluster.ray_wing.config import ClusterConfig
-from cluster.ray_wing.groups import call, fan_out, gather
+from cluster.ray_wing.groups import Call, call, fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import PromptItem, make_prompt_source
@@ -169,6 +170,44 @@ def test_asynchronous_rl_with_a_vllm_generator(vllm_cluster, items):
     assert sum(m["batch/rows"] for m in logged) == 3 * 4 * 2
     trainer = _checksums(vllm_cluster, "trainers")[0]
     assert _checksums(vllm_cluster, "generators")[0] == trainer
+
+
+def test_a_sync_cut_off_mid_layer_leaves_vllm_ready_for_the_next(vllm_cluster, items):
+    """The sender dies after layer 0's ``q_proj.weight`` (every tensor a bucket of its own), so vLLM's fused
+    ``qkv_proj`` is half-loaded when the receive fails. The next sync (the group formed again, as a
+    recovery does) leaves the generator holding exactly the trainer's weights and stamps the version.
+    Before the fix, the next sync failed inside vLLM ('Parameter' object has no attribute
+    'weight_loader') and every later one too."""
+    import multiprocessing as mp
+
+    import ray
+
+    from cluster.ray_wing.roles import join_weight_sync
+    from rl_actors.weight_sync import SyncAddress, free_port
+    from tests.chaos import cut_sender
+
+    c, meta = vllm_cluster, list(vllm_cluster.weight_meta)
+    sent = next(i for i, m in enumerate(meta) if m.name.endswith("layers.0.self_attn.q_proj.weight")) + 1
+    unsent = [m.name for m in meta[sent:]]  # k_proj and v_proj are still to come: the cut is inside qkv_proj
+    assert any(n.endswith("layers.0.self_attn.k_proj.weight") for n in unsent), unsent[:3]
+    before = _rollout_versions(c, items)
+    address = SyncAddress("127.0.0.1", free_port(), 2, "gloo")
+    generator = c.generators.group.actors[0]
+    joined = generator.init_weight_sync.remote(address, 1, 1)
+    receiving = generator.receive_weights.remote(meta, 1, 7)  # queued behind the join
+    sender = mp.get_context("spawn").Process(target=cut_sender, args=(address, meta, 1, sent))
+    sender.start()
+    try:
+        assert ray.get(joined, timeout=c.timeout_s)
+        with pytest.raises(ActorFailure, match="failed in receive_weights"):
+            gather([Call(receiving, "generator", 0, "receive_weights")], c.timeout_s)
+    finally:
+        sender.join(60)
+    assert _rollout_versions(c, items) == before  # a cut sync stamps no version
+    again = join_weight_sync(c)  # the group formed again (trainer rank 0, the generator, the reference)
+    sync_weights(again, version=8, move_reference=False)
+    assert _checksums(again, "generators")[0] == _checksums(again, "trainers")[0]
+    assert _rollout_versions(again, items) == {8}
 
 
 def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_local, vllm_cluster, items):
