@@ -205,16 +205,18 @@ def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_pa
 
 
 def test_generator_stopped_in_a_weight_sync_is_replaced_before_the_trainers(ray_local, tiny_model_path):
-    """A generator stopped (SIGSTOP) while it receives the weights leaves trainer rank 0 blocked in the
-    broadcast: the timeout names both. The generator is replaced first, then the trainer group is
-    rebuilt (its new weight-sync group reaches the new generator), and the run ends with the
-    undisturbed weights. Before, the trainers came first and their rebuild waited on the stopped
-    generator until the restarts were spent; a failed attempt now shows in ``faults`` too."""
+    """A generator stopped (SIGSTOP) while it receives the weights is replaced first, before any
+    trainer rank that waited for it in the broadcast (with a larger model, trainer rank 0 blocks
+    there and the timeout names both; the tiny model's sync fits in the sockets' buffers, so the
+    trainers may have finished), no attempt fails, and the run ends with the undisturbed weights.
+    Before, the trainers came first and their rebuild waited on the stopped generator until the
+    restarts were spent (``test_recovery_order.py`` holds the order for every mix of targets)."""
     base, _, _ = _undisturbed(tiny_model_path, "grpo")
     weights, _, backend = _run(tiny_model_path, kills=[(1, "GeneratorWorker", "receive_weights", signal.SIGSTOP)],
                                timeout=20.0)
-    assert [(f["role"], f["stuck"]) for f in backend.faults][:2] == [("generator", True), ("trainer", True)], \
-        backend.faults
+    roles = [(f["role"], f["stuck"]) for f in backend.faults]
+    assert roles[0] == ("generator", True) and set(roles) <= {("generator", True), ("trainer", True),
+                                                             ("reference", True)}, backend.faults
     assert not any("failed" in f for f in backend.faults), backend.faults
     assert _max_diff(base, weights) <= 1e-5
 
