@@ -33,7 +33,8 @@ def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
     (SIGSTOP), or hung in native code that holds the interpreter. The driver takes an actor whose
     count has not moved for ``cluster.heartbeat_s`` for stuck (``cluster.ray_wing.groups``), long
     before ``cluster.call_timeout_s``. Outside an actor it does nothing (False)."""
-    if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+    ray_module = sys.modules.get("ray")  # None where Ray was blocked from importing (the GPU check does that)
+    if ray_module is None or not ray_module.is_initialized():
         return False
     import threading
     import time

@@ -40,6 +40,19 @@ def test_the_default_finds_a_stopped_process_within_a_minute():
     assert HEARTBEAT_EVERY_S + CHECK_S + ClusterConfig().heartbeat_s + CHECK_S <= 60
 
 
+def test_outside_an_actor_no_heartbeat_starts(monkeypatch):
+    """A trainer rank built in a plain process (the GPU check, a notebook) starts no thread, with Ray
+    not imported, imported but not started, or blocked from importing (``sys.modules["ray"] = None``)."""
+    import sys
+
+    from rl_actors.common import start_heartbeat
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert start_heartbeat() is False
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert start_heartbeat() is False
+
+
 class Sleeper:
     """An actor with a heartbeat (``setup_process`` starts it) that sleeps when asked."""
 
