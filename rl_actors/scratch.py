@@ -39,20 +39,22 @@ def _running(pid: int) -> bool:
     return True
 
 
-def leftovers(roots: Optional[tuple] = None) -> list:
-    """Our scratch directories (under ``roots``: shared memory and the temporary directory)
-    whose process no longer runs."""
+def ours(roots: Optional[tuple] = None) -> list:
+    """``(path, pid)`` of every scratch directory of ours under ``roots`` (shared memory and the
+    temporary directory), whatever its process."""
     out = []
     for root in roots or (SHM, tempfile.gettempdir()):
         try:
             names = os.listdir(root)
         except OSError:
             continue
-        for name in names:
-            owner = _OWNER.match(name)
-            if owner and not _running(int(owner.group(1))):
-                out.append(os.path.join(root, name))
+        out += [(os.path.join(root, n), int(m.group(1))) for n in names if (m := _OWNER.match(n))]
     return out
+
+
+def leftovers(roots: Optional[tuple] = None) -> list:
+    """Our scratch directories under ``roots`` whose process no longer runs."""
+    return [path for path, pid in ours(roots) if not _running(pid)]
 
 
 def sweep(roots: Optional[tuple] = None) -> int:

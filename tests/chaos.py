@@ -59,15 +59,9 @@ def signal_when(cls: str, method: str, sig: int = signal.SIGKILL, timeout_s: flo
 def our_scratch() -> list:
     """Our scratch directories (``rl_actors.scratch``) in shared memory and the temporary directory,
     of live processes or not: after a run has shut its cluster down there must be none."""
-    import tempfile
+    from rl_actors.scratch import ours
 
-    from rl_actors.scratch import PREFIX, SHM
-
-    found = []
-    for root in (SHM, tempfile.gettempdir()):
-        if os.path.isdir(root):
-            found += [os.path.join(root, n) for n in os.listdir(root) if n.startswith(PREFIX) and "-pid" in n]
-    return found
+    return [path for path, _ in ours()]
 
 
 def cut_sender(address, meta: list, bucket_bytes: int, sent: int, linger_s: float = 10.0) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rl_actors import scratch as scratch_module
-from rl_actors.scratch import leftovers, scratch, sweep
+from rl_actors.scratch import leftovers, ours, scratch, sweep
 
 
 def _dead_pid() -> int:
@@ -35,6 +35,7 @@ def test_only_directories_of_processes_that_no_longer_run_are_swept(tmp_path):
             _make(tmp_path, f"rayrl-notes-{dead}"),  # ours in name, no owner: left alone
             _make(tmp_path, "pymp-xyz")]
     assert sorted(leftovers((str(tmp_path),))) == sorted(gone)
+    assert sorted(ours((str(tmp_path),))) == sorted([(p, dead) for p in gone] + [(kept[0], live)])  # live ones too
     assert sweep((str(tmp_path),)) == 3
     assert sorted(os.path.join(tmp_path, n) for n in os.listdir(tmp_path)) == sorted(kept)
     assert sweep((str(tmp_path),)) == 0
