@@ -276,16 +276,16 @@ def test_a_bad_group_size_is_named_alone(tmp_path):
 @pytest.mark.slow
 def test_ppo_with_a_critic_learns_the_default_task(tmp_path, sft_policy):
     """``--algorithm.name ppo`` from the default job's SFT'd policy: the job adds a critic group after
-    a short SFT stage, initialised from the policy it leaves; GAE on its values lifts held-out accuracy
-    by 10 points or more in 40 steps, the critic's value loss falls, and the final checkpoint holds the
-    critic."""
+    a short SFT stage (kept, ``sft.save``), initialised from the policy it leaves; GAE on its values
+    lifts held-out accuracy by 10 points or more in 40 steps, the critic's value loss falls, and the
+    final checkpoint holds the critic."""
 
     from cluster.jobs.cli import run
 
     ray_up()
     out = str(tmp_path / "ppo")
     summary = run(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path", sft_policy,
-                   "--sft.steps", "5", "--algorithm.name", "ppo", "--algorithm.steps", "40",
+                   "--sft.steps", "5", "--sft.save", "True", "--algorithm.name", "ppo", "--algorithm.steps", "40",
                    "--eval.every", "20", "--eval.final-pass-k", "0",
                    "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
     assert summary["algorithm"] == "ppo"
@@ -295,7 +295,10 @@ def test_ppo_with_a_critic_learns_the_default_task(tmp_path, sft_policy):
     first, last = (np.mean([r["critic/value_loss"] for r in part]) for part in (rows[:5], rows[-5:]))
     assert last < 0.5 * first  # the critic learns the returns
     assert os.path.isfile(os.path.join(out, "final_model", "critic", "critic.json"))
-    assert os.path.isfile(os.path.join(out, "sft_model", "hf", "config.json"))  # the critic's starting point
+    # the critic's starting point: the SFT stage's model that sft.save kept (the chaos test's PPO runs without it,
+    # so the critic's own copy is built there)
+    assert os.path.isfile(os.path.join(out, "sft_model", "hf", "config.json"))
+    assert summary["sft_model"] == os.path.join(out, "sft_model")
 
 
 @pytest.mark.slow
