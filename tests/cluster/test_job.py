@@ -277,21 +277,22 @@ def test_a_bad_group_size_is_named_alone(tmp_path):
 def test_ppo_with_a_critic_learns_the_default_task(tmp_path, sft_policy):
     """``--algorithm.name ppo`` from the default job's SFT'd policy: the job adds a critic group after
     a short SFT stage (kept, ``sft.save``), initialised from the policy it leaves; GAE on its values
-    lifts held-out accuracy by 10 points or more in 40 steps, the critic's value loss falls, and the
-    final checkpoint holds the critic."""
+    lifts held-out accuracy by 10 points or more in 20 steps (0.664 -> 0.875 here), the critic's value loss
+    falls by more than half (0.29 -> 0.09 from the first 5 steps to the last), and the final checkpoint holds
+    the critic."""
 
     from cluster.jobs.cli import run
 
     ray_up()
     out = str(tmp_path / "ppo")
     summary = run(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path", sft_policy,
-                   "--sft.steps", "5", "--sft.save", "True", "--algorithm.name", "ppo", "--algorithm.steps", "40",
-                   "--eval.every", "20", "--eval.final-pass-k", "0",
+                   "--sft.steps", "5", "--sft.save", "True", "--algorithm.name", "ppo", "--algorithm.steps", "20",
+                   "--eval.every", "10", "--eval.final-pass-k", "0",
                    "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
     assert summary["algorithm"] == "ppo"
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"critic/value_loss"' in line]
-    assert len(rows) == 40 and all(r["algorithm"] == "ppo" for r in rows)
+    assert len(rows) == 20 and all(r["algorithm"] == "ppo" for r in rows)
     first, last = (np.mean([r["critic/value_loss"] for r in part]) for part in (rows[:5], rows[-5:]))
     assert last < 0.5 * first  # the critic learns the returns
     assert os.path.isfile(os.path.join(out, "final_model", "critic", "critic.json"))
@@ -513,15 +514,19 @@ def _sampled_reward(model_dir: str, items, n: int, seed: int = 0) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generation", ["trainers", "worker"])
-def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, generation):
+def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path):
     """The default job with adapters as a user types it (``--model.lora.rank 16 --algorithm.lr 3e-3``), its
     SFT stage included (1000 steps here, 1500 as shipped): the stage trains every weight of the random tiny model
-    (``sft.full_weights`` decides so), and RL trains rank-16 adapters on the SFT'd model, generating on the
-    trainer ranks or in an HF generator worker. The first RL step samples as the SFT'd model does (its
-    reward is the one-process model's on the same prompts, to sampling noise), from the reference (KL 0);
-    held-out accuracy rises by 10 points or more; what trains and what is frozen are counted by hand; the
-    merged final model's greedy accuracy is the one the job logged."""
+    (``sft.full_weights`` decides so), and RL trains rank-16 adapters on the SFT'd model, generating in an HF
+    generator worker that receives the adapters after every step. The first RL step samples as the SFT'd
+    model does (its reward is the one-process model's on the same prompts, to sampling noise), from the
+    reference (KL 0); held-out accuracy rises by 10 points or more; what trains and what is frozen are counted
+    by hand; the merged final model's greedy accuracy is the one the job logged.
+
+    The same job generating on the trainer ranks ran here too until it was cut for time (issue 32): that
+    placement's start from the SFT stage (KL 0), its sampling with the trained adapters (< 1e-5) and its
+    empty sync are checked by ``test_lora_combinations`` (full weights, trainers, EMA, ZeRO-1), and the
+    update is the one this worker run takes (same trainer ranks, same maths)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from primitives.env.rewards import exact_match
@@ -530,14 +535,12 @@ def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, generation
     from tests.conftest import lora_numel, run_job
 
     out = str(tmp_path / "lora")
-    layout = [] if generation == "trainers" else ["--cluster.generate-on-trainers", "False",
-                                                  "--cluster.generators", "1"]
+    layout = ["--cluster.generate-on-trainers", "False", "--cluster.generators", "1"]
     summary = run_job(["rl", DEFAULT, "--logging.out", out, "--model.lora.rank", "16", "--algorithm.lr", "3e-3",
                        "--sft.steps", "1000", "--algorithm.steps", "30", "--eval.final-pass-k", "0",
                        "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7", *layout])
     sft = os.path.join(out, "sft_model", "hf")
-    assert summary["sft_model"] == os.path.dirname(sft) and summary["generation"] == (
-        "trainers" if generation == "trainers" else "workers")
+    assert summary["sft_model"] == os.path.dirname(sft) and summary["generation"] == "workers"
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10, summary
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert len([r for r in rows if r.get("phase") == "sft" and "loss/sft" in r]) == 1000
@@ -553,7 +556,7 @@ def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, generation
     assert summary["frozen_params"] == lora_numel(sft, 16) + sum(
         p.numel() for p in AutoModelForCausalLM.from_pretrained(sft).parameters())
     syncs = {r["sync/bytes"] for r in rows if "sync/bytes" in r}
-    assert syncs == ({0.0} if generation == "trainers" else {4.0 * lora_numel(sft, 16)})  # nothing, or the adapters
+    assert syncs == {4.0 * lora_numel(sft, 16)}  # the adapters alone, after every step
     final = os.path.join(out, "final_model")
     assert os.path.isfile(os.path.join(final, "adapter", "adapter_model.safetensors"))
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "hf"))
