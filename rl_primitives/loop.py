@@ -170,6 +170,9 @@ def train(initial_state: TrainingState, prompt_loader, num_iterations: int, gen_
     source = as_prompt_source(prompt_loader)
     loop_state = initial_state.loop_state or TrainState(iteration=initial_state.iteration,
                                                         global_step=initial_state.global_step, rng_seed=seed)
+    # a state passed back holds the trained model and optimizer: the new backend serves that policy version
+    # (its rollouts are stamped with it, and its sampler draws that version's stream), as a restore would
+    backend.policy_version = loop_state.policy_version
     if prompts_per_step is None:
         if source is prompt_loader or isinstance(prompt_loader, (list, tuple)):
             raise ValueError("train: a list of prompts or a prompt_source(position, n) needs prompts_per_step= "

@@ -222,6 +222,35 @@ def test_quick_start_training_one_call(tiny_model_path, capsys):
         quick_start_training(model_name="meta-llama/Llama-3-8B", prompts=prompts, reward_fn=my_reward)
 
 
+def test_the_returned_state_passed_back_goes_on_as_one_run(tiny_model_path):
+    """``train`` twice, the returned ``TrainingState`` passed back, equals one call of as many
+    iterations: the same metrics at each step and the same final weights (a new backend serves the
+    state's policy version; it once started at 0, and the first resumed step was refused as stale)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl_primitives import TrainingState, create_algorithm_config, train
+    from primitives.types import GenerationConfig
+
+    def run(splits):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        state = TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for n in splits:
+            state = train(state, make_prompt_source(["a", "b", "c", "d", "e"], shuffle=False), n,
+                          GenerationConfig(max_new_tokens=4, n=2, temperature=1.0),
+                          create_algorithm_config("grpo", kl_coef=0.0), reward_len, prompts_per_step=2)
+        return state
+
+    straight, resumed = run([4]), run([2, 2])
+    assert resumed.iteration == straight.iteration == 4 and resumed.loop_state.policy_version == 4
+    keys = ("reward/mean", "loss/total", "grad_norm")
+    assert [[s.custom_metrics[k] for k in keys] for s in resumed.stats_history] == \
+        [[s.custom_metrics[k] for k in keys] for s in straight.stats_history]
+    assert resumed.loop_state.data_position == straight.loop_state.data_position
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_a_loaded_model_needs_a_tokenizer_it_can_find(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
