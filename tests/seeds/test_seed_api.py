@@ -226,11 +226,10 @@ def test_the_returned_state_passed_back_goes_on_as_one_run(tiny_model_path):
     """``train`` twice, the returned ``TrainingState`` passed back, equals one call of as many
     iterations: the same metrics at each step and the same final weights (a new backend serves the
     state's policy version; it once started at 0, and the first resumed step was refused as stale)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_primitives import TrainingState, create_algorithm_config, train
     from primitives.types import GenerationConfig
+    from rl_primitives import TrainingState, create_algorithm_config, train
 
     def run(splits):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
