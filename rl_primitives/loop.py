@@ -6,6 +6,7 @@ torch). For a Ray cluster, ``rayrl rl job.yaml`` or ``train(RayBackend(...), ...
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -13,6 +14,7 @@ from cluster.local import LocalBackend, loaded_tokenizer
 from cluster.loop.train import Hooks, RLRun
 from cluster.loop.train import train as loop_train
 from primitives.hooks import call_hook, fn_name
+from primitives.io.checkpoint import load_checkpoint as _load_checkpoint
 from primitives.io.checkpoint import save_checkpoint as _save_checkpoint
 from primitives.io.data import make_prompt_source, prompt_source_from_loader
 from primitives.maths.algorithms import AlgorithmConfig, constant_schedule, uses_reference
@@ -162,6 +164,7 @@ def train(initial_state: TrainingState, prompt_loader, num_iterations: int, gen_
     if isinstance(initial_state.model, str) and initial_state.optimizer is not None:
         raise ValueError("initial_state.optimizer is over a model's parameters, but initial_state.model is a path: "
                          "give the loaded model, or no optimizer")
+    check_seed_hooks(checkpoint_fn, logger)
     tools = _seed_tools(tools)
     backend = LocalBackend(initial_state.model, reward_fn, aggregate_fn, shaping_fn,
                            with_reference=reads_reference or ref_update is not None, ref_update_fn=ref_update,
@@ -209,6 +212,20 @@ def train(initial_state: TrainingState, prompt_loader, num_iterations: int, gen_
                   iteration_hook=after_step)
     final = loop_train(backend, source, schedule, run, loop_state, hooks, tools)
     return facade_state(backend, final, initial_state, start)
+
+
+def check_seed_hooks(checkpoint_fn: Optional[Callable], logger: Optional[Callable]) -> None:
+    """Refuse, before any step, the seeds' hooks that cannot be called as ``train`` calls them: their
+    ``save_checkpoint`` (it needs a directory) and a logger of neither ``logger(metrics)`` nor
+    ``logger(state, stats)`` (the seeds' ``log_to_wandb`` needs its project)."""
+    if checkpoint_fn is save_checkpoint:
+        raise ValueError('train(checkpoint_fn=save_checkpoint): save_checkpoint(state, checkpoint_dir) needs a '
+                         'directory; give checkpoint_fn=lambda state: save_checkpoint(state, '
+                         'f"checkpoints/iter_{state.iteration}")')
+    if logger is not None and _arity(logger, 1, 2) is None:
+        hint = ' (functools.partial(log_to_wandb, project="my-project"))' if logger is log_to_wandb else ""
+        raise ValueError(f"train(logger={fn_name(logger)}{inspect.signature(logger)}): a logger is logger(metrics) "
+                         f"or the seeds' logger(state, stats); bind its other arguments first{hint}")
 
 
 def _seed_tools(tools):
@@ -305,13 +322,71 @@ def log_to_console(state: TrainingState, stats: TrainingStats, log_fn: Optional[
 
 def save_checkpoint(state_or_path, checkpoint_dir=None, *args, **kwargs) -> str:
     """The seeds' ``save_checkpoint(state, checkpoint_dir)``: the state's model, tokenizer,
-    optimizer and loop state (``primitives.io.checkpoint.save_checkpoint``, one atomic
-    directory). Called our way - ``save_checkpoint(path, model, ...)`` - it is ours."""
+    optimizer, scheduler and loop state (``primitives.io.checkpoint.save_checkpoint``, one atomic
+    directory; ``load_checkpoint`` reads it back). Called our way - ``save_checkpoint(path, model,
+    ...)`` - it is ours."""
     if isinstance(state_or_path, TrainingState):
         if args or kwargs.get("saver") is not None:
             raise ValueError("save_checkpoint(state, dir, saver=...): a custom saver is a checkpoint_fn(state) of "
                              "your own")
+        if checkpoint_dir is None:
+            raise ValueError("save_checkpoint(state): give the directory, save_checkpoint(state, checkpoint_dir)")
         state = state_or_path
         tokenizer = state.tokenizer if state.tokenizer is not None else loaded_tokenizer(state.model)
-        return _save_checkpoint(str(checkpoint_dir), state.model, tokenizer, state.optimizer, state.loop_state)
+        extra = {}
+        if state.scheduler is not None:
+            extra["scheduler"] = state.scheduler.state_dict()
+            try:
+                json.dumps(extra)
+            except TypeError as e:
+                raise ValueError(f"save_checkpoint: the scheduler's state_dict() cannot be written as JSON ({e}); "
+                                 f"save it yourself in a checkpoint_fn(state)") from None
+        return _save_checkpoint(str(checkpoint_dir), state.model, tokenizer, state.optimizer, state.loop_state,
+                                extra=extra)
     return _save_checkpoint(state_or_path, checkpoint_dir, *args, **kwargs)
+
+
+def load_checkpoint(checkpoint_path: str, model, optimizer=None, scheduler=None, loader: Optional[Callable] = None):
+    """The seeds' ``load_checkpoint(checkpoint_path, model, optimizer, scheduler) -> TrainingState``:
+    what ``save_checkpoint(state, dir)`` wrote, loaded into ``model``, ``optimizer`` and
+    ``scheduler`` in place; ``train(initial_state=<it>, ...)`` then goes on as if never stopped.
+    Called our way - ``load_checkpoint(path, model, optimizer, restore_rng=...)`` - it is ours
+    (``primitives.io.checkpoint.load_checkpoint``: ``(TrainState, extra)``)."""
+    if loader is not None:
+        raise ValueError("load_checkpoint(..., loader=...): a custom loader is code of your own that builds the "
+                         "TrainingState; this one reads what save_checkpoint(state, dir) writes")
+    if isinstance(scheduler, bool):  # ours: load_checkpoint(path, model, optimizer, restore_rng)
+        return _load_checkpoint(checkpoint_path, model, optimizer, scheduler)
+    loop_state, extra = _load_checkpoint(checkpoint_path, model, optimizer)
+    if loop_state is None:
+        raise ValueError(f"{checkpoint_path}: no loop state in this checkpoint (it was not written by "
+                         f"save_checkpoint(state, dir) of a trained state)")
+    if scheduler is not None:
+        if "scheduler" not in extra:
+            raise ValueError(f"{checkpoint_path}: no scheduler state was saved (the state had none)")
+        scheduler.load_state_dict(extra["scheduler"])
+    stats = tuple(stats_from_metrics(m) for m in loop_state.metrics_history)
+    return TrainingState(iteration=loop_state.iteration, global_step=loop_state.global_step, model=model,
+                         optimizer=optimizer, scheduler=scheduler, stats_history=stats, loop_state=loop_state)
+
+
+def log_to_wandb(state: TrainingState, stats: TrainingStats, project: str, entity: Optional[str] = None) -> None:
+    """The seeds' W&B logger ``log_to_wandb(state, stats, project, entity)``: every metric of the step
+    and the seeds' names for the main ones, at step ``state.iteration``; one run per project and
+    entity, offline unless ``WANDB_API_KEY`` is set (``wandb sync`` later). As a ``train`` logger give
+    it its project: ``logger=functools.partial(log_to_wandb, project="my-project")``. Ours is
+    ``primitives.io.loggers.wandb_logger(project)`` (``logger(metrics)``)."""
+    import wandb
+
+    key = (project, entity)
+    run = _WANDB_RUNS.get(key)
+    if run is None:
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        run = _WANDB_RUNS[key] = wandb.init(project=project, entity=entity, mode=mode, reinit="create_new")
+    run.log({**(stats.custom_metrics or {}), "iteration": state.iteration, "loss": stats.loss,
+             "grad_norm": stats.grad_norm, "learning_rate": stats.learning_rate,
+             "kl_divergence": stats.kl_divergence, "rewards_mean": stats.rewards_mean,
+             "rewards_std": stats.rewards_std}, step=state.iteration)
+
+
+_WANDB_RUNS: dict = {}  # log_to_wandb's run of each (project, entity) in this process

@@ -2,6 +2,8 @@
 prompts and ``prompt_loader(iteration)``, ``iteration_hook(state, batch)`` on the loop,
 the seeds' configs and factories, ``quick_start_training`` and the debugging utilities."""
 import copy
+import glob
+import os
 import pickle
 
 import cloudpickle
@@ -222,32 +224,90 @@ def test_quick_start_training_one_call(tiny_model_path, capsys):
         quick_start_training(model_name="meta-llama/Llama-3-8B", prompts=prompts, reward_fn=my_reward)
 
 
-def test_the_returned_state_passed_back_goes_on_as_one_run(tiny_model_path):
-    """``train`` twice, the returned ``TrainingState`` passed back, equals one call of as many
-    iterations: the same metrics at each step and the same final weights (a new backend serves the
-    state's policy version; it once started at 0, and the first resumed step was refused as stale)."""
+def _seed_train(state, iterations, **hooks):
+    from primitives.types import GenerationConfig
+    from rl_primitives import create_algorithm_config, train
+
+    return train(state, make_prompt_source(["a", "b", "c", "d", "e"], shuffle=False), iterations,
+                 GenerationConfig(max_new_tokens=4, n=2, temperature=1.0), create_algorithm_config("grpo", kl_coef=0.0),
+                 reward_len, prompts_per_step=2, **hooks)
+
+
+def _fresh_state(path):
     from transformers import AutoModelForCausalLM
 
-    from primitives.types import GenerationConfig
-    from rl_primitives import TrainingState, create_algorithm_config, train
+    from rl_primitives import TrainingState
 
-    def run(splits):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-        state = TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-        for n in splits:
-            state = train(state, make_prompt_source(["a", "b", "c", "d", "e"], shuffle=False), n,
-                          GenerationConfig(max_new_tokens=4, n=2, temperature=1.0),
-                          create_algorithm_config("grpo", kl_coef=0.0), reward_len, prompts_per_step=2)
-        return state
+    model = AutoModelForCausalLM.from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return TrainingState(model=model, optimizer=optimizer,
+                         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: 1.0 / (1 + it)))
 
-    straight, resumed = run([4]), run([2, 2])
-    assert resumed.iteration == straight.iteration == 4 and resumed.loop_state.policy_version == 4
-    keys = ("reward/mean", "loss/total", "grad_norm")
-    assert [[s.custom_metrics[k] for k in keys] for s in resumed.stats_history] == \
-        [[s.custom_metrics[k] for k in keys] for s in straight.stats_history]
-    assert resumed.loop_state.data_position == straight.loop_state.data_position
-    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        assert torch.equal(a, b), name
+
+def _same_run(a, b):
+    keys = ("reward/mean", "loss/total", "grad_norm", "lr")
+    assert b.iteration == a.iteration and b.loop_state.policy_version == a.loop_state.policy_version
+    assert [[s.custom_metrics[k] for k in keys] for s in b.stats_history] == \
+        [[s.custom_metrics[k] for k in keys] for s in a.stats_history]
+    assert b.loop_state.data_position == a.loop_state.data_position
+    for (name, x), y in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(x, y), name
+
+
+def test_the_returned_state_passed_back_goes_on_as_one_run(tiny_model_path):
+    """``train`` twice, the returned ``TrainingState`` passed back, equals one call of as many
+    iterations: the same metrics at each step (the scheduler's learning rate too) and the same final
+    weights (a new backend serves the state's policy version; it once started at 0, and the first
+    resumed step was refused as stale)."""
+    straight = _seed_train(_fresh_state(tiny_model_path), 4)
+    resumed = _seed_train(_seed_train(_fresh_state(tiny_model_path), 2), 2)
+    assert straight.iteration == 4 and straight.loop_state.policy_version == 4
+    assert len({s.custom_metrics["lr"] for s in straight.stats_history}) == 4  # the scheduler moved it each step
+    _same_run(straight, resumed)
+
+
+def test_a_state_saved_and_loaded_back_goes_on_as_one_run(tiny_model_path, tmp_path):
+    """The seeds' ``save_checkpoint(state, dir)`` after 2 iterations, ``load_checkpoint(dir, model,
+    optimizer, scheduler)`` into a fresh model, optimizer and scheduler, 2 more: the run of 4."""
+    from rl_primitives import load_checkpoint, save_checkpoint
+
+    straight = _seed_train(_fresh_state(tiny_model_path), 4)
+    save_checkpoint(_seed_train(_fresh_state(tiny_model_path), 2), str(tmp_path / "iter_2"))
+    fresh = _fresh_state(tiny_model_path)
+    loaded = load_checkpoint(str(tmp_path / "iter_2"), fresh.model, fresh.optimizer, fresh.scheduler)
+    assert (loaded.iteration, len(loaded.stats_history), loaded.scheduler.last_epoch) == (2, 2, 2)
+    _same_run(straight, _seed_train(loaded, 2))
+
+
+def test_the_seeds_hooks_that_cannot_be_called_are_refused_before_a_step(tiny_model_path, tmp_path, monkeypatch):
+    """The seeds' headline call passes ``checkpoint_fn=save_checkpoint`` (no directory) and
+    ``logger=log_to_wandb`` (no project): each is refused with the form that works; that form runs
+    (W&B offline, one run for the whole loop)."""
+    import functools
+
+    from rl_primitives import log_to_wandb, save_checkpoint
+
+    state = _fresh_state(tiny_model_path)
+    with pytest.raises(ValueError, match=r"checkpoint_fn=lambda state: save_checkpoint\(state, "):
+        _seed_train(state, 2, checkpoint_fn=save_checkpoint)
+    with pytest.raises(ValueError, match=r'functools.partial\(log_to_wandb, project="my-project"\)'):
+        _seed_train(state, 2, logger=log_to_wandb)
+    assert state.loop_state is None and torch.equal(  # nothing trained
+        next(state.model.parameters()), next(_fresh_state(tiny_model_path).model.parameters()))
+
+    from rl_primitives.loop import _WANDB_RUNS
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    saved = []
+    final = _seed_train(state, 2, logger=functools.partial(log_to_wandb, project="seeds"),
+                        checkpoint_fn=lambda s: saved.append(save_checkpoint(s, str(tmp_path / f"iter_{s.iteration}"))),
+                        eval_every=1)
+    assert final.iteration == 2 and [os.path.basename(p) for p in saved] == ["iter_1", "iter_2"]
+    _WANDB_RUNS.pop(("seeds", None)).finish()
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
 
 
 def test_a_loaded_model_needs_a_tokenizer_it_can_find(tiny_model_path):
