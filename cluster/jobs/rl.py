@@ -33,11 +33,11 @@ def start_ray_for(job: RLJob, extensions: dict) -> str:
     from cluster.ray_wing.roles import NODE_GROUP_PINS, role_specs, start_ray
 
     cfg, algos = job.cluster, extensions["algos"]
-    return start_ray(cfg, role_specs(cfg, needs_reference(algos, extensions["shaping_fn"]),
+    return start_ray(cfg, role_specs(cfg, job_needs_reference(algos, extensions["shaping_fn"]),
                                      NODE_GROUP_PINS if cfg.pin_roles else None, with_critic=any_needs_values(algos)))
 
 
-def needs_reference(algos, shaping_fn=None) -> bool:
+def job_needs_reference(algos, shaping_fn=None) -> bool:
     """Whether some step reads reference logprobs: an algorithm's KL or loss, or the shaping."""
     from primitives.maths.algorithms import uses_reference
 
@@ -217,7 +217,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
     algos = inputs.algos or (inputs.algo,)
     tools = inputs.tools.config if inputs.tools is not None else None
     backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn,
-                                          needs_reference(algos, inputs.shaping_fn),
+                                          job_needs_reference(algos, inputs.shaping_fn),
                                           ref_update_fn=inputs.ref_update_fn, aggregate_fn=inputs.aggregate_fn,
                                           shaping_fn=inputs.shaping_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb,
                                           reserve_critics=any_needs_values(algos)),

@@ -39,7 +39,7 @@ class Collection(NamedTuple):
     with_ref: bool  # reference logprobs were asked for
 
 
-def needs_reference(backend, algo) -> bool:
+def collects_reference(backend, algo) -> bool:
     """Whether the step's rollouts are collected with reference logprobs. A reference on the
     trainer ranks scores each rank's shard inside the train step instead, unless they are
     needed before the batch is made: KL in the reward (the advantage or the shaping function
@@ -137,7 +137,7 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
     rollouts (``train`` skips its update). Prompts are consumed in the order drawn, so the data
     position after the step says exactly what was trained (or dropped)."""
     queue = deque() if queue is None else queue
-    with_ref, version = needs_reference(backend, algo), state.policy_version
+    with_ref, version = collects_reference(backend, algo), state.policy_version
     position, kept, times, rounds, drawn, regenerated = state.data_position, [], {}, 0, 0, 0
     while True:
         if not queue:
@@ -409,7 +409,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         while len(queue) < ahead:  # the next steps' prompts, generated while this step trains
             items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
                                      prompts_per_step)
-            queue.append(dispatch(backend, items, after, gen, needs_reference(backend, algo), tools))
+            queue.append(dispatch(backend, items, after, gen, collects_reference(backend, algo), tools))
         metrics["recovery/actor_restarts"] = float(backend.restarts)
         metrics.update(scaled)
         plan_args = {"seed": state.rng_seed + it, "budget": gen.max_new_tokens,
