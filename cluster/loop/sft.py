@@ -41,8 +41,10 @@ def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks =
     continues a run from a checkpoint: the draws of the steps before it are replayed, so the
     run goes on as if never stopped. Returns the last step's metrics.
     """
-    num_steps, batch_size, lr_schedule, seed, log_every, start_step, progress = run
-    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks[:5]
+    num_steps, batch_size, lr_schedule, seed = run.num_steps, run.batch_size, run.lr_schedule, run.seed
+    log_every, start_step, progress = run.log_every, run.start_step, run.progress
+    logger, eval_fn, eval_every = hooks.logger, hooks.eval_fn, hooks.eval_every
+    checkpoint_fn, checkpoint_every = hooks.checkpoint_fn, hooks.checkpoint_every
     if eval_fn is not None:
         raise ValueError("train_sft evaluates the held-out loss on eval_samples; hooks.eval_fn would be ignored")
     if hooks.iteration_hook is not None:

@@ -372,7 +372,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     """
     gen, num_steps, prompts_per_step, lr_schedule = run.gen, run.num_steps, run.prompts_per_step, run.lr_schedule
     max_staleness, component_names = run.max_staleness, run.component_names
-    logger, eval_fn, eval_every, checkpoint_fn, checkpoint_every = hooks[:5]
+    logger, eval_fn, eval_every = hooks.logger, hooks.eval_fn, hooks.eval_every
+    checkpoint_fn, checkpoint_every = hooks.checkpoint_fn, hooks.checkpoint_every
     problems = run_errors(gen.temperature, max_staleness)
     if hooks.checkpoint_minutes < 0:
         problems.append(f"hooks.checkpoint_minutes must be >= 0, got {hooks.checkpoint_minutes}")
