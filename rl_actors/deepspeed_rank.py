@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from primitives.io.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
+from primitives.model.training import micro_batch_rows
 from primitives.types import ModelConfig
 from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
 from rl_actors.scratch import scratch
@@ -49,9 +50,7 @@ from rl_actors.scratch import scratch
 
 def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
     """How many backward passes ``forward_backward`` makes over ``rows`` rows."""
-    step = micro_batch_size or rows
-    if unit == 2 and step % 2:
-        step += 1
+    step = micro_batch_rows(micro_batch_size, rows, unit)
     return -(-rows // step) if rows else 0
 
 

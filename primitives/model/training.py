@@ -40,6 +40,13 @@ def pair_unit(algo: AlgorithmConfig) -> int:
     return 2 if pairwise(algo) else 1
 
 
+def micro_batch_rows(micro_batch_size: int, rows: int, unit: int = 1) -> int:
+    """Rows per backward pass: ``micro_batch_size`` (0: all ``rows`` at once), rounded up to even
+    when rows come in (chosen, rejected) pairs (``unit`` 2), so a pair never spans two passes."""
+    step = micro_batch_size or rows
+    return step + 1 if unit == 2 and step % 2 else step
+
+
 def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCounts,
                      micro_batch_size: Optional[int] = None, temperature: float = 1.0,
                      backward: Callable = _default_backward, loss_scale: float = 1.0, where: str = "") -> dict:
@@ -58,9 +65,7 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
     if batch.size == 0:
         raise ValueError("forward_backward: empty batch")
     device = next(model.parameters()).device
-    step = micro_batch_size or batch.size
-    if pair_unit(algo) == 2 and step % 2:
-        step += 1  # keep (chosen, rejected) pairs in one micro-batch
+    step = micro_batch_rows(micro_batch_size, batch.size, pair_unit(algo))
     parts = []
     model.train()
     for s in range(0, batch.size, step):

@@ -154,3 +154,30 @@ def test_one_epoch_of_two_mini_batches_fixes_the_old_logprobs_first(scored, toke
     assert abs(expected - 1.0) > 1e-3  # the first update moved the second mini-batch's logprobs
     assert updates[1]["policy/ratio_mean"] == pytest.approx(expected, abs=1e-5)
     assert updates[1]["policy/approx_kl_old"] > 1e-3
+
+
+@pytest.mark.parametrize("name", ["grpo", "online_dpo"])
+def test_a_rank_counts_the_backward_passes_forward_backward_makes(name, scored, tiny_model, tokenizer):
+    """A DeepSpeed rank pads its backward passes up to the largest shard's count, which it computes
+    (``micro_batch_count``) without running them: that count must be the passes ``forward_backward``
+    makes, for every micro-batch size and shard size, pairs kept whole (an odd size rounds up: a
+    micro-batch size of 3 over 4 rows of pairs is one pass of 4, not passes of 3 and 1)."""
+    from rl_actors.deepspeed_rank import micro_batch_count
+
+    algo = algos.get_algorithm(name, kl_coef=0.0)  # online DPO scores against a reference: the sampler here
+    batch = make_batch([r._replace(ref_logprobs=r.logprobs) for r in scored], algo, tokenizer.pad_token_id)
+    unit = 2 if name == "online_dpo" else 1
+    forwards = []
+    hook = tiny_model.register_forward_hook(
+        lambda module, args, out: forwards.append(1))  # one forward per pass (packed rows make one sequence)
+    try:
+        for rows in range(unit, min(batch.size, 7) + 1, unit):
+            part = batch.select(range(rows))
+            for mbs in range(0, 6):
+                forwards.clear()
+                forward_backward(tiny_model, part, algo, step_counts(part), micro_batch_size=mbs)
+                assert len(forwards) == micro_batch_count(rows, mbs, unit), (rows, mbs)
+    finally:
+        hook.remove()
+        tiny_model.zero_grad()
+        tiny_model.eval()
