@@ -14,6 +14,17 @@ import numpy as np
 ROLES = ("system", "user", "assistant", "tool")
 
 
+class PromptItem(NamedTuple):
+    """One task item. ``epoch`` is set by the prompt source when the item is served."""
+
+    index: int  # position in the dataset: with epoch, the stable identity of the prompt
+    prompt: Any  # str, or a Conversation for chat models
+    answer: Any = None  # reference answer for verifiable rewards
+    epoch: int = 0
+    metadata: Optional[dict] = None  # the record's other fields, passed on to reward functions
+    source: Optional[str] = None  # where the record came from: "file:line" or "file, row k"
+
+
 class Message(NamedTuple):
     """One chat message. ``role`` is one of system/user/assistant/tool."""
 

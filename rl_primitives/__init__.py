@@ -8,6 +8,7 @@ loop and the local backend, and nothing imports it. Training runs in this proces
 ``cluster.local.LocalBackend``; the same loop runs on Ray through ``rayrl rl job.yaml``.
 """
 from primitives.env.rewards import compute_scalar_reward, compute_vector_reward
+from primitives.env.rollouts import create_rollout, create_rollouts
 from primitives.env.tools import ToolCall, ToolConfig, ToolResult, safe_calculate
 from primitives.io.data import PromptItem, make_prompt_source, prompt_source_from_loader
 from primitives.maths.algorithms import dapo, get_algorithm, grpo, online_dpo, piecewise_schedule
@@ -17,7 +18,6 @@ from primitives.maths.kl import (
     create_periodic_updater,
     create_truncated_kl,
 )
-from primitives.model.rollouts import create_rollout, create_rollouts
 from primitives.types import Conversation, Generation, Message, ModelConfig, Rollout, RolloutBatch
 from rl_primitives.api import (
     Batch,

@@ -15,6 +15,7 @@ import torch
 
 from primitives.env.rewards import aggregate_vector_rewards as _aggregate_vector_rewards
 from primitives.env.rewards import score_rollouts
+from primitives.env.rollouts import create_rollout
 from primitives.env.tools import ToolCall, ToolResult, hf_turn_generator, multiturn_rollout, no_tool_calls_stop
 from primitives.hooks import fn_name
 from primitives.io.data import PromptItem, as_prompt_items
@@ -22,7 +23,6 @@ from primitives.maths.algorithms import AlgorithmConfig, get_algorithm, online_d
 from primitives.maths.kl import create_ema_updater, create_periodic_updater, fixed_reference, per_token_kl
 from primitives.model.generation import generate_rollouts
 from primitives.model.logprobs import rollout_logprobs
-from primitives.model.rollouts import create_rollout
 from primitives.types import Conversation, Generation, Rollout, RolloutBatch
 from primitives.types import GenerationConfig as _GenerationConfig
 

@@ -107,6 +107,28 @@ def test_only_fixtures_import_fixtures():
     assert not {m: found for m, found in users.items() if found}
 
 
+# inside primitives, the model, its environment (rewards, tools, whole rollouts) and the data and files
+# above them: a subpackage imports only from those below it, so the three form no circle among them
+PRIMITIVE_LAYERS = ("primitives.model", "primitives.env", "primitives.io")
+
+
+def layer(module: str):
+    return next((i for i, p in enumerate(PRIMITIVE_LAYERS) if module == p or module.startswith(p + ".")), None)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) is not None))
+def test_the_model_reads_no_environment_and_the_environment_no_data_files(module):
+    up = sorted(i for i in GRAPH[module] if layer(i) is not None and layer(i) > layer(module))
+    assert not up, f"{module} imports from a layer above its own ({PRIMITIVE_LAYERS}): {up}"
+
+
+def test_the_primitive_layers_form_no_circle():
+    packages = {p: {q for m in MODULES if layer(m) == i for q in PRIMITIVE_LAYERS
+                    if q != p and any(dep == q or dep.startswith(q + ".") for dep in GRAPH[m])}
+                for i, p in enumerate(PRIMITIVE_LAYERS)}
+    assert cycles(packages) == [], packages
+
+
 def cycles(graph: dict) -> list:
     """The strongly connected components with more than one module (Tarjan), or a module
     importing itself."""

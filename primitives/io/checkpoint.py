@@ -14,11 +14,12 @@ import random
 import re
 import shutil
 import tempfile
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
+from primitives.files import atomic_directory, atomic_file  # noqa: F401  (this module's names too)
 from primitives.types import DataPosition, TrainState
 
 
@@ -44,43 +45,6 @@ def state_from_json(d: dict) -> TrainState:
     d["data_position"] = DataPosition(**d["data_position"])
     d["metrics_history"] = tuple(d.get("metrics_history", ()))
     return TrainState(**d)
-
-
-def atomic_directory(path: str, write: Callable[[str], None]) -> str:
-    """Run ``write(tmp_dir)`` and move ``tmp_dir`` to ``path`` only if it succeeds."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        write(tmp)
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
-            os.rename(path, os.path.join(old, "ckpt"))
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def atomic_file(path: str, write: Callable) -> str:
-    """Run ``write(f)`` on a temporary sibling text file and rename it to ``path`` only if it
-    succeeds: a reader sees the old file or the new one, never half of one."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
 
 
 def save_checkpoint(path: str, model, tokenizer=None, optimizer=None, state: Optional[TrainState] = None,

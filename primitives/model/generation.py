@@ -19,7 +19,7 @@ the importance weight is applied.
 The sampling generator lives on the model's device (``torch.multinomial`` draws on the
 device of the probabilities, and refuses a generator on another one).
 
-Prompts are rendered by ``primitives.model.prompts``; ``primitives.model.rollouts`` takes one
+Prompts are rendered by ``primitives.model.prompts``; ``primitives.env.rollouts`` takes one
 prompt end to end in one process (``create_rollout``) for notebooks.
 """
 from __future__ import annotations

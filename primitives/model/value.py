@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from primitives.io.checkpoint import atomic_directory
+from primitives.files import atomic_directory
 from primitives.maths.losses import LossCounts, aggregate_loss, clipped_value_loss
 from primitives.model.logprobs import check_layout, disable_dropout
 from primitives.padding import pack_completions, position_ids_from_mask

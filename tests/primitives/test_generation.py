@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from primitives.env.rewards import mean_aggregator
+from primitives.env.rollouts import create_rollout, create_rollouts
 from primitives.io.data import PromptItem
 from primitives.model.generation import (
     GenerationOutput,
@@ -18,7 +19,6 @@ from primitives.model.generation import (
 )
 from primitives.model.logprobs import completion_logprobs, rollout_logprobs, token_entropy
 from primitives.model.prompts import encode_prompts, render_prompt
-from primitives.model.rollouts import create_rollout, create_rollouts
 from primitives.padding import left_pad, pack_completions, position_ids_from_mask
 from primitives.types import Conversation, GenerationConfig, Message
 

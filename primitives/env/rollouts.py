@@ -8,10 +8,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from primitives.env.rewards import score_rollout
-from primitives.io.data import PromptItem
 from primitives.model.generation import generate_rollouts
 from primitives.model.logprobs import rollout_logprobs
-from primitives.types import GenerationConfig, Rollout
+from primitives.types import GenerationConfig, PromptItem, Rollout
 
 
 def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig = GenerationConfig(),
