@@ -31,7 +31,7 @@ from primitives.model.training import optim_step, sft_eval_loss, sft_forward_bac
 from primitives.types import BatchPlan, GenerationConfig, ModelConfig, TrainState, planned_rollouts, summarize
 from rl_actors.common import load_causal_lm
 from rl_actors.deepspeed_rank import adamw
-from rl_actors.generator import rollout_sampler
+from rl_actors.hf_engine import rollout_sampler
 from rl_actors.trainer import TrainerConfig
 
 

@@ -259,7 +259,7 @@ class TrainerWorker:
         the generators' init info fixed them (``VLLMEngine.init_transfer``)."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        from rl_actors.generator import VLLM_NCCL_BUFFERS
+        from rl_actors.vllm_engine import VLLM_NCCL_BUFFERS
 
         params = dict(self.module.named_parameters())
         with self.ds.gathered([m.name for m in meta]):

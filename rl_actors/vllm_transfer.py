@@ -14,7 +14,7 @@ Received tensors go through the model's ``load_weights`` inside vLLM's layerwise
 parameters (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``) and restores the loaders a
 plain ``load_weights`` call after start-up would miss.
 
-On a GPU, vLLM's own NCCL engine receives instead (``rl_actors.generator.VLLMEngine``).
+On a GPU, vLLM's own NCCL engine receives instead (``rl_actors.vllm_engine.VLLMEngine``).
 """
 from __future__ import annotations
 

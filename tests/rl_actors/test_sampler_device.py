@@ -15,7 +15,9 @@ from primitives.io.data import PromptItem
 from primitives.model.generation import generate_rollouts
 from primitives.types import GenerationConfig
 from rl_actors.clock import BusyClock
-from rl_actors.generator import GeneratorWorker, VLLMEngine, rollout_sampler
+from rl_actors.generator import GeneratorWorker
+from rl_actors.hf_engine import rollout_sampler
+from rl_actors.vllm_engine import VLLMEngine
 
 ITEMS = [PromptItem(5, "12+34="), PromptItem(6, "1+2=")]
 GEN = GenerationConfig(max_new_tokens=4, n=2, temperature=0.7)
@@ -72,7 +74,8 @@ def test_vllm_samples_in_its_own_processes_without_a_torch_generator():
     """vLLM seeds its own sampling (``SamplingParams.seed``): its engine asks for no torch
     generator (so a vLLM actor makes none on its GPU), only the integer the HF sampler is seeded
     with, and each request of a call gets a seed of its own (a GRPO group's rows differ)."""
-    from rl_actors.generator import rollout_sampler, sampler_key, vllm_seeds
+    from rl_actors.hf_engine import rollout_sampler, sampler_key
+    from rl_actors.vllm_engine import vllm_seeds
 
     engine = VLLMEngine.__new__(VLLMEngine)  # no engine started: only the sampler rule is read
     seed = engine.sampler(3, 1, 0, ITEMS)

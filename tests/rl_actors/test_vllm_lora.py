@@ -20,7 +20,8 @@ from primitives.io.data import PromptItem
 from primitives.model.logprobs import rollout_logprobs
 from primitives.model.lora import adapter_names, adapters_off, with_lora
 from primitives.types import GenerationConfig, LoraConfig, ModelConfig
-from rl_actors.generator import GeneratorWorker, vllm_lora_rank
+from rl_actors.generator import GeneratorWorker
+from rl_actors.vllm_engine import vllm_lora_rank
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
