@@ -21,10 +21,10 @@ def main():
     p.add_argument("--model", choices=("qwen100m", "smollm2"), default="qwen100m")
     args = p.parse_args()
     ray = start_local_ray()
-    from cluster.ray_wing.backend import sync_weights
     from cluster.ray_wing.groups import WorkerGroup, fan_out, gather
     from cluster.ray_wing.handles import GeneratorWorkers
     from cluster.ray_wing.roles import RLCluster
+    from cluster.ray_wing.weights import sync_weights
     from primitives.fixtures.tiny import TinyModelSpec, save_tiny_model
     from primitives.types import ModelConfig
     from rl_actors.generator import GeneratorWorker

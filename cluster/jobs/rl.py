@@ -114,8 +114,9 @@ def sft_stage(cluster, inputs: RLInputs, logger) -> None:
     """The RL job's SFT stage on the RL cluster's trainers: train, send the weights to the generators,
     make them the reference, and give the trainers a fresh optimizer at the RL learning rate. With
     ``model.lora`` the adapters train, and RL goes on from them."""
-    from cluster.ray_wing.backend import RayBackend, copy_policy_to_reference, sync_weights
+    from cluster.ray_wing.backend import RayBackend
     from cluster.ray_wing.groups import fan_out, gather
+    from cluster.ray_wing.weights import copy_policy_to_reference, sync_weights
 
     train_sft_stage(RayBackend(cluster), inputs, logger)
     sync_weights(cluster, version=0, move_reference=False)

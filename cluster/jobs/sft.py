@@ -20,8 +20,9 @@ def run_sft(job: SFTJob) -> dict:
     ``checkpoint.keep`` kept) and the final model (HF in ``final_model/hf``)."""
     from cluster.loop.sft import SFTRun, evaluate_sft, train_sft
     from cluster.loop.train import Hooks
-    from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint
+    from cluster.ray_wing.backend import RayBackend
     from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
+    from cluster.ray_wing.weights import load_cluster_checkpoint
     from primitives.model.training import linear_warmup
     from primitives.types import TrainState
     from rl_actors.trainer import TrainerConfig

@@ -14,10 +14,11 @@ import pytest
 
 from cluster.loop.protocol import ActorFailure
 from cluster.loop.train import Hooks, RLRun, train
-from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import call, fan_out, gather
 from cluster.ray_wing.roles import add_critics, build_rl_cluster, shutdown_cluster
+from cluster.ray_wing.weights import sync_weights
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo, ppo

@@ -6,10 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster.loop.protocol import ActorFailure
-from cluster.ray_wing import backend as backend_module
-from cluster.ray_wing.backend import RayBackend, _single_actors_first
+from cluster.ray_wing import recovery as recovery_module
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.groups import WorkerGroup
 from cluster.ray_wing.handles import GeneratorWorkers
+from cluster.ray_wing.recovery import _single_actors_first
 from cluster.ray_wing.roles import RLCluster
 
 ROLES = ("trainer", "critic", "generator", "reward", "reference")
@@ -57,8 +58,8 @@ def _backend(monkeypatch, rebuild_failures: int) -> tuple:
         calls.append(("replace", role, rank))
         return c
 
-    monkeypatch.setattr(backend_module, "rebuild_group", rebuild)
-    monkeypatch.setattr(backend_module, "replace_actor", replace)
+    monkeypatch.setattr(recovery_module, "rebuild_group", rebuild)
+    monkeypatch.setattr(recovery_module, "replace_actor", replace)
     monkeypatch.setattr(RayBackend, "_restore_groups", lambda self: calls.append(("restore",)))
     backend = RayBackend(cluster, max_actor_restarts=5)
     backend.snapshot = object()  # a snapshot to restore a trainer group from

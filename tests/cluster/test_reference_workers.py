@@ -6,14 +6,10 @@ import pytest
 from cluster.jobs.checks import rl_errors
 from cluster.jobs.config import ClusterConfig, DataConfig, RLJob
 from cluster.loop.train import RLRun, train
-from cluster.ray_wing.backend import (
-    RayBackend,
-    copy_policy_to_reference,
-    load_cluster_checkpoint,
-    save_cluster_checkpoint,
-)
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.groups import fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, role_specs, shutdown_cluster
+from cluster.ray_wing.weights import copy_policy_to_reference, load_cluster_checkpoint, save_cluster_checkpoint
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo

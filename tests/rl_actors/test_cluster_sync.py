@@ -6,10 +6,11 @@ import pytest
 from cluster.loop.evaluate import evaluate_accuracy
 from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks, RLRun, train
-from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import ActorFailure, call, fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from cluster.ray_wing.weights import sync_weights
 from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
 from primitives.io.data import make_prompt_source, prepare_sft_text
 from primitives.maths.algorithms import constant_schedule, grpo
@@ -103,7 +104,7 @@ def test_multiturn_generation_on_a_generator(rl_cluster, trained):
 
 
 def test_reference_copy_goes_by_ref(rl_cluster, trained):
-    from cluster.ray_wing.backend import copy_policy_to_reference
+    from cluster.ray_wing.weights import copy_policy_to_reference
 
     copy_policy_to_reference(rl_cluster)
     trainer = gather(fan_out(rl_cluster.trainers, "weight_checksums"), rl_cluster.timeout_s)[0]

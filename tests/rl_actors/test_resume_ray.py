@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from cluster.loop.train import RLRun, train
-from cluster.ray_wing.backend import RayBackend, load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from cluster.ray_wing.weights import load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo

@@ -7,10 +7,11 @@ import pytest
 
 from cluster.loop.sft import SFTRun, train_sft
 from cluster.loop.train import Hooks, RLRun, collect, train
-from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from cluster.ray_wing.weights import sync_weights
 from primitives.env.rewards import kl_penalty_shaping
 from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task, sft_demonstrations
 from primitives.io.data import make_prompt_source, prepare_sft_text

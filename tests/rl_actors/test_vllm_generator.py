@@ -11,10 +11,11 @@ import vllm  # noqa: F401  (no skip: the vLLM path runs in every CI)
 
 from cluster.loop.protocol import ActorFailure
 from cluster.loop.train import Hooks, RLRun, train
-from cluster.ray_wing.backend import RayBackend, sync_weights
+from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import Call, call, fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+from cluster.ray_wing.weights import sync_weights
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.data import PromptItem, make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
