@@ -308,7 +308,7 @@ def behaviour_logprob_errors(job: RLJob, record) -> list:
 def rl_errors(job: RLJob) -> list:
     """Every check of an RL job's values that needs no file, model or Ray; the algorithm record
     is checked once the algorithm section's own numbers are sound."""
-    from cluster.loop.train import run_errors
+    from cluster.loop.checks import run_errors
     from primitives.maths.algorithms import number_errors
 
     algo, gen, ev, data = job.algorithm, job.generation, job.eval, job.data

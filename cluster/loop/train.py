@@ -14,10 +14,11 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
 
+from cluster.loop.checks import check_algorithm_for, check_train_hooks, run_errors, seen_before
 from cluster.loop.protocol import ActorFailure, plan_parts
-from primitives.hooks import call_hook, check_arity, fn_name
+from primitives.hooks import call_hook, check_arity
 from primitives.io.loggers import noop_logger
-from primitives.maths.algorithms import check_schedule, needs_values, uses_reference
+from primitives.maths.algorithms import needs_values, uses_reference
 from primitives.maths.filters import by_group
 from primitives.maths.metrics import (
     merge_metrics,
@@ -201,92 +202,6 @@ def scale_for_step(backend, policy: Optional[Callable], history: Sequence, queue
     return backend.scale_generators(wanted, list(queue))
 
 
-def check_algorithm_for(backend, algo) -> None:
-    """``algo`` fits this backend: its functions take their arguments and give the documented
-    results on a sample, it has the critic and reference it needs, and on a remote backend every function
-    it carries (filters included) can be pickled. Named errors, before a step of ``algo``."""
-    from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable, validate_algorithm
-
-    check_algorithm_functions(validate_algorithm(algo))
-    if needs_values(algo) and not backend.has_critic:
-        raise ValueError(f"algorithm '{algo.name}': its advantage function reads critic values (GAE), but the "
-                         f"{backend.name} backend has no critic")
-    if uses_reference(algo) and not backend.has_reference:
-        raise ValueError(f"algorithm '{algo.name}' needs reference logprobs (kl_coef={algo.kl_coef}, or a loss "
-                         f"that reads them), but the {backend.name} backend has no reference model")
-    if backend.remote:
-        check_algorithm_picklable(algo)
-
-
-def _seen(algo, checked: set) -> bool:
-    """Whether ``algo`` was checked before (and remember it); a record holding something
-    unhashable is checked every time."""
-    try:
-        if algo in checked:
-            return True
-        checked.add(algo)
-    except TypeError:
-        pass
-    return False
-
-
-def check_loader_shape(prompt_source: Callable) -> None:
-    """A one-argument ``prompt_loader(iteration)`` (the seeds' shape) given as the prompt source
-    is refused with the adapter that makes it one."""
-    import inspect
-
-    try:
-        sig = inspect.signature(prompt_source)
-        sig.bind(0)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(None, 1)
-    except TypeError:
-        raise ValueError(f"prompt_source: {fn_name(prompt_source)}{sig} takes one argument, the seeds' "
-                         f"prompt_loader(iteration) -> prompts; train calls prompt_source(position, n) -> (items, "
-                         f"position): wrap it as primitives.io.data.prompt_source_from_loader(loader) "
-                         f"(rl_primitives.train(prompt_loader=...) does this itself)") from None
-
-
-def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
-                      eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
-    """Every hook of ``train`` takes its documented arguments, and on a remote backend the ones that travel
-    to actors can be pickled: named errors before the first step. Returns the schedule's
-    first algorithm, checked (one a schedule turns to later is checked when it appears)."""
-    from primitives.hooks import check_picklable
-
-    first = check_schedule(algorithm_schedule)
-    check_algorithm_for(backend, first)
-    check_loader_shape(prompt_source)
-    check_arity(prompt_source, "prompt_source", None, 1)
-    check_arity(logger, "logger", {})
-    if eval_fn is not None:
-        check_arity(eval_fn, "eval_fn", backend, TrainState())
-    if checkpoint_fn is not None:
-        check_arity(checkpoint_fn, "checkpoint_fn", backend, TrainState())
-    if tools is not None:
-        check_arity(tools.executor, "tools.executor", None)
-        for fn, what, args in ((tools.parser, "tools.parser", ("",)), (tools.stop_condition, "tools.stop_condition",
-                                                                       (None,))):
-            if fn is not None:
-                check_arity(fn, what, *args)
-        if backend.remote:
-            check_picklable(tools, "tools (parser, executor, stop condition)")
-    return first
-
-
-def run_errors(temperature: float, max_staleness: int, names: tuple = ("temperature", "max_staleness")) -> list:
-    """The problems of a run's sampling temperature and staleness bound, named by ``names``: the
-    one check of these values, for ``train`` and for a job's config (``generation.temperature``,
-    ``algorithm.max_staleness``)."""
-    t, s = names
-    checks = [(temperature > 0, f"{t} must be > 0 (RL samples at temperature > 0: logprobs are of softmax(logits / "
-                                f"T), and T = 0, greedy, samples nothing to learn from), got {temperature}"),
-              (max_staleness >= 0, f"{s} must be >= 0 (0: synchronous), got {max_staleness}")]
-    return [message for ok, message in checks if not ok]
-
-
 class RLRun(NamedTuple):
     """How an RL run samples and how long it trains (``train``'s settings)."""
 
@@ -380,7 +295,8 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
     if problems:
         raise ValueError("; ".join(problems))
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
-    _seen(check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools), checked)
+    first = check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools)
+    seen_before(first, checked)
     if hooks.iteration_hook is not None:
         check_arity(hooks.iteration_hook, "iteration_hook", TrainState(), RolloutBatch(()))
     if hooks.ledger is not None:
@@ -399,7 +315,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         t_step = time.perf_counter()
         last = state.metrics_history[-1] if state.metrics_history else {}
         algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
-        if not _seen(algo, checked):
+        if not seen_before(algo, checked):
             check_algorithm_for(backend, algo)
         scaled = scale_for_step(backend, run.generator_policy, state.metrics_history, queue)
         rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
