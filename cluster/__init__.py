@@ -1,4 +1,4 @@
-"""The cluster side, in rooms whose imports only go down (DESIGN section 2):
+"""The cluster side, in rooms whose imports only go down (architecture section 2):
 
 * ``jobs`` - the command line, the config records and every check of a job, the RL and SFT jobs;
 * ``ray_wing`` - placement, worker groups, the role handles, the Ray backend;

@@ -6,7 +6,7 @@ policy generates with the weights it trains (a Ray generator holds an exact copy
 after every step), the reference is a frozen copy (or moved by ``ref_update_fn`` at each
 sync), rewards run here, and a critic (PPO) is a value model with its own optimizer. The
 same seed and config give the same metrics as a 1-generator, 1-trainer Ray cluster
-(DESIGN invariant 7): the sampler of each call is seeded as a Ray generator seeds it.
+(architecture section 8, invariant 7): the sampler of each call is seeded as a Ray generator seeds it.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Run:   python examples/grpo_single_process.py          (under a minute on 2 core
 The RL loop is ``cluster.loop.train.train``, the very loop the Ray job runs
 (``rayrl rl examples/configs/default.yaml``: DeepSpeed trainer ranks that also generate and
 hold the reference, and a reward worker), here over ``cluster.local.LocalBackend``: everything in this process,
-plain torch, no Ray. Same seed and config, same metrics (DESIGN invariant 7).
+plain torch, no Ray. Same seed and config, same metrics (architecture section 8, invariant 7).
 
 What it does: builds a tiny Qwen2 and a character tokenizer locally (HF format, no
 network), fine-tunes it on imperfect demonstrations of two-number addition (a stated share

@@ -81,7 +81,7 @@ def trait(fn, name: str, default=False):
     return getattr(getattr(fn, "func", None), name, default)
 
 
-# the documented signature of each extension point (DESIGN section 5), as the code calls it;
+# the documented signature of each extension point (architecture section 5), as the code calls it;
 # keyed by the name ``check_arity`` is given (after any "algorithm '...': " prefix)
 HOOK_SIGNATURES = {
     "reward_fn": "reward_fn(rollout) -> float or a sequence of floats (one per component)",

@@ -1,5 +1,5 @@
 """How rows are laid out: prompts left-padded, completions right-padded, and the position ids
-that make a padded prompt see an unpadded one's positions (DESIGN section 9, pitfall). Shared
+that make a padded prompt see an unpadded one's positions (architecture section 9, pitfall). Shared
 by generation, scoring, batching and the value model."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Immutable records that cross every boundary (DESIGN section 3).
+"""Immutable records that cross every boundary (architecture section 3).
 
 All records are ``NamedTuple``s: update them with ``_replace``. Per-token data is numpy so
 that it travels through the Ray object store without copies; actors convert to torch where
@@ -259,7 +259,7 @@ def message_from_dict(d) -> Message:
 
 class RolloutSummary(NamedTuple):
     """What the driver holds of a rollout while the rollout itself stays where it was scored
-    (DESIGN section 2: data moves by reference): O(1) numbers per rollout, no tokens."""
+    (architecture section 2: data moves by reference): O(1) numbers per rollout, no tokens."""
 
     uid: str
     group: str

@@ -285,7 +285,7 @@ def behaviour_logprob_errors(job: RLJob, record) -> list:
     """vLLM with top-k / top-p where the importance weight is applied. vLLM's behaviour logprobs
     (``processed_logprobs``) are renormalised over the tokens top-k / top-p keep; the trainer's
     and the HF generator's are of the full ``softmax(logits / T)``, so the weight would be the
-    kept mass, not the gap between the policies (DESIGN sections 6-7). ``auto`` picks vLLM on
+    kept mass, not the gap between the policies (architecture sections 6-7). ``auto`` picks vLLM on
     generator workers with GPUs; a pairwise loss (online DPO) only measures the weight."""
     from primitives.maths.algorithms import pairwise
 

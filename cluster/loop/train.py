@@ -1,4 +1,4 @@
-"""The RL loop (DESIGN section 4): ``train`` over any backend of ``cluster.loop.protocol``.
+"""The RL loop (architecture section 4): ``train`` over any backend of ``cluster.loop.protocol``.
 
 Orchestration only: no maths, no model code, no Ray. Each step draws prompts, has the backend
 generate, score and (when the algorithm needs them) add reference logprobs, keeps what the

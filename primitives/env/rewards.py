@@ -1,6 +1,6 @@
 """Rewards: scalar and vector reward functions, aggregation, shaping, builders, reward models.
 
-Signatures (DESIGN section 5): ``reward_fn(rollout) -> float | sequence[float]``,
+Signatures (architecture section 5): ``reward_fn(rollout) -> float | sequence[float]``,
 ``aggregate_fn(vector) -> float``, ``shaping_fn(rollout, reward) -> float``.
 ``score_rollout`` composes them and returns a *new* rollout (records are immutable).
 

@@ -1,6 +1,6 @@
 """Running model-written Python: bubblewrap namespaces, a seccomp filter, rlimits and an audit hook.
 
-DESIGN section 8, invariant 8: code a model wrote must not write outside its own scratch
+architecture section 8, invariant 8: code a model wrote must not write outside its own scratch
 directory, read the user's files or environment, start processes, reach the network, or
 exhaust memory, CPU time or output. ``run_python_sandboxed`` is the one entry point; the
 ``python_tool`` of ``primitives.env.tools`` calls it. Where no isolation works it refuses

@@ -5,10 +5,10 @@ Files: JSONL, JSON (an array of objects, or JSON Lines), CSV, Parquet, a directo
 Nothing is downloaded. Every record keeps where it came from (``file:line`` for JSONL and
 CSV, ``file, row k`` for Parquet and datasets, k counted from 0 as in ``ds[k]``), and every
 error names that place, the field, and what would be right - before any Ray work starts
-(DESIGN section 8, invariant 5).
+(architecture section 8, invariant 5).
 
 A prompt source is ``prompt_source(position, batch_size) -> (items, next_position)``: it keeps no
-state of its own, so resuming is passing the saved ``DataPosition`` back in (DESIGN section 4).
+state of its own, so resuming is passing the saved ``DataPosition`` back in (architecture section 4).
 Each epoch visits every item exactly once in a seeded order.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ def _mean(x, mask):
 
 
 def mismatch_metrics(old_logp, behaviour_logp, weights, capped, mask, share: float) -> dict:
-    """How far the generator's logprobs are from the trainer's (DESIGN section 6), as shares.
+    """How far the generator's logprobs are from the trainer's (architecture section 6), as shares.
 
     ``mismatch/k3`` estimates KL(generator || trainer) on the generator's samples;
     ``mismatch/max_abs_logp_diff`` is a maximum (it merges by max, not by sum)."""
@@ -65,7 +65,7 @@ def policy_objective(inputs: LossInputs, algo):
 
     The clip ratio is ``pi / pi_old`` with the trainer's own old logprobs (``logp.detach()``
     when the batch gets one update); the generator's logprobs enter only through the capped
-    importance weight ``algo.is_level`` / ``algo.is_cap`` (DESIGN section 6).
+    importance weight ``algo.is_level`` / ``algo.is_cap`` (architecture section 6).
     Metrics are sums over this micro-batch's tokens weighted to the step's global token
     count, so adding them over micro-batches and ranks gives step means.
     """

@@ -6,13 +6,13 @@ the behaviour logprob of each token must be exactly what the trainer recomputes
 mask), sampling must be seedable per call, and stop strings are checked per row.
 
 Layout: prompts are left-padded; position ids are ``cumsum(attention_mask) - 1`` so a
-padded prompt sees the same positions as an unpadded one (DESIGN section 9, pitfall).
+padded prompt sees the same positions as an unpadded one (architecture section 9, pitfall).
 
 Behaviour logprobs are of the full tempered distribution ``softmax(logits / T)``, also with
 top-k / top-p: tokens are drawn from the truncated, renormalised distribution, but their
 logprobs are not renormalised over the kept set. They mean what the trainer recomputes
 (``primitives.model.logprobs``), so with the same weights the importance weight is 1 and it
-measures only the gap between the policies (DESIGN sections 6-7). vLLM's processed logprobs
+measures only the gap between the policies (architecture sections 6-7). vLLM's processed logprobs
 are renormalised over the kept set; ``cluster.jobs.checks`` refuses vLLM with top-k / top-p where
 the importance weight is applied.
 

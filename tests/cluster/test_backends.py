@@ -1,4 +1,4 @@
-"""One RL loop, two backends (DESIGN invariant 7): the same seed and config give the same
+"""One RL loop, two backends (architecture section 8, invariant 7): the same seed and config give the same
 metrics on the local backend (one process, plain torch, no Ray) and on a 1-generator,
 1-trainer Ray cluster (DeepSpeed ZeRO-2, gloo)."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""Every extension point of DESIGN section 5 on Ray: each test shows that the actors ran the
+"""Every extension point of architecture section 5 on Ray: each test shows that the actors ran the
 user's function by its effect on what the trainers (or reward and reference workers)
 computed, not only that it was called. One cluster serves the module: a vector reward with
 a user aggregator, an EMA reference, 1 generator, 2 trainer ranks (so shares are merged)."""

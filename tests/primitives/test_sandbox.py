@@ -1,4 +1,4 @@
-"""The Python sandbox (DESIGN section 8, invariant 8): escape attempts are refused and leave no
+"""The Python sandbox (architecture section 8, invariant 8): escape attempts are refused and leave no
 trace on the host; ordinary code still runs.
 
 Every test runs twice: under bubblewrap (namespaces + seccomp + the in-process layer), and with
