@@ -288,5 +288,17 @@ class LocalBackend:
     def recover(self, failure, since: int, send_weights: bool = True) -> None:
         raise failure  # one process: nothing to replace
 
+    def prepare_recovery(self) -> None:
+        """Nothing to snapshot: one process has no actor to lose."""
+
+    def fault_metrics(self) -> dict:
+        return {}  # no recoveries in one process
+
+    can_scale_generators = False  # one process: generation is this process's; nothing to grow or shrink
+    generator_count = 1
+
+    def scale_generators(self, n: int, in_flight=()) -> dict:
+        raise ValueError("the local backend generates in its own process: there are no generator workers to scale")
+
     def settle(self, collections) -> None:
         """Nothing is in flight here: generation ran when it was dispatched."""

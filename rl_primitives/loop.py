@@ -382,7 +382,9 @@ def log_to_wandb(state: TrainingState, stats: TrainingStats, project: str, entit
     run = _WANDB_RUNS.get(key)
     if run is None:
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        run = _WANDB_RUNS[key] = wandb.init(project=project, entity=entity, mode=mode, reinit="create_new")
+        # WANDB_DIR read here, not only at wandb's first setup in the process (it keeps the first one's)
+        run = _WANDB_RUNS[key] = wandb.init(project=project, entity=entity, mode=mode, reinit="create_new",
+                                            dir=os.environ.get("WANDB_DIR"))
     run.log({**(stats.custom_metrics or {}), "iteration": state.iteration, "loss": stats.loss,
              "grad_norm": stats.grad_norm, "learning_rate": stats.learning_rate,
              "kl_divergence": stats.kl_divergence, "rewards_mean": stats.rewards_mean,

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from cluster.loop.protocol import Backend
 from primitives.hooks import check_arity, fn_name
 from primitives.maths.algorithms import check_schedule, needs_values, uses_reference
 from primitives.types import TrainState
 
 
-def check_algorithm_for(backend, algo) -> None:
+def check_algorithm_for(backend: Backend, algo) -> None:
     """``algo`` fits this backend: its functions take their arguments and give the documented
     results on a sample, it has the critic and reference it needs, and on a remote backend every function
     it carries (filters included) can be pickled. Named errors, before a step of ``algo``."""
@@ -59,7 +60,7 @@ def check_loader_shape(prompt_source: Callable) -> None:
                          f"(rl_primitives.train(prompt_loader=...) does this itself)") from None
 
 
-def check_train_hooks(backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
+def check_train_hooks(backend: Backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
                       eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
     """Every hook of ``train`` takes its documented arguments, and on a remote backend the ones that travel
     to actors can be pickled: named errors before the first step. Returns the schedule's

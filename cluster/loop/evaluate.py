@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from cluster.loop.protocol import Backend
 from cluster.loop.train import collect
 from primitives.io.evaluation import eval_metrics, sample_records, write_jsonl_atomic
 from primitives.types import GenerationConfig
 
 
-def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: float = 1.0,
+def evaluate(backend: Backend, items: Sequence, gen: GenerationConfig, k: int, correct: float = 1.0,
              samples_path: Optional[str] = None, step: int = 0,
              component_names: Optional[Sequence[str]] = None, tools=None) -> dict:
     """``k`` completions of each item at ``gen`` (its ``n`` is replaced by ``k``), generated and
@@ -31,7 +32,7 @@ def evaluate(backend, items: Sequence, gen: GenerationConfig, k: int, correct: f
     return metrics
 
 
-def evaluate_accuracy(backend, items: Sequence, max_new_tokens: int, correct: float = 1.0) -> float:
+def evaluate_accuracy(backend: Backend, items: Sequence, max_new_tokens: int, correct: float = 1.0) -> float:
     """Greedy completions of ``items``, scored: the share whose reward reaches ``correct``."""
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
     return evaluate(backend, items, gen, k=1, correct=correct)["eval/accuracy"]

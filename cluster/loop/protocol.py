@@ -108,6 +108,10 @@ class Backend(Protocol):
     def busy(self) -> dict: ...
     def recover(self, failure: ActorFailure, since: int, send_weights: bool = True) -> None: ...
     def settle(self, pending: Sequence) -> None: ...
-    # A backend with generator workers of its own (the Ray backend) also offers
-    # ``generator_count`` and ``scale_generators(n, in_flight) -> dict``; ``train`` calls them
-    # only for a run with ``RLRun.generator_policy``.
+    def prepare_recovery(self) -> None: ...  # keep what a recovery restores from (before the first step)
+    def fault_metrics(self) -> dict: ...  # faults/* so far (restarts by role, seconds lost); {} without any
+    # generator workers that grow and shrink while the run goes on (``RLRun.generator_policy``): only where
+    # ``can_scale_generators`` (the Ray backend's own workers, not generation on the trainer ranks)
+    can_scale_generators: bool
+    generator_count: int
+    def scale_generators(self, n: int, in_flight: Sequence = ()) -> dict: ...

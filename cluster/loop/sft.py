@@ -8,6 +8,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from cluster.loop.protocol import Backend
 from cluster.loop.train import Hooks, checkpoint_due
 from primitives.io.data import SFTSample, collate_sft
 from primitives.maths.metrics import merge_metrics
@@ -25,7 +26,7 @@ class SFTRun(NamedTuple):
     progress: bool = True  # a tqdm bar
 
 
-def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks = Hooks(),
+def train_sft(backend: Backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks = Hooks(),
               eval_samples: Sequence[SFTSample] = ()) -> dict:
     """Supervised fine-tuning on ``backend``'s trainer ranks (``cluster.loop.protocol``; the
     weights stay there: a sync sends them on), with the settings of ``run`` and the ``hooks``
@@ -80,7 +81,7 @@ def train_sft(backend, samples: Sequence[SFTSample], run: SFTRun, hooks: Hooks =
     return metrics
 
 
-def evaluate_sft(backend, samples: Sequence[SFTSample], chunk: int = 256) -> dict:
+def evaluate_sft(backend: Backend, samples: Sequence[SFTSample], chunk: int = 256) -> dict:
     """Held-out SFT loss: the mean NLL per target token over ``samples`` (no update), computed
     on the trainer ranks ``chunk`` samples at a time; ``eval/sft_tokens`` is the token count."""
     if not samples:

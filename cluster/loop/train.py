@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from tqdm import tqdm
 
 from cluster.loop.checks import check_algorithm_for, check_train_hooks, run_errors, seen_before
-from cluster.loop.protocol import ActorFailure, plan_parts
+from cluster.loop.protocol import ActorFailure, Backend, plan_parts
 from primitives.hooks import call_hook, check_arity
 from primitives.io.loggers import noop_logger
 from primitives.maths.algorithms import needs_values, uses_reference
@@ -40,7 +40,7 @@ class Collection(NamedTuple):
     with_ref: bool  # reference logprobs were asked for
 
 
-def collects_reference(backend, algo) -> bool:
+def collects_reference(backend: Backend, algo) -> bool:
     """Whether the step's rollouts are collected with reference logprobs. A reference on the
     trainer ranks scores each rank's shard inside the train step instead, unless they are
     needed before the batch is made: KL in the reward (the advantage or the shaping function
@@ -52,7 +52,7 @@ def collects_reference(backend, algo) -> bool:
     return uses_reference(algo) or backend.reward_needs_reference
 
 
-def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,
+def dispatch(backend: Backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,
              tools=None) -> Collection:
     """Start generating ``items`` (then rewards and, with ``with_ref``, reference logprobs) on
     the backend without waiting. Reference logprobs and rewards run side by side unless the
@@ -68,7 +68,7 @@ def dispatch(backend, items: Sequence, position, gen: GenerationConfig, with_ref
     return Collection(list(items), position, handle, backend.restarts, with_ref)
 
 
-def fetch_collection(backend, coll: Collection, gen: GenerationConfig, tools=None) -> tuple:
+def fetch_collection(backend: Backend, coll: Collection, gen: GenerationConfig, tools=None) -> tuple:
     """``(rollouts, times)`` of a dispatched collection. If an actor it ran on died, the actor
     is replaced (unless that happened since the dispatch) and the same prompts are generated
     again by the current policy, so nothing is lost and nothing is used twice."""
@@ -80,7 +80,7 @@ def fetch_collection(backend, coll: Collection, gen: GenerationConfig, tools=Non
             coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, tools)
 
 
-def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
+def collect(backend: Backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
     """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for, and the
     rollouts fetched whole (to look at them or write them out; the RL loop keeps only their
     summaries)."""
@@ -88,7 +88,7 @@ def collect(backend, items: Sequence, gen: GenerationConfig, with_ref: bool, too
     return backend.rollouts(held), times
 
 
-def select(backend, rows: Sequence, filters: Sequence) -> list:
+def select(backend: Backend, rows: Sequence, filters: Sequence) -> list:
     """The rows ``filters`` keep (``backend.select``). The rollouts stay where they were scored,
     so a replaceable actor that dies while the filters run is replaced and the filters run
     again on the same rows: nothing is generated twice."""
@@ -99,7 +99,7 @@ def select(backend, rows: Sequence, filters: Sequence) -> list:
             backend.recover(failure, since=backend.restarts)
 
 
-def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,
+def fresh_rollouts(backend: Backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,
                    with_ref: bool, tools=None, max_attempts: int = 3) -> tuple:
     """``(rollouts, times, regenerated)`` of a collection, each within ``max_staleness`` of
     ``version`` and with reference logprobs when ``with_ref``: the prompts of groups older
@@ -127,7 +127,7 @@ def fresh_rollouts(backend, coll: Collection, gen: GenerationConfig, version: in
                        f"behind {version} after {max_attempts} regenerations: a generator is not receiving weights")
 
 
-def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, gen: GenerationConfig,
+def collect_rollouts(backend: Backend, prompt_source: Callable, state: TrainState, algo, gen: GenerationConfig,
                      prompts_per_step: int, max_rounds: int, tools=None, queue: Optional[deque] = None,
                      max_staleness: int = 0):
     """One step's rollouts, from the collections in flight (``queue``, oldest first; drawn and
@@ -162,7 +162,7 @@ def collect_rollouts(backend, prompt_source: Callable, state: TrainState, algo, 
 SKIPPED_UPDATE = {"batch/rows": 0.0, "batch/loss_tokens": 0.0, "policy/updates": 0.0}
 
 
-def train_and_sync(backend, rows: Sequence, plan_args: dict, algo, temperature: float, lr: float, version: int,
+def train_and_sync(backend: Backend, rows: Sequence, plan_args: dict, algo, temperature: float, lr: float, version: int,
                    step: int, queue: deque) -> Optional[dict]:
     """One update on the step's ``rows`` (``Held``; the policy's, and the critic's when the
     algorithm reads values), then the weights sent to the generators as ``version``; the
@@ -187,7 +187,7 @@ def train_and_sync(backend, rows: Sequence, plan_args: dict, algo, temperature: 
     return {**metrics, **trained, **result.batch_metrics}
 
 
-def scale_for_step(backend, policy: Optional[Callable], history: Sequence, queue: deque) -> dict:
+def scale_for_step(backend: Backend, policy: Optional[Callable], history: Sequence, queue: deque) -> dict:
     """Grow or shrink the backend's generator workers to what ``policy`` asks for the coming
     step (the collections in flight finish first: none is lost); ``generators/count`` and, when
     it changed, ``time/scale``. {} without a policy."""
@@ -249,8 +249,8 @@ def checkpoint_due(steps_done: int, every: int, minutes: float, since: float) ->
     return bool(every and steps_done % every == 0) or bool(minutes and time.perf_counter() - since >= 60 * minutes)
 
 
-def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun, state: TrainState = TrainState(),
-          hooks: Hooks = Hooks(), tools=None) -> TrainState:
+def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callable, run: RLRun,
+          state: TrainState = TrainState(), hooks: Hooks = Hooks(), tools=None) -> TrainState:
     """The RL loop: prompts -> rollouts (generate, reference, reward) -> (values) -> batch ->
     train -> sync, on ``backend`` (any backend of ``cluster.loop.protocol``),
     with the settings of ``run`` (``RLRun``) and the ``hooks`` (``Hooks``).
@@ -303,11 +303,11 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         check_arity(hooks.ledger, "ledger", 0, [])
     if run.generator_policy is not None:
         check_arity(run.generator_policy, "generator_policy", (), 1)
-        if not hasattr(backend, "scale_generators"):
-            raise ValueError(f"generator_policy: the {backend.name} backend has no generator workers to scale")
+        if not backend.can_scale_generators:
+            raise ValueError(f"generator_policy: the {backend.name} backend has no generator workers to scale "
+                             f"(one process, or generation on the trainer ranks)")
     queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
-    if hasattr(backend, "prepare_recovery"):  # a backend that survives actor deaths keeps their state from here
-        backend.prepare_recovery()
+    backend.prepare_recovery()  # a backend that survives actor deaths keeps their state from here
     backend.busy()  # start the idle clocks
     t_clock = last_saved = time.perf_counter()
     bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if run.progress else {"disable": True}))
@@ -341,8 +341,7 @@ def train(backend, prompt_source: Callable, algorithm_schedule: Callable, run: R
         metrics.update({f"idle/{role}": max(0.0, 1.0 - seconds / (now - t_clock)) for role, seconds in busy.items()})
         t_clock = now
         metrics.update({**trained, "step": it, "algorithm": algo.name, "time/step": time.perf_counter() - t_step})
-        if hasattr(backend, "fault_metrics"):  # recoveries so far (restarts by role, seconds lost)
-            metrics.update(backend.fault_metrics())
+        metrics.update(backend.fault_metrics())  # recoveries so far (restarts by role, seconds lost)
         if tools is not None:
             metrics.update(tool_metrics([r.summary for r in rollouts]))
         state = state._replace(iteration=it + 1, global_step=state.global_step + int(updated),

@@ -318,6 +318,12 @@ class RayBackend(Recovery):
 
     # ------------------------------------------------------------------ elastic generators
     @property
+    def can_scale_generators(self) -> bool:
+        from cluster.ray_wing.handles import GeneratorWorkers
+
+        return isinstance(self.cluster.generators, GeneratorWorkers)
+
+    @property
     def generator_count(self) -> int:
         return self.cluster.generators.size
 
