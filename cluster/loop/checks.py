@@ -96,3 +96,30 @@ def run_errors(temperature: float, max_staleness: int, names: tuple = ("temperat
                                 f"T), and T = 0, greedy, samples nothing to learn from), got {temperature}"),
               (max_staleness >= 0, f"{s} must be >= 0 (0: synchronous), got {max_staleness}")]
     return [message for ok, message in checks if not ok]
+
+
+def check_train_run(backend: Backend, prompt_source: Callable, algorithm_schedule: Callable, run, hooks,
+                    tools) -> set:
+    """Everything ``train`` checks before its first step: the run's settings (``RLRun``), every hook
+    (``Hooks``), the schedule's first algorithm against the backend, and a generator policy against a
+    backend that can scale. Returns the set of algorithms checked so far (the first)."""
+    from primitives.types import RolloutBatch
+
+    problems = run_errors(run.gen.temperature, run.max_staleness)
+    if hooks.checkpoint_minutes < 0:
+        problems.append(f"hooks.checkpoint_minutes must be >= 0, got {hooks.checkpoint_minutes}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    checked: set = set()  # algorithms already checked against this backend (records are hashable)
+    seen_before(check_train_hooks(backend, prompt_source, algorithm_schedule, hooks.logger, hooks.eval_fn,
+                                  hooks.checkpoint_fn, tools), checked)
+    if hooks.iteration_hook is not None:
+        check_arity(hooks.iteration_hook, "iteration_hook", TrainState(), RolloutBatch(()))
+    if hooks.ledger is not None:
+        check_arity(hooks.ledger, "ledger", 0, [])
+    if run.generator_policy is not None:
+        check_arity(run.generator_policy, "generator_policy", (), 1)
+        if not backend.can_scale_generators:
+            raise ValueError(f"generator_policy: the {backend.name} backend has no generator workers to scale "
+                             f"(one process, or generation on the trainer ranks)")
+    return checked

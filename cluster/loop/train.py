@@ -14,9 +14,9 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
 
-from cluster.loop.checks import check_algorithm_for, check_train_hooks, run_errors, seen_before
+from cluster.loop.checks import check_algorithm_for, check_train_run, seen_before
 from cluster.loop.protocol import ActorFailure, Backend, plan_parts
-from primitives.hooks import call_hook, check_arity
+from primitives.hooks import call_hook
 from primitives.io.loggers import noop_logger
 from primitives.maths.algorithms import needs_values, uses_reference
 from primitives.maths.filters import by_group
@@ -285,85 +285,101 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
     Returns the final ``TrainState`` (its ``metrics_history`` holds every step's metrics).
     A backend that replaces actors holds the new ones (the Ray backend's ``cluster`` changes).
     """
-    gen, num_steps, prompts_per_step, lr_schedule = run.gen, run.num_steps, run.prompts_per_step, run.lr_schedule
-    max_staleness, component_names = run.max_staleness, run.component_names
-    logger, eval_fn, eval_every = hooks.logger, hooks.eval_fn, hooks.eval_every
-    checkpoint_fn, checkpoint_every = hooks.checkpoint_fn, hooks.checkpoint_every
-    problems = run_errors(gen.temperature, max_staleness)
-    if hooks.checkpoint_minutes < 0:
-        problems.append(f"hooks.checkpoint_minutes must be >= 0, got {hooks.checkpoint_minutes}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    checked: set = set()  # algorithms already checked against this backend (records are hashable)
-    first = check_train_hooks(backend, prompt_source, algorithm_schedule, logger, eval_fn, checkpoint_fn, tools)
-    seen_before(first, checked)
-    if hooks.iteration_hook is not None:
-        check_arity(hooks.iteration_hook, "iteration_hook", TrainState(), RolloutBatch(()))
-    if hooks.ledger is not None:
-        check_arity(hooks.ledger, "ledger", 0, [])
-    if run.generator_policy is not None:
-        check_arity(run.generator_policy, "generator_policy", (), 1)
-        if not backend.can_scale_generators:
-            raise ValueError(f"generator_policy: the {backend.name} backend has no generator workers to scale "
-                             f"(one process, or generation on the trainer ranks)")
+    checked = check_train_run(backend, prompt_source, algorithm_schedule, run, hooks, tools)
     queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
     backend.prepare_recovery()  # a backend that survives actor deaths keeps their state from here
     backend.busy()  # start the idle clocks
     t_clock = last_saved = time.perf_counter()
-    bar = tqdm(range(state.iteration, num_steps), desc="rl", unit="step", **({} if run.progress else {"disable": True}))
+    bar = tqdm(range(state.iteration, run.num_steps), desc="rl", unit="step",
+               **({} if run.progress else {"disable": True}))
     for it in bar:
         t_step = time.perf_counter()
-        last = state.metrics_history[-1] if state.metrics_history else {}
-        algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
-        if not seen_before(algo, checked):
-            check_algorithm_for(backend, algo)
+        algo = step_algorithm(backend, algorithm_schedule, state, it, checked)
         scaled = scale_for_step(backend, run.generator_policy, state.metrics_history, queue)
-        rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, gen, prompts_per_step,
-                                                       run.max_resample_rounds, tools, queue, max_staleness)
-        # with filters (dynamic sampling) a step may need more prompts than one collection: those
-        # steps draw what they need when they need it, so a step never takes a second collection
-        ahead = 0 if algo.filters else min(max_staleness, num_steps - it - 1)
-        while len(queue) < ahead:  # the next steps' prompts, generated while this step trains
-            items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
-                                     prompts_per_step)
-            queue.append(dispatch(backend, items, after, gen, collects_reference(backend, algo), tools))
-        metrics["recovery/actor_restarts"] = float(backend.restarts)
-        metrics.update(scaled)
-        plan_args = {"seed": state.rng_seed + it, "budget": gen.max_new_tokens,
-                     "component_names": None if component_names is None else tuple(component_names)}
-        trained = train_and_sync(backend, rollouts, plan_args, algo, gen.temperature, lr_schedule(it),
-                                 state.policy_version + 1, it + 1, queue) if rollouts else None
+        rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, run.gen,
+                                                       run.prompts_per_step, run.max_resample_rounds, tools, queue,
+                                                       run.max_staleness)
+        dispatch_ahead(backend, prompt_source, queue, position, algo, run, it, tools)
+        metrics.update({"recovery/actor_restarts": float(backend.restarts), **scaled})
+        trained = update_and_sync(backend, rollouts, state, algo, run, it, queue)
         updated = trained is not None
-        if not updated:  # nothing to train (every group tied): no update, no sync, the weights stay
-            trained = dict(SKIPPED_UPDATE)
-        version = state.policy_version + int(updated)
-        busy, now = backend.busy(), time.perf_counter()
-        metrics.update({f"idle/{role}": max(0.0, 1.0 - seconds / (now - t_clock)) for role, seconds in busy.items()})
-        t_clock = now
-        metrics.update({**trained, "step": it, "algorithm": algo.name, "time/step": time.perf_counter() - t_step})
-        metrics.update(backend.fault_metrics())  # recoveries so far (restarts by role, seconds lost)
+        idle, t_clock = idle_shares(backend, t_clock)
+        metrics.update({**idle, **(trained if updated else SKIPPED_UPDATE), "step": it, "algorithm": algo.name,
+                        "time/step": time.perf_counter() - t_step, **backend.fault_metrics()})
         if tools is not None:
             metrics.update(tool_metrics([r.summary for r in rollouts]))
         state = state._replace(iteration=it + 1, global_step=state.global_step + int(updated),
-                               policy_version=version, data_position=position)
-        evaluated = eval_fn is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == num_steps)
-        if evaluated:
-            metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
-        state = state._replace(metrics_history=state.metrics_history + (metrics,))
-        call_hook(logger, "logger", metrics)
-        if hooks.ledger is not None:
-            call_hook(hooks.ledger, "ledger", it, list(dict.fromkeys(r.group for r in rollouts)) if updated else [])
-        if hooks.iteration_hook is not None:
-            trained_rollouts = tuple(backend.rollouts(rollouts)) if rollouts else ()
-            call_hook(hooks.iteration_hook, "iteration_hook", state, RolloutBatch(trained_rollouts))
+                               policy_version=state.policy_version + int(updated), data_position=position)
+        state, saved, evaluated = after_step(backend, state, metrics, rollouts, updated, run, hooks, last_saved)
         if "reward/mean" in metrics:  # a skipped step has no trained batch to describe
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-        saved = checkpoint_fn is not None and checkpoint_due(it + 1, checkpoint_every, hooks.checkpoint_minutes,
-                                                             last_saved)
         if saved:
-            call_hook(checkpoint_fn, "checkpoint_fn", backend, state)
             last_saved = time.perf_counter()
         if evaluated or saved:  # neither counts in the next step's idle shares
             backend.busy()
             t_clock = time.perf_counter()
     return state
+
+
+def step_algorithm(backend: Backend, algorithm_schedule: Callable, state: TrainState, it: int, checked: set):
+    """The schedule's algorithm for step ``it`` (from the last step's metrics), checked against the
+    backend the first time it appears."""
+    last = state.metrics_history[-1] if state.metrics_history else {}
+    algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
+    if not seen_before(algo, checked):
+        check_algorithm_for(backend, algo)
+    return algo
+
+
+def dispatch_ahead(backend: Backend, prompt_source: Callable, queue: deque, position, algo, run: RLRun, it: int,
+                   tools) -> None:
+    """Asynchronous mode: the next ``run.max_staleness`` steps' prompts, generated while this step trains. With
+    filters (dynamic sampling) a step may need more prompts than one collection: those steps draw what they
+    need when they need it, so a step never takes a second collection."""
+    ahead = 0 if algo.filters else min(run.max_staleness, run.num_steps - it - 1)
+    while len(queue) < ahead:
+        items, after = call_hook(prompt_source, "prompt_source", queue[-1].position if queue else position,
+                                 run.prompts_per_step)
+        queue.append(dispatch(backend, items, after, run.gen, collects_reference(backend, algo), tools))
+
+
+def update_and_sync(backend: Backend, rollouts: Sequence, state: TrainState, algo, run: RLRun, it: int,
+                    queue: deque) -> Optional[dict]:
+    """The step's update and weight sync (``train_and_sync``) as the next policy version; None when there
+    is nothing to train (no rollouts kept, or no pair found): no update, no sync, the weights stay."""
+    if not rollouts:
+        return None
+    plan_args = {"seed": state.rng_seed + it, "budget": run.gen.max_new_tokens,
+                 "component_names": None if run.component_names is None else tuple(run.component_names)}
+    return train_and_sync(backend, rollouts, plan_args, algo, run.gen.temperature, run.lr_schedule(it),
+                          state.policy_version + 1, it + 1, queue)
+
+
+def idle_shares(backend: Backend, since: float) -> tuple:
+    """``({"idle/<role>": share of the time since ``since`` the role sat idle}, now)``."""
+    busy, now = backend.busy(), time.perf_counter()
+    return {f"idle/{role}": max(0.0, 1.0 - seconds / (now - since)) for role, seconds in busy.items()}, now
+
+
+def after_step(backend: Backend, state: TrainState, metrics: dict, rollouts: Sequence, updated: bool, run: RLRun,
+               hooks: Hooks, last_saved: float) -> tuple:
+    """A finished step's hooks, in order: evaluation when due (its metrics join the step's), the metrics
+    history and the logger, the ledger of trained groups, the iteration hook, a checkpoint when due.
+    Returns ``(state, saved, evaluated)``."""
+    it = state.iteration - 1
+    evaluated = hooks.eval_fn is not None and hooks.eval_every and (
+        (it + 1) % hooks.eval_every == 0 or it + 1 == run.num_steps)
+    if evaluated:
+        metrics.update(call_hook(hooks.eval_fn, "eval_fn", backend, state))
+    state = state._replace(metrics_history=state.metrics_history + (metrics,))
+    call_hook(hooks.logger, "logger", metrics)
+    if hooks.ledger is not None:
+        call_hook(hooks.ledger, "ledger", it, list(dict.fromkeys(r.group for r in rollouts)) if updated else [])
+    if hooks.iteration_hook is not None:
+        trained_rollouts = tuple(backend.rollouts(rollouts)) if rollouts else ()
+        call_hook(hooks.iteration_hook, "iteration_hook", state, RolloutBatch(trained_rollouts))
+    saved = hooks.checkpoint_fn is not None and checkpoint_due(it + 1, hooks.checkpoint_every,
+                                                               hooks.checkpoint_minutes, last_saved)
+    if saved:
+        call_hook(hooks.checkpoint_fn, "checkpoint_fn", backend, state)
+    return state, saved, bool(evaluated)
