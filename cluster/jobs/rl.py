@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from cluster.jobs.config import (
     RLJob,
@@ -188,47 +188,77 @@ def trainer_memory(cluster) -> dict:
     return out
 
 
-def train_rl(inputs: RLInputs, logger) -> dict:
-    """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
-    and save the final model. Returns the figures of the run and its metrics history."""
-    from cluster.loop.evaluate import evaluate
-    from cluster.loop.train import Hooks, RLRun, train
+def start_rl_backend(inputs: RLInputs, with_sft: bool):
+    """The RL cluster of the job, its trainers at the SFT stage's learning rate when one runs first, behind
+    a ``RayBackend`` with the job's recovery settings."""
     from cluster.ray_wing.backend import RayBackend
-    from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
+    from cluster.ray_wing.roles import build_rl_cluster
+    from rl_actors.trainer import TrainerConfig
+
+    job, cfg = inputs.job, inputs.job.cluster
+    algos = inputs.algos or (inputs.algo,)
+    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else job.algorithm.lr,
+                                micro_batch_size=cfg.micro_batch_size)
+    cluster = build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn,
+                               job_needs_reference(algos, inputs.shaping_fn), ref_update_fn=inputs.ref_update_fn,
+                               aggregate_fn=inputs.aggregate_fn, shaping_fn=inputs.shaping_fn, seed=job.seed,
+                               bucket_mb=cfg.sync_bucket_mb, reserve_critics=any_needs_values(algos))
+    return RayBackend(cluster, max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every,
+                      snapshot_overhead=cfg.snapshot_overhead)
+
+
+def rl_evaluator(inputs: RLInputs, gen) -> Callable:
+    """``run_eval(backend, state, gen=the eval sampling, k=eval.k, name="step") -> metrics``: held-out
+    accuracy (and pass@k), its samples written to ``<out>/samples/<name>_<step>.jsonl``."""
+    from cluster.loop.evaluate import evaluate
+
+    job, ev = inputs.job, inputs.job.eval
+    names = component_names(inputs)
+    tools = inputs.tools.config if inputs.tools is not None else None
+    eval_gen = gen._replace(temperature=ev.temperature, n=ev.k, top_p=1.0, top_k=0)
+
+    def run_eval(backend, state, run_gen=eval_gen, k=ev.k, name="step") -> dict:
+        return evaluate(backend, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=state.iteration,
+                        component_names=names, tools=tools,
+                        samples_path=os.path.join(job.logging.out, "samples", f"{name}_{state.iteration}.jsonl"))
+
+    return run_eval
+
+
+def component_names(inputs: RLInputs):
+    """The reward's labels, logged as ``reward/<label>``, when it has more than one component."""
+    return inputs.component_names if len(inputs.component_names) > 1 else None
+
+
+def before_rl(backend, inputs: RLInputs, logger, with_sft: bool) -> tuple:
+    """What comes before the first RL step on the RL cluster: the SFT stage (its model kept with
+    ``sft.save``), the critic group, the checkpoint to resume from, the first snapshot. Returns the
+    state RL starts from and the seconds spent training (SFT), which are not start-up."""
+    from primitives.types import TrainState
+
+    job, t0, trained = inputs.job, time.time(), 0.0
+    if with_sft:
+        sft_stage(backend.cluster, inputs, logger)
+        if job.sft.save:
+            backend.save(os.path.join(job.logging.out, SFT_MODEL), TrainState())
+        trained = time.time() - t0
+    if any_needs_values(inputs.algos or (inputs.algo,)):
+        with_critic(backend, inputs, with_sft)
+    # resume: weights, optimizer, reference, critic, data position and versions
+    start = backend.load(job.checkpoint.resume) if job.checkpoint.resume else TrainState(rng_seed=job.seed)
+    backend.prepare_recovery()  # from here on (the first evaluation included) a dead rank is recovered
+    return start, trained
+
+
+def run_rl_loop(backend, inputs: RLInputs, gen, start_state, logger, run_eval):
+    """``cluster.loop.train.train`` with the job's prompts, schedule, settings and hooks (evaluation,
+    step checkpoints, the ledger of trained groups in ``<out>/trained_groups.jsonl``)."""
+    from cluster.loop.train import Hooks, RLRun, train
     from primitives.io.data import make_prompt_source
     from primitives.maths.algorithms import constant_schedule
     from primitives.model.training import linear_warmup
-    from primitives.types import TrainState
-    from rl_actors.trainer import TrainerConfig
 
-    with_sft = inputs.job.sft.steps > 0 and not inputs.job.checkpoint.resume
-    sft_stage_s = 0.0  # a full-weight SFT stage runs before RL's cluster starts: not start-up
-    if with_sft and inputs.job.sft.full_weights and inputs.job.model.lora.enabled:
-        t0 = time.time()
-        inputs, with_sft = full_weight_sft_stage(inputs, logger), False  # RL's cluster starts on the SFT'd model
-        sft_stage_s = time.time() - t0
-    job, out = inputs.job, inputs.job.logging.out
-    cfg, ev, algo = job.cluster, job.eval, job.algorithm
-    gen = sampling_config(job.generation, inputs.template_kwargs)
-    eval_gen = gen._replace(temperature=ev.temperature, n=ev.k, top_p=1.0, top_k=0)
-    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else algo.lr,
-                                micro_batch_size=cfg.micro_batch_size)
-    names = inputs.component_names if len(inputs.component_names) > 1 else None
-    cluster_start = time.time()
-    algos = inputs.algos or (inputs.algo,)
-    tools = inputs.tools.config if inputs.tools is not None else None
-    backend = RayBackend(build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn,
-                                          job_needs_reference(algos, inputs.shaping_fn),
-                                          ref_update_fn=inputs.ref_update_fn, aggregate_fn=inputs.aggregate_fn,
-                                          shaping_fn=inputs.shaping_fn, seed=job.seed, bucket_mb=cfg.sync_bucket_mb,
-                                          reserve_critics=any_needs_values(algos)),
-                         max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every,
-                         snapshot_overhead=cfg.snapshot_overhead)
-
-    def run_eval(b, s, run_gen=eval_gen, k=ev.k, name="step") -> dict:
-        return evaluate(b, inputs.eval_items, run_gen, k=k, correct=ev.threshold, step=s.iteration,
-                        component_names=names, samples_path=os.path.join(out, "samples", f"{name}_{s.iteration}.jsonl"),
-                        tools=tools)
+    job, algo, out = inputs.job, inputs.job.algorithm, inputs.job.logging.out
 
     def save(b, s):
         save_step_checkpoint(b, out, s, job.checkpoint.keep)
@@ -237,67 +267,79 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         with open(os.path.join(out, "trained_groups.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "groups": groups}) + "\n")
 
-    built, skipped = time.time(), 0.0  # skipped: SFT and evaluation seconds, training rather than start-up
+    run = RLRun(gen, num_steps=algo.steps, prompts_per_step=algo.prompts_per_step,
+                lr_schedule=linear_warmup(algo.lr, algo.warmup), max_resample_rounds=algo.max_resample_rounds,
+                max_staleness=algo.max_staleness, component_names=component_names(inputs),
+                generator_policy=inputs.generator_policy)
+    hooks = Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
+                  eval_every=job.eval.every or algo.steps, checkpoint_fn=save, checkpoint_every=job.checkpoint.every,
+                  checkpoint_minutes=job.checkpoint.minutes, ledger=ledger)
+    return train(backend, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
+                 inputs.schedule or constant_schedule(inputs.algo), run, state=start_state, hooks=hooks,
+                 tools=inputs.tools.config if inputs.tools is not None else None)
+
+
+def final_pass_at_k(backend, inputs: RLInputs, state, gen, run_eval) -> dict:
+    """pass@k at the sampling temperature on the held-out items (Chen et al. 2021), when asked for."""
+    k = inputs.job.eval.final_pass_k
+    if not (k and inputs.eval_items):
+        return {}
+    sampled = run_eval(backend, state, gen, k, f"pass_at_{k}_step")
+    return {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
+            "eval/pass_temperature": gen.temperature}
+
+
+def print_recoveries(faults: dict) -> None:
+    for f in faults["recoveries"]:
+        print(f"survived: {f['role']} {f['rank']} {'stopped answering' if f['stuck'] else 'died'} after "
+              f"{f['version']} updates; recovered in {f['seconds']:.1f} s"
+              f"{', ' + str(f['replayed']) + ' update(s) made again' if f['replayed'] else ''}", flush=True)
+
+
+def train_rl(inputs: RLInputs, logger) -> dict:
+    """Build the cluster, run the SFT stage (or resume), RL with evaluation, the final pass@k,
+    and save the final model. Returns the figures of the run and its metrics history."""
+    from cluster.ray_wing.roles import shutdown_cluster
+
+    with_sft = inputs.job.sft.steps > 0 and not inputs.job.checkpoint.resume
+    sft_stage_s = 0.0  # a full-weight SFT stage runs before RL's cluster starts: not start-up
+    if with_sft and inputs.job.sft.full_weights and inputs.job.model.lora.enabled:
+        t0 = time.time()
+        inputs, with_sft = full_weight_sft_stage(inputs, logger), False  # RL's cluster starts on the SFT'd model
+        sft_stage_s = time.time() - t0
+    job, out = inputs.job, inputs.job.logging.out
+    gen = sampling_config(job.generation, inputs.template_kwargs)
+    run_eval = rl_evaluator(inputs, gen)
+    cluster_start = time.time()
+    backend = start_rl_backend(inputs, with_sft)
+    built = time.time()
     try:
-        if with_sft:
-            sft_stage(backend.cluster, inputs, logger)
-            if job.sft.save:
-                backend.save(os.path.join(out, SFT_MODEL), TrainState())
-            skipped = time.time() - built
-        if any_needs_values(algos):
-            with_critic(backend, inputs, with_sft)
-        if job.checkpoint.resume:  # weights, optimizer, reference, critic, data position and versions
-            start_state = backend.load(job.checkpoint.resume)
-        else:
-            start_state = TrainState(rng_seed=job.seed)
-        backend.prepare_recovery()  # from here on (the first evaluation included) a dead rank is recovered
+        start_state, skipped = before_rl(backend, inputs, logger, with_sft)
         t_eval = time.time()
         before = run_eval(backend, start_state) if inputs.eval_items else {}
-        skipped += time.time() - t_eval
+        skipped += time.time() - t_eval  # SFT and evaluation seconds: training rather than start-up
         if before:  # the curves' first point: the step before the first RL step
             logger({**before, "step": start_state.iteration - 1})
             print(f"eval accuracy {'at the checkpoint' if job.checkpoint.resume else 'before RL'}: "
                   f"{before['eval/accuracy']:.3f}", flush=True)
         startup = {**backend.cluster.startup, "before_rl": round(time.time() - built - skipped, 3)}
-        state = train(backend, make_prompt_source(inputs.train_items, seed=job.seed, shuffle=job.data.shuffle),
-                      inputs.schedule or constant_schedule(inputs.algo),
-                      RLRun(gen, num_steps=algo.steps, prompts_per_step=algo.prompts_per_step,
-                            lr_schedule=linear_warmup(algo.lr, algo.warmup),
-                            max_resample_rounds=algo.max_resample_rounds, max_staleness=algo.max_staleness,
-                            component_names=names, generator_policy=inputs.generator_policy),
-                      state=start_state,
-                      hooks=Hooks(logger=logger, eval_fn=run_eval if inputs.eval_items else None,
-                                  eval_every=ev.every or algo.steps, checkpoint_fn=save,
-                                  checkpoint_every=job.checkpoint.every,
-                                  checkpoint_minutes=job.checkpoint.minutes, ledger=ledger), tools=tools)
+        state = run_rl_loop(backend, inputs, gen, start_state, logger, run_eval)
         history = list(state.metrics_history[len(start_state.metrics_history):])
         startup["first_step"] = round(history[0]["time/step"], 3) if history else None
         after = next((m for m in reversed(history) if "eval/accuracy" in m), before)
         if after:
-            ran = " -> ".join(dict.fromkeys(m["algorithm"] for m in history)) or algo.name  # a schedule's phases
+            ran = " -> ".join(dict.fromkeys(m["algorithm"] for m in history)) or job.algorithm.name  # a schedule's
             print(f"eval accuracy after {ran}: {after['eval/accuracy']:.3f}", flush=True)
-        final, k = {}, ev.final_pass_k
-        if k and inputs.eval_items:  # pass@k at the sampling temperature (Chen et al. 2021)
-            sampled = run_eval(backend, state, gen, k, f"pass_at_{k}_step")
-            final = {f"eval/pass@{k}": sampled[f"eval/pass@{k}"], "eval/pass@1_sampled": sampled["eval/pass@1"],
-                     "eval/pass_temperature": gen.temperature}
+        final = final_pass_at_k(backend, inputs, state, gen, run_eval)
         backend.save(os.path.join(out, "final_model"), state)
         faults = backend.fault_summary()
-        for f in faults["recoveries"]:
-            print(f"survived: {f['role']} {f['rank']} {'stopped answering' if f['stuck'] else 'died'} after "
-                  f"{f['version']} updates; recovered in {f['seconds']:.1f} s"
-                  f"{', ' + str(f['replayed']) + ' update(s) made again' if f['replayed'] else ''}", flush=True)
+        print_recoveries(faults)
         c = backend.cluster
-        memory = trainer_memory(c)
-        reference = c.reference.where if c.reference is not None else None
-        generation = c.generators.where
-        engine, address = c.generator_engine, c.ray_address
+        memory, where = trainer_memory(c), {"reference": c.reference.where if c.reference is not None else None,
+                                             "generation": c.generators.where, "generator_engine": c.generator_engine,
+                                             "ray_address": c.ray_address}
     finally:
         shutdown_cluster(backend.cluster)
-    return {"reference": reference, "generation": generation, "generator_engine": engine, "ray_address": address,
-            **accuracy_figures(before, after), **final, **memory, "faults": faults, "cluster_started_at": cluster_start,
-            "sft_stage_s": sft_stage_s, "startup": startup, "history": history,
+    return {**where, **accuracy_figures(before, after), **final, **memory, "faults": faults,
+            "cluster_started_at": cluster_start, "sft_stage_s": sft_stage_s, "startup": startup, "history": history,
             **({"sft_model": os.path.join(out, SFT_MODEL)} if sft_stage_s or (with_sft and job.sft.save) else {})}
-
-
-# ----------------------------------------------------------------------------- SFT
