@@ -324,3 +324,43 @@ def test_create_rollout_conversation_prompt(tiny_model, tokenizer):
     assert r.prompt == conv and r.reward == float(len(r.text))
     assert r.prompt_ids.tolist() == encode_prompts(tokenizer, [conv])[0].tolist()
     assert tokenizer.decode(r.prompt_ids.tolist()).endswith("<|im_start|>assistant\n")
+
+
+def test_create_rollout_with_a_generation_function_of_the_users(tiny_model, tokenizer):
+    """The seeds' custom generation backend, ``create_rollout(..., generator=fn)`` (or ``generate_fn=``):
+    the function's tokens, text and finish reason make the rollout; its logprobs are taken as given
+    (vLLM's ``Logprob`` records too), and where it returns none they are the policy's own of those
+    tokens at the temperature - here equal to what the model's sampler recorded for the same tokens."""
+    from types import SimpleNamespace
+
+    from primitives.types import Generation
+
+    gen = GenerationConfig(max_new_tokens=6, temperature=0.7, seed=3)
+    own = create_rollout(tiny_model, tokenizer, "12+34=", gen)
+    calls = []
+
+    def backend(with_logprobs, as_records=False):
+        def generate(model, tok, prompt, config):
+            calls.append((prompt, config.max_new_tokens))
+            lps = [SimpleNamespace(logprob=float(x)) for x in own.logprobs] if as_records else own.logprobs.tolist()
+            return Generation(own.text, lps if with_logprobs else None, own.completion_ids.tolist(),
+                              own.finish_reason)
+        return generate
+
+    for fn in (backend(True), backend(True, as_records=True), backend(False)):
+        for rollout in (create_rollout(tiny_model, tokenizer, "12+34=", gen, generator=fn),
+                        create_rollout(tiny_model, tokenizer, "12+34=", gen, generate_fn=fn)):
+            assert rollout.completion_ids.tolist() == own.completion_ids.tolist() and rollout.text == own.text
+            assert rollout.prompt_ids.tolist() == own.prompt_ids.tolist()
+            assert (rollout.uid, rollout.group, rollout.finish_reason) == (own.uid, own.group, own.finish_reason)
+            np.testing.assert_allclose(rollout.logprobs, own.logprobs, atol=1e-5)
+    assert calls[0] == ("12+34=", 6) and len(calls) == 6
+    group = create_rollouts(tiny_model, tokenizer, "12+34=", gen._replace(n=3), generate_fn=backend(False),
+                            reward_fn=lambda r: float(len(r.completion_ids)))
+    assert [r.uid for r in group] == ["e0/i0/s0", "e0/i0/s1", "e0/i0/s2"] and group[0].reward == len(own.completion_ids)
+
+    def empty(model, tok, prompt, config):
+        return Generation("", None, [], "stop")
+
+    with pytest.raises(ValueError, match="generate_fn empty returned no token_ids"):
+        create_rollout(tiny_model, tokenizer, "12+34=", gen, generator=empty)
