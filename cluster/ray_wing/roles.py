@@ -27,8 +27,8 @@ from cluster.ray_wing.placement import (
     check_fits,
     cluster_resources,
     create_placement_group,
-    create_placement_groups,
 )
+from cluster.ray_wing.startup import UserFunctions, create_roles, start_roles, weight_sync_address
 from primitives.types import ModelConfig
 from rl_actors.common import environ
 from rl_actors.trainer import TrainerConfig
@@ -154,11 +154,6 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     master weights whatever the dtype (DeepSpeed casts to bf16 on GPU). ``reserve_critics``
     counts a critic group (``add_critics``, later) in the resources a local Ray starts with
     and checks up front."""
-    from rl_actors.generator import GeneratorWorker
-    from rl_actors.reference import RefLogprobWorker
-    from rl_actors.reward import RewardWorker
-    from rl_actors.trainer import TrainerWorker
-
     watch_heartbeats(cfg.heartbeat_s)
     marks = [("start", time.time())]
     check_cluster_hooks(reward_fn, aggregate_fn, shaping_fn, ref_update_fn)
@@ -168,71 +163,24 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     with_reference = with_reference or reward_needs_reference
     model = model if isinstance(model, ModelConfig) else ModelConfig(model)
     cfg = with_lora_reference(cfg, model.lora)
-    on_trainers = with_reference and cfg.reference_on_trainers
     roles = role_specs(cfg, with_reference, node_resources, with_critic=reserve_critics)
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
     marks.append(("ray_init", time.time()))
-    spec = {r.name: r for r in roles}
-    threads = cfg.threads_per_actor
-    wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
-
-    # every placement group and actor first; then each role starts up at once: the trainers build
-    # their DeepSpeed engines while the generators, reward workers and reference load
-    pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
-    gen_args = lambda r: dict(model=model, rank=r, backend=cfg.generator_backend, seed=seed,  # noqa: E731
-                              num_threads=threads, vllm=cfg.vllm)
-    reward_args = lambda r: dict(reward_fn=reward_fn, aggregate_fn=aggregate_fn,  # noqa: E731
-                                 shaping_fn=shaping_fn, rank=r, num_threads=threads)
-    hosted = cfg.generate_on_trainers
-    trainer_args = lambda r: dict(  # noqa: E731
-        model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed, num_threads=threads,
-        reference=on_trainers, ref_update_fn=ref_update_fn if on_trainers else None, host_generator=hosted)
-    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"], trainer_args)
-    # generation on the trainer ranks: a failure names the trainer (its whole group is rebuilt)
-    generators = GeneratorsOnTrainers(trainers) if hosted \
-        else GeneratorWorkers(create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args))
-    rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
-    tracks = with_reference and ref_update_fn is not None
-    reference = None
-    factories = {"reward": RoleFactory(RewardWorker, spec["reward"], reward_args),
-                 "trainer": RoleFactory(TrainerWorker, spec["trainer"], trainer_args)}
-    if on_trainers:
-        reference = ReferenceOnTrainers(trainers, tracks)
-    elif "reference" in spec:
-        ref_args = lambda r: dict(model=model, rank=r, ref_update_fn=ref_update_fn, num_threads=threads)  # noqa: E731
-        reference = ReferenceWorkers(create_group(RefLogprobWorker, spec["reference"], pgs["reference"], ref_args),
-                                     tracks)
-        factories["reference"] = RoleFactory(RefLogprobWorker, spec["reference"], ref_args)
-    if not hosted:
-        factories["generator"] = RoleFactory(GeneratorWorker, spec["generator"], gen_args)
+    made = create_roles(model, cfg, trainer_cfg, roles, with_reference, seed,
+                        UserFunctions(reward_fn, aggregate_fn, shaping_fn, ref_update_fn))
     marks.append(("actors_created", time.time()))
-    master = wait([call(trainers, 0, "endpoint")])[0]
-    setups = fan_out(trainers, "setup", *master)  # waited for below, after the other roles
-    others = ([] if hosted else [generators.group]) + [rewards] + \
-        ([reference.group] if isinstance(reference, ReferenceWorkers) else [])
-    infos = wait([c for g in others for c in fan_out(g, "info")])  # every constructor ran (errors name the actor)
+    setups, infos = start_roles(made, cfg)
     marks.append(("actors_loaded", time.time()))
-    backends = {"hf"} if hosted else {info["backend"] for info in infos[: generators.size]}
-    if len(backends) > 1:
-        raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
-    receiver_gpus = cfg.reference_gpus if hosted else cfg.generator_gpus  # who joins the broadcast
-    # vLLM with LoRA takes the adapters in its actor's process, over gloo: they are small
-    lora_into_vllm = model.lora.enabled and backends == {"vllm"}
-    backend = "nccl" if cfg.trainer_gpus and receiver_gpus and not lora_into_vllm else "gloo"
-    # vLLM on GPUs receives full weights through its own NCCL engine; everything else (vLLM on CPU,
-    # adapters) reads the trainer's bucketed broadcast
-    protocol = "vllm" if backends == {"vllm"} and backend == "nccl" else "torch"
-    if protocol == "vllm" and reference is not None and reference.sync_ranks():
-        raise ValueError("a policy-tracking reference worker cannot join vLLM's NCCL weight-transfer group; use a "
-                         "fixed reference (no ref_update_fn), cluster.reference_on_trainers or "
-                         "cluster.generator_backend: hf")
+    backends = {"hf"} if cfg.generate_on_trainers else {info["backend"] for info in infos[: made.generators.size]}
+    sync_address = weight_sync_address(cfg, model, backends, made.reference)
+    wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
     wait(setups)  # first: a hosted generator exists once its trainer is set up
-    pad_id = wait(generators.ping()[:1])[0]
-    meta = tuple(wait([call(trainers, 0, "weight_meta")])[0])
+    pad_id = wait(made.generators.ping()[:1])[0]
+    meta = tuple(wait([call(made.trainers, 0, "weight_meta")])[0])
     marks.append(("trainer_setup", time.time()))
-    cluster = RLCluster(generators, trainers, rewards, reference, SyncAddress("", 0, 0, backend, protocol), meta,
-                        pad_id, int(bucket_mb * 2 ** 20), cfg.call_timeout_s, address, factories,
+    cluster = RLCluster(made.generators, made.trainers, made.rewards, made.reference, sync_address, meta, pad_id,
+                        int(bucket_mb * 2 ** 20), cfg.call_timeout_s, address, made.factories,
                         reward_needs_reference, generator_engine=next(iter(backends)))
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
