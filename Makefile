@@ -57,6 +57,7 @@ test-fast: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -256,6 +256,7 @@ class LocalBackend:
                 from primitives.model.value import save_value_model
 
                 save_value_model(self.critic, os.path.join(tmp, "critic"))
+                assert self.critic_optimizer is not None  # built with the critic
                 torch.save(self.critic_optimizer.state_dict(), os.path.join(tmp, "critic_optimizer.pt"))
 
         return atomic_directory(path, write)
@@ -276,6 +277,7 @@ class LocalBackend:
             from primitives.model.value import load_value_model
 
             self.critic.load_state_dict(load_value_model(os.path.join(path, "critic")).state_dict())
+            assert self.critic_optimizer is not None  # built with the critic
             self.critic_optimizer.load_state_dict(torch.load(os.path.join(path, "critic_optimizer.pt")))
         self.policy_version = state.policy_version
         return state

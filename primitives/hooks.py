@@ -11,7 +11,7 @@ import importlib.util
 import inspect
 import os
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, Iterable
 
 
 def load_function(spec: str) -> Callable:
@@ -24,6 +24,8 @@ def load_function(spec: str) -> Callable:
             if not os.path.isfile(module_name):
                 raise ImportError(f"no file {module_name}")
             mod_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            if mod_spec is None or mod_spec.loader is None:
+                raise ImportError(f"{module_name} cannot be loaded as a module")
             module = importlib.util.module_from_spec(mod_spec)
             mod_spec.loader.exec_module(module)
         else:
@@ -43,7 +45,7 @@ def load_function(spec: str) -> Callable:
     return fn
 
 
-def did_you_mean(name, valid: Sequence, n: int = 1) -> str:
+def did_you_mean(name, valid: Iterable, n: int = 1) -> str:
     """``"; did you mean 'a' or 'b'?"`` for the closest of ``valid`` to ``name`` (difflib), or ""."""
     close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=n)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

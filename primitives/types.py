@@ -17,7 +17,8 @@ ROLES = ("system", "user", "assistant", "tool")
 class PromptItem(NamedTuple):
     """One task item. ``epoch`` is set by the prompt source when the item is served."""
 
-    index: int  # position in the dataset: with epoch, the stable identity of the prompt
+    # position in the dataset: with epoch, the stable identity of the prompt (shadows tuple.index)
+    index: int  # type: ignore[assignment]
     prompt: Any  # str, or a Conversation for chat models
     answer: Any = None  # reference answer for verifiable rewards
     epoch: int = 0
@@ -197,7 +198,7 @@ class Rollout(RolloutFields):
     def __getattr__(self, name: str):
         # only for names that are not attributes: the seeds' names get an error naming ours
         view = getattr(type(self), name, None)
-        if isinstance(view, property):  # a view raised AttributeError inside: let that error through
+        if isinstance(view, property) and view.fget is not None:  # a view raised AttributeError inside: let it through
             return view.fget(self)
         if name in SEED_ROLLOUT_NAMES:
             raise AttributeError(f"'Rollout' object has no attribute '{name}' (the seeds' name); here: "
@@ -334,7 +335,7 @@ class Batch(BatchFields):
     __slots__ = ()
 
     @classmethod
-    def _make(cls, iterable):
+    def _make(cls, iterable):  # type: ignore[override]
         # NamedTuple's _make (behind _replace) checks len(); __len__ counts rows, so check fields here
         result = tuple.__new__(cls, iterable)
         if tuple.__len__(result) != len(cls._fields):
@@ -401,7 +402,7 @@ class RolloutBatch(RolloutBatchFields):
     __slots__ = ()
 
     @classmethod
-    def _make(cls, iterable):
+    def _make(cls, iterable):  # type: ignore[override]
         result = tuple.__new__(cls, iterable)  # __len__ counts rollouts: check the fields here
         if tuple.__len__(result) != len(cls._fields):
             raise TypeError(f"RolloutBatch expects {len(cls._fields)} fields, got {tuple.__len__(result)}")

@@ -43,7 +43,8 @@ class Held(NamedTuple):
 
     summary: RolloutSummary
     part: Any
-    index: int
+    # the row in its chunk (the field shadows tuple.index, which nothing here calls)
+    index: int  # type: ignore[assignment]
 
     @property
     def group(self) -> str:
@@ -67,7 +68,9 @@ class StepResult(NamedTuple):
 def plan_parts(rows: Sequence[Held]) -> tuple:
     """``(rows as (part, index), parts)``: the distinct chunks the rows are in, in first-seen
     order, and each row's position in them (a ``BatchPlan``'s ``rows``)."""
-    parts, where, out = [], {}, []
+    parts: list = []
+    where: dict = {}
+    out: list = []
     for h in rows:
         key = id(h.part)
         if key not in where:

@@ -139,7 +139,9 @@ def collect_rollouts(backend: Backend, prompt_source: Callable, state: TrainStat
     position after the step says exactly what was trained (or dropped)."""
     queue = deque() if queue is None else queue
     with_ref, version = collects_reference(backend, algo), state.policy_version
-    position, kept, times, rounds, drawn, regenerated = state.data_position, [], {}, 0, 0, 0
+    position, rounds, drawn, regenerated = state.data_position, 0, 0, 0
+    kept: list = []
+    times: dict = {}
     while True:
         if not queue:
             want = prompts_per_step - len({r.group for r in kept}) if algo.filters else prompts_per_step
@@ -304,7 +306,7 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
         trained = update_and_sync(backend, rollouts, state, algo, run, it, queue)
         updated = trained is not None
         idle, t_clock = idle_shares(backend, t_clock)
-        metrics.update({**idle, **(trained if updated else SKIPPED_UPDATE), "step": it, "algorithm": algo.name,
+        metrics.update({**idle, **(trained or SKIPPED_UPDATE), "step": it, "algorithm": algo.name,
                         "time/step": time.perf_counter() - t_step, **backend.fault_metrics()})
         if tools is not None:
             metrics.update(tool_metrics([r.summary for r in rollouts]))
@@ -366,11 +368,10 @@ def after_step(backend: Backend, state: TrainState, metrics: dict, rollouts: Seq
     """A finished step's hooks, in order: evaluation when due (its metrics join the step's), the metrics
     history and the logger, the ledger of trained groups, the iteration hook, a checkpoint when due.
     Returns ``(state, saved, evaluated)``."""
-    it = state.iteration - 1
-    evaluated = hooks.eval_fn is not None and hooks.eval_every and (
-        (it + 1) % hooks.eval_every == 0 or it + 1 == run.num_steps)
-    if evaluated:
-        metrics.update(call_hook(hooks.eval_fn, "eval_fn", backend, state))
+    it, eval_fn, checkpoint_fn = state.iteration - 1, hooks.eval_fn, hooks.checkpoint_fn
+    evaluated = bool(hooks.eval_every) and ((it + 1) % hooks.eval_every == 0 or it + 1 == run.num_steps)
+    if eval_fn is not None and evaluated:
+        metrics.update(call_hook(eval_fn, "eval_fn", backend, state))
     state = state._replace(metrics_history=state.metrics_history + (metrics,))
     call_hook(hooks.logger, "logger", metrics)
     if hooks.ledger is not None:
@@ -378,8 +379,8 @@ def after_step(backend: Backend, state: TrainState, metrics: dict, rollouts: Seq
     if hooks.iteration_hook is not None:
         trained_rollouts = tuple(backend.rollouts(rollouts)) if rollouts else ()
         call_hook(hooks.iteration_hook, "iteration_hook", state, RolloutBatch(trained_rollouts))
-    saved = hooks.checkpoint_fn is not None and checkpoint_due(it + 1, hooks.checkpoint_every,
-                                                               hooks.checkpoint_minutes, last_saved)
-    if saved:
-        call_hook(hooks.checkpoint_fn, "checkpoint_fn", backend, state)
-    return state, saved, bool(evaluated)
+    saved = checkpoint_fn is not None and checkpoint_due(it + 1, hooks.checkpoint_every, hooks.checkpoint_minutes,
+                                                         last_saved)
+    if checkpoint_fn is not None and saved:
+        call_hook(checkpoint_fn, "checkpoint_fn", backend, state)
+    return state, saved, eval_fn is not None and evaluated

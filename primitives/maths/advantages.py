@@ -24,7 +24,7 @@ def check_rewards(rewards: torch.Tensor, where: str = "rewards") -> None:
 
 def group_index(groups: Sequence) -> tuple:
     """``(index (B,) int64, num_groups)``: index[i] numbers the group of rollout i."""
-    ids = {}
+    ids: dict = {}
     index = torch.tensor([ids.setdefault(g, len(ids)) for g in groups], dtype=torch.long)
     return index, len(ids)
 
@@ -215,7 +215,7 @@ def gae_advantage(x: AdvantageInputs, algo):
                           algo.gamma, algo.lam)
 
 
-gae_advantage.needs_values = True  # primitives.hooks.trait: the driver asks the critic for values
+gae_advantage.needs_values = True  # type: ignore[attr-defined]  # a hooks trait: the driver asks the critic
 
 
 def no_advantage(x: AdvantageInputs, algo):

@@ -1,8 +1,10 @@
 """Reward-shaping formulas on plain numbers (no torch: a reward worker imports them)."""
 from __future__ import annotations
 
+from typing import Callable
 
-def overlong_penalty(max_len: int, buffer: int, penalty: float = 1.0) -> float:
+
+def overlong_penalty(max_len: int, buffer: int, penalty: float = 1.0) -> Callable[[int], float]:
     """DAPO soft overlong punishment for one length (arXiv 2503.14476, eq. 13), as a function
     ``L -> penalty``: 0 up to ``max_len - buffer``, then linear down to ``-penalty`` at
     ``max_len``, and ``-penalty`` beyond."""
