@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure
 from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, gather
-from cluster.ray_wing.roles import DEEPSPEED_ROLES, rebuild_group, replace_actor
+from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, rebuild_group, replace_actor
 from cluster.ray_wing.weights import sync_weights
 
 
@@ -115,7 +115,21 @@ class Recovery:
     the stateful roles, the log of updates since, and ``recover``, which replaces a dead or stuck
     actor and brings it to the run's state. It reads and sets the backend's ``cluster``,
     ``snapshot``, ``log``, ``faults``, ``restarts``, ``replaced_at``, ``version`` and
-    ``last_move``."""
+    ``last_move``, declared here and set by the backend's constructor."""
+
+    cluster: RLCluster
+    max_actor_restarts: int
+    restarts: int  # actors replaced or groups rebuilt so far
+    replaced_at: dict  # (role, rank) -> the restarts count its last replacement made
+    version: int  # the policy version the generators hold (the last sync's)
+    last_move: tuple  # (step, kl) of the last sync: a tracking reference's last move
+    snapshot_every: Optional[int]  # steps between snapshots; None: by cost; 0: none
+    snapshot_overhead: float
+    snapshot_at: float  # time.perf_counter() of the last snapshot
+    snapshot: Optional[Snapshot]
+    log: list  # Updates since the snapshot
+    faults: list  # one record per recovery
+    snapshot_costs: list  # (seconds, bytes) of each snapshot
 
     def recovering(self, op: Callable, after: Optional[Callable] = None, send_weights: bool = True):
         """``op()``, made again after each recovery from an actor's death or silence (``recover``;
