@@ -27,12 +27,16 @@ HEARTBEAT_KEY = "rayrl/heartbeat/"  # + the actor's id: a count in Ray's key-val
 HEARTBEAT_EVERY_S = 2.0
 
 
+_BEATING: set = set()  # the actor ids whose heartbeat thread runs in this process (one each)
+
+
 def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
     """In a Ray actor, a daemon thread that raises this actor's count in Ray's key-value store every
     ``every_s`` seconds, in a long call too. It stops when the process does not run: stopped
     (SIGSTOP), or hung in native code that holds the interpreter. The driver takes an actor whose
     count has not moved for ``cluster.heartbeat_s`` for stuck (``cluster.ray_wing.groups``), long
-    before ``cluster.call_timeout_s``. Outside an actor it does nothing (False)."""
+    before ``cluster.call_timeout_s``. Outside an actor it does nothing (False); an actor rebuilt
+    for another job (``Reusable``) keeps the thread it has."""
     ray_module = sys.modules.get("ray")  # None where Ray was blocked from importing (the GPU check does that)
     if ray_module is None or not ray_module.is_initialized():
         return False
@@ -45,6 +49,9 @@ def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
     actor = ray.get_runtime_context().get_actor_id()
     if not actor:
         return False
+    if actor in _BEATING:
+        return True
+    _BEATING.add(actor)
     key = (HEARTBEAT_KEY + actor).encode()
 
     def beat() -> None:
@@ -75,6 +82,45 @@ def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch:
         torch.set_num_threads(max(1, num_threads))
         if seed is not None:
             torch.manual_seed(seed)
+
+
+class Reusable:
+    """An actor a driver may keep for its next cluster of the same shape (``cluster.ray_wing.pool``):
+    ``release`` drops what this job built (models, engines, process groups); ``rebuild`` then runs
+    the constructor again with the next job's keywords, in the same process, whose imports (torch,
+    transformers, DeepSpeed: 6-8 s of CPU) are already paid. A rebuilt actor computes what a new
+    one would: the constructor sets every seed, and torch's global generator is seeded afresh, as a
+    new process's is."""
+
+    def release(self) -> bool:
+        """Drop this job's state. False: this actor cannot be reused (the driver kills it)."""
+        import gc
+
+        ds = getattr(self, "ds", None)  # a DeepSpeed rank (trainer, critic): its engine and process groups
+        if ds is not None:
+            ds.release()
+        reusable = self.reusable()
+        for name in list(vars(self)):
+            delattr(self, name)
+        if "torch" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        gc.collect()
+        return reusable
+
+    def reusable(self) -> bool:
+        return True
+
+    def rebuild(self, **kwargs) -> bool:
+        """This actor as ``type(self)(**kwargs)`` would start it."""
+        if vars(self):
+            self.release()
+        if "torch" in sys.modules:  # a new process draws its global generator's seed from the OS
+            sys.modules["torch"].seed()
+        type(self).__init__(self, **kwargs)
+        return True
 
 
 def check_model_path(path: str, role: str) -> None:

@@ -39,7 +39,7 @@ from primitives.model.value import (
     value_model_from_reward_model,
 )
 from primitives.types import Batch, BatchPlan, ModelConfig, planned_rollouts
-from rl_actors.common import check_model_path, planned_inputs
+from rl_actors.common import Reusable, check_model_path, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -56,7 +56,7 @@ def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:
     return [v for share in per_rank for v in share]
 
 
-class CriticWorker:
+class CriticWorker(Reusable):
     """One critic rank: a value model in a DeepSpeed engine (``self.ds``, a ``DeepSpeedRank``,
     holds the group plumbing). ``model`` is the policy's ``ModelConfig`` (its tokenizer, and its
     backbone when ``init="policy"``); ``init`` is ``"policy"`` or the directory of an HF

@@ -18,13 +18,13 @@ from primitives.env.tools import ToolConfig, multiturn_rollouts
 from primitives.model.logprobs import rollout_logprobs
 from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import actor_info, describe_model, setup_process
+from rl_actors.common import Reusable, actor_info, describe_model, setup_process
 from rl_actors.hf_engine import HFEngine
 from rl_actors.vllm_engine import VLLMEngine, vllm_available, vllm_importable
 from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
 
 
-class GeneratorWorker:
+class GeneratorWorker(Reusable):
     """One generator process. ``policy_version`` stamps every rollout it produces."""
 
     role = "generator"
@@ -55,6 +55,11 @@ class GeneratorWorker:
         self = cls.__new__(cls)
         self._start(HFEngine(model, tokenizer), rank, seed, host, host_clock)
         return self
+
+    def reusable(self) -> bool:
+        """vLLM's engine keeps process-wide state (its distributed setup, compilation caches): a
+        vLLM generator is not rebuilt in its process; an HF one is."""
+        return self.engine.name == "hf"
 
     def info(self) -> dict:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else {}

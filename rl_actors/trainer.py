@@ -47,7 +47,7 @@ from primitives.model.training import (
 )
 from primitives.types import Batch, BatchPlan, ModelConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import GENERATE_ON_ZERO3, load_causal_lm, planned_inputs
+from rl_actors.common import GENERATE_ON_ZERO3, Reusable, load_causal_lm, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -74,7 +74,7 @@ from rl_actors.weight_sync import (
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
-class TrainerWorker:
+class TrainerWorker(Reusable):
     """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``self.ds``, a
     ``DeepSpeedRank``, holds the group plumbing), RL and SFT updates on this rank's shard,
     weight broadcast."""

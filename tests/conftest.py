@@ -11,6 +11,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # Ray reads this when imported: a local Ray then binds 127.0.0.1 (tests stay on loopback)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
+# a job's trainers, generators and reference are kept for the next job of the same shape (cluster.ray_wing.pool):
+# a new actor's imports cost 6-8 s of CPU, most of a short test job. tests/cluster/test_kept_actors.py shows a
+# job on kept actors computes what it computes on new ones; the first job of each shape starts new actors.
+os.environ.setdefault("RAYRL_REUSE_ACTORS", "1")
 
 
 RAY_CPUS = 16  # logical CPUs of the test run's Ray: room for the largest job's actors (they share 2 cores)

@@ -337,7 +337,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         c = backend.cluster
         memory, where = trainer_memory(c), {"reference": c.reference.where if c.reference is not None else None,
                                              "generation": c.generators.where, "generator_engine": c.generator_engine,
-                                             "ray_address": c.ray_address}
+                                             "ray_address": c.ray_address, "reused_roles": list(c.reused)}
     finally:
         shutdown_cluster(backend.cluster)
     return {**where, **accuracy_figures(before, after), **final, **memory, "faults": faults,

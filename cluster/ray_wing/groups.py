@@ -21,6 +21,7 @@ class WorkerGroup(NamedTuple):
     actors: tuple
     placement_group: Any = None
     slots: tuple = ()  # per rank: (placement group, bundle) of an added actor, None for the group's own bundle
+    shape: tuple = ()  # group_shape of its actor class and role (cluster.ray_wing.pool keeps groups by it)
 
     @property
     def size(self) -> int:
@@ -66,11 +67,19 @@ def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_kwa
     return ray.remote(actor_cls).options(**options).remote(**kwargs)
 
 
-def create_group(actor_cls, spec: RoleSpec, placement_group, make_kwargs: Callable[[int], dict]) -> WorkerGroup:
+def group_shape(actor_cls: type, spec: RoleSpec, variant: str = "") -> tuple:
+    """What another group must match to stand in for one: actor class, role, count, bundle,
+    placement strategy, and ``variant`` (a generator's engine)."""
+    return (actor_cls.__module__, actor_cls.__qualname__, spec.name, spec.count,
+            tuple(sorted(spec.bundle().items())), spec.strategy, variant)
+
+
+def create_group(actor_cls, spec: RoleSpec, placement_group, make_kwargs: Callable[[int], dict],
+                 variant: str = "") -> WorkerGroup:
     """``spec.count`` actors of ``actor_cls``; rank r is built from the keywords
     ``make_kwargs(r)`` and pinned to bundle r of the placement group."""
     actors = [create_actor(actor_cls, spec, placement_group, r, make_kwargs) for r in range(spec.count)]
-    return WorkerGroup(spec.name, tuple(actors), placement_group)
+    return WorkerGroup(spec.name, tuple(actors), placement_group, shape=group_shape(actor_cls, spec, variant))
 
 
 def actor_id(actor) -> str:

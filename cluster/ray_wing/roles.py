@@ -18,7 +18,6 @@ from cluster.ray_wing.groups import (
     create_group,
     fan_out,
     gather,
-    kill_group,
     watch_heartbeats,
 )
 from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
@@ -28,6 +27,7 @@ from cluster.ray_wing.placement import (
     cluster_resources,
     create_placement_group,
 )
+from cluster.ray_wing.pool import RELEASE_S, Wanted, free_group, start_groups
 from cluster.ray_wing.startup import UserFunctions, create_roles, start_roles, weight_sync_address
 from primitives.types import ModelConfig
 from rl_actors.common import environ
@@ -60,6 +60,7 @@ class RLCluster(NamedTuple):
     critics: Optional[WorkerGroup] = None  # the critic ranks (PPO), a DeepSpeed group of their own
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
     generator_engine: str = "hf"  # the engine the generators run: hf or vllm
+    reused: tuple = ()  # roles whose actors an earlier cluster kept (RAYRL_REUSE_ACTORS, cluster.ray_wing.pool)
 
 
 def stage_seconds(marks: Sequence[tuple]) -> dict:
@@ -181,7 +182,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     marks.append(("trainer_setup", time.time()))
     cluster = RLCluster(made.generators, made.trainers, made.rewards, made.reference, sync_address, meta, pad_id,
                         int(bucket_mb * 2 ** 20), cfg.call_timeout_s, address, made.factories,
-                        reward_needs_reference, generator_engine=next(iter(backends)))
+                        reward_needs_reference, generator_engine=next(iter(backends)), reused=made.reused)
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))
@@ -196,14 +197,15 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
-    trainers = create_group(TrainerWorker, roles[0], create_placement_group(roles[0]), lambda r: dict(
+    groups, reused = start_groups({"trainer": Wanted(TrainerWorker, roles[0], lambda r: dict(
         model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed,
-        num_threads=cfg.threads_per_actor))
+        num_threads=cfg.threads_per_actor))}, cfg.call_timeout_s)
+    trainers = groups["trainer"]
     master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
     gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
     pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
     return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo", "torch"), (), pad_id, 0,
-                     cfg.call_timeout_s, address)
+                     cfg.call_timeout_s, address, reused=tuple(reused))
 
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
@@ -369,13 +371,15 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
 
 
 def shutdown_cluster(cluster: RLCluster) -> None:
-    """Kill every actor and free its bundles; then remove the scratch directories that actors killed
-    mid-snapshot left on this machine (``rl_actors.scratch``; other nodes sweep at their next snapshot)."""
+    """Kill every actor and free its bundles (or, with ``RAYRL_REUSE_ACTORS``, keep the trainers,
+    generators and reference for the next cluster of their shape: ``cluster.ray_wing.pool``); then
+    remove the scratch directories that actors killed mid-snapshot left on this machine
+    (``rl_actors.scratch``; other nodes sweep at their next snapshot)."""
     from rl_actors.scratch import sweep
 
     own = [getattr(cluster.generators, "group", None), cluster.trainers, cluster.rewards,
            getattr(cluster.reference, "group", None), cluster.critics]  # hosted roles go with the trainers
     for group in own:
         if group is not None:
-            kill_group(group)
+            free_group(group, min(RELEASE_S, cluster.timeout_s))
     sweep()

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from cluster.ray_wing.config import ClusterConfig
-from cluster.ray_wing.groups import RoleFactory, WorkerGroup, call, create_group, fan_out, gather
+from cluster.ray_wing.groups import RoleFactory, WorkerGroup, call, fan_out, gather
 from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
-from cluster.ray_wing.placement import create_placement_groups
+from cluster.ray_wing.pool import Wanted, start_groups
 from primitives.types import ModelConfig
 from rl_actors.trainer import TrainerConfig
 from rl_actors.weight_sync import SyncAddress
@@ -31,12 +31,14 @@ class Roles(NamedTuple):
     rewards: WorkerGroup
     reference: Optional[ReferenceWorkers | ReferenceOnTrainers]
     factories: dict  # role -> RoleFactory
+    reused: tuple = ()  # the roles whose actors a previous cluster kept (cluster.ray_wing.pool)
 
 
 def create_roles(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerConfig, roles: Sequence,
                  with_reference: bool, seed: int, fns: UserFunctions) -> Roles:
     """Every placement group and actor at once, so each role starts up beside the others: the trainers
-    build their DeepSpeed engines while the generators, reward workers and reference load. A
+    build their DeepSpeed engines while the generators, reward workers and reference load. A role
+    that an earlier cluster's kept actors can serve (``RAYRL_REUSE_ACTORS``) is rebuilt there first. A
     reference or generation on the trainer ranks is a handle on the trainers (a failure there
     names the trainer: its whole group is rebuilt)."""
     from rl_actors.generator import GeneratorWorker
@@ -47,7 +49,6 @@ def create_roles(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerCon
     spec = {r.name: r for r in roles}
     threads, hosted = cfg.threads_per_actor, cfg.generate_on_trainers
     on_trainers = with_reference and cfg.reference_on_trainers
-    pgs = create_placement_groups([r for r in roles if r.name != "critic"])  # critics come later (add_critics)
     gen_args = lambda r: dict(model=model, rank=r, backend=cfg.generator_backend, seed=seed,  # noqa: E731
                               num_threads=threads, vllm=cfg.vllm)
     reward_args = lambda r: dict(reward_fn=fns.reward_fn, aggregate_fn=fns.aggregate_fn,  # noqa: E731
@@ -55,25 +56,25 @@ def create_roles(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerCon
     trainer_args = lambda r: dict(  # noqa: E731
         model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed, num_threads=threads,
         reference=on_trainers, ref_update_fn=fns.ref_update_fn if on_trainers else None, host_generator=hosted)
-    trainers = create_group(TrainerWorker, spec["trainer"], pgs["trainer"], trainer_args)
-    generators = GeneratorsOnTrainers(trainers) if hosted \
-        else GeneratorWorkers(create_group(GeneratorWorker, spec["generator"], pgs["generator"], gen_args))
-    rewards = create_group(RewardWorker, spec["reward"], pgs["reward"], reward_args)
+    ref_args = lambda r: dict(model=model, rank=r, ref_update_fn=fns.ref_update_fn,  # noqa: E731
+                              num_threads=threads)
+    wanted = {"trainer": Wanted(TrainerWorker, spec["trainer"], trainer_args)}
+    if not hosted:
+        wanted["generator"] = Wanted(GeneratorWorker, spec["generator"], gen_args, cfg.generator_backend)
+    wanted["reward"] = Wanted(RewardWorker, spec["reward"], reward_args)
+    if not on_trainers and "reference" in spec:
+        wanted["reference"] = Wanted(RefLogprobWorker, spec["reference"], ref_args)
+    groups, reused = start_groups(wanted, cfg.call_timeout_s)  # critics come later (add_critics)
+    trainers = groups["trainer"]
+    generators = GeneratorsOnTrainers(trainers) if hosted else GeneratorWorkers(groups["generator"])
     tracks = with_reference and fns.ref_update_fn is not None
     reference = None
-    factories = {"reward": RoleFactory(RewardWorker, spec["reward"], reward_args),
-                 "trainer": RoleFactory(TrainerWorker, spec["trainer"], trainer_args)}
     if on_trainers:
         reference = ReferenceOnTrainers(trainers, tracks)
-    elif "reference" in spec:
-        ref_args = lambda r: dict(model=model, rank=r, ref_update_fn=fns.ref_update_fn,  # noqa: E731
-                                  num_threads=threads)
-        reference = ReferenceWorkers(create_group(RefLogprobWorker, spec["reference"], pgs["reference"], ref_args),
-                                     tracks)
-        factories["reference"] = RoleFactory(RefLogprobWorker, spec["reference"], ref_args)
-    if not hosted:
-        factories["generator"] = RoleFactory(GeneratorWorker, spec["generator"], gen_args)
-    return Roles(trainers, generators, rewards, reference, factories)
+    elif "reference" in groups:
+        reference = ReferenceWorkers(groups["reference"], tracks)
+    factories = {name: RoleFactory(w.actor_cls, w.spec, w.make_kwargs) for name, w in wanted.items()}
+    return Roles(trainers, generators, groups["reward"], reference, factories, tuple(reused))
 
 
 def start_roles(made: Roles, cfg: ClusterConfig) -> tuple:

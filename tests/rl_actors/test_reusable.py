@@ -1,0 +1,77 @@
+"""An actor kept for another job (``rl_actors.common.Reusable``), in one process without Ray: a
+trainer rank released and rebuilt joins a new process group and trains as a new rank does (the
+same losses and weights, step by step, though DeepSpeed keeps a registry of the groups it built);
+release drops what the job built; the peak memory a kept rank reports is its own job's."""
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from primitives.types import ModelConfig
+from rl_actors.common import Reusable
+from rl_actors.deepspeed_rank import peak_rss_mb, reset_peak_memory
+from rl_actors.trainer import TrainerConfig, TrainerWorker
+from rl_actors.weight_sync import free_port
+
+
+class Counter(Reusable):
+    def __init__(self, start: int):
+        self.value = start
+        self.draw = torch.rand(1).item()
+
+
+def test_rebuild_runs_the_constructor_afresh_and_release_drops_the_job():
+    c = Counter(3)
+    c.value += 1
+    c.extra = "left from the job"
+    assert c.release() is True and vars(c) == {}
+    torch.manual_seed(0)
+    seeded = torch.rand(1).item()
+    torch.manual_seed(0)
+    assert c.rebuild(start=7) is True and vars(c).keys() == {"value", "draw"} and c.value == 7
+    assert c.draw != seeded  # torch's global generator was seeded afresh, as a new process's is
+
+
+def batch(seed: int):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 40, size=(4, 10))
+    mask = np.ones_like(ids)
+    loss = np.zeros_like(ids)
+    loss[:, 5:] = 1
+    return ids, mask, loss
+
+
+def three_steps(worker: TrainerWorker) -> tuple:
+    worker.setup("127.0.0.1", free_port("127.0.0.1"))
+    losses = [worker.sft_step(*batch(s))["loss/sft"] for s in range(3)]
+    return losses, {k: v.detach().clone() for k, v in worker.module.state_dict().items()}
+
+
+@pytest.mark.slow  # DeepSpeed's import and six engines: 15 s, more than the fast tier's tests take
+@pytest.mark.parametrize("stages", [(2, 2), (2, 3)], ids=["zero2-zero2", "zero2-zero3"])
+def test_a_released_trainer_rank_trains_as_a_new_one(tiny_model_path, stages):
+    model = ModelConfig(tiny_model_path)
+    first = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=stages[0], lr=1e-2), seed=0)
+    before = three_steps(first)
+    assert torch.distributed.is_initialized()
+    assert first.release() is True and not torch.distributed.is_initialized()
+    first.rebuild(model=model, rank=0, world_size=1, config=TrainerConfig(zero_stage=stages[1], lr=1e-2), seed=0)
+    kept = three_steps(first)
+    first.release()
+    new = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=stages[1], lr=1e-2), seed=0)
+    fresh = three_steps(new)
+    new.release()
+    assert kept[0] == fresh[0] and len(set(kept[0])) == 3  # the losses of every step, exactly (and they move)
+    assert all(torch.equal(kept[1][k], fresh[1][k]) for k in fresh[1])
+    assert before[0][0] == fresh[0][0]  # the same first step whatever ZeRO stage
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")
+def test_the_peak_memory_starts_afresh_after_a_release():
+    block = bytearray(256 * 2 ** 20)
+    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page: resident
+    high = peak_rss_mb()
+    del block
+    reset_peak_memory(on_gpu=False)
+    assert peak_rss_mb() < high - 200
