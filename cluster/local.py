@@ -287,7 +287,7 @@ class LocalBackend:
         out, self._busy = self._busy, {"generators": 0.0, "trainers": 0.0}
         return out
 
-    def recover(self, failure, since: int, send_weights: bool = True) -> None:
+    def recover(self, failure, since: int, send_weights: bool = True, lost: float = 0.0) -> Optional[str]:
         raise failure  # one process: nothing to replace
 
     def prepare_recovery(self) -> None:

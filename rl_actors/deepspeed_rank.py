@@ -38,7 +38,7 @@ import copy
 import os
 import shutil
 from contextlib import nullcontext
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -201,7 +201,8 @@ class DeepSpeedRank:
         self.bf16 = self.on_gpu if config.bf16 is None else config.bf16
         if not self.on_gpu:  # before anything imports deepspeed (transformers does): it picks its accelerator once
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        self.engine = self.optimizer = None
+        self.engine: Any = None  # DeepSpeed's engine and optimizer, built in setup
+        self.optimizer: Any = None
         self.frozen = False  # some parameters do not train (LoRA): checkpoints and snapshots leave them out
         self.steps = 0
         self._backwards_left = 0  # micro-batches still to come in the current update

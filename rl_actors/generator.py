@@ -44,7 +44,8 @@ class GeneratorWorker(Reusable):
                host_clock: Optional[BusyClock] = None) -> None:
         self.engine, self.rank, self.seed, self.host = engine, rank, seed, host
         self.policy_version = 0
-        self.sync_group, self.sync_rank = None, None
+        self.sync_group = None  # set by init_weight_sync
+        self.sync_rank: Optional[int] = None
         self.clock = BusyClock(also=host_clock)
 
     @classmethod

@@ -82,8 +82,13 @@ class Reference:
 
     def move(self, policy: dict, step: int, kl: Optional[float] = None) -> None:
         """Let ``ref_update_fn`` decide the new reference from the policy's weights (name -> tensor)."""
-        self.state = self.ref_update_fn(self.state, policy, step, kl)
+        self.state = self._update_fn()(self.state, policy, step, kl)
         apply_ref_state(self.model, self.state)
+
+    def _update_fn(self) -> Callable:
+        if self.ref_update_fn is None:
+            raise RuntimeError("a fixed reference (no ref_update_fn) does not move")
+        return self.ref_update_fn
 
     def load(self, weights: dict) -> None:
         """Replace the reference with given weights (name -> array or tensor), e.g. the SFT model;
@@ -182,7 +187,7 @@ class AdapterReference(Reference):
         """``ref_update_fn`` on the adapter weights (name -> tensor of the policy's adapter). Before
         its first move the reference is the policy's starting adapter (``B`` zero: the base model)."""
         current = self.state if self.state is not None else RefState(dict(self.initial), 0)
-        new = self.ref_update_fn(current, {k: torch.as_tensor(v).float() for k, v in policy.items()}, step, kl)
+        new = self._update_fn()(current, {k: torch.as_tensor(v).float() for k, v in policy.items()}, step, kl)
         self._set(new.weights, new.last_reset_step)
 
     def load(self, weights: dict) -> None:
@@ -251,7 +256,8 @@ class RefLogprobWorker(Reusable):
         self.rank, self.micro_batch_size = rank, micro_batch_size
         loaded, self.tokenizer = load_causal_lm(model, f"reference {rank}")
         self.reference = Reference(loaded, ref_update_fn)
-        self.sync_group, self.sync_rank = None, None
+        self.sync_group = None  # set by init_weight_sync
+        self.sync_rank: Optional[int] = None
 
     @property
     def model(self):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 from contextlib import contextmanager
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -303,8 +303,9 @@ class VLLMAdapters:
 
     def __init__(self, lora: LoraConfig):
         self.lora = lora
-        self.group, self.rank, self.device = None, None, torch.device("cpu")
-        self.tensors = {}  # name -> the adapter tensors last received
+        self.group, self.device = None, torch.device("cpu")  # the group: set by join
+        self.rank: Optional[int] = None
+        self.tensors: dict = {}  # name -> the adapter tensors last received
         self.lora_request = None
         self.syncs = 0
 
@@ -324,7 +325,7 @@ class VLLMAdapters:
         from primitives.model.lora import write_adapter
         from rl_actors.scratch import scratch
 
-        tensors = {}
+        tensors: dict = {}
 
         def keep(metas, parts):
             tensors.update((m.name, t.to("cpu", copy=True)) for m, t in zip(metas, parts))

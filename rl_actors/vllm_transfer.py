@@ -19,7 +19,7 @@ On a GPU, vLLM's own NCCL engine receives instead (``rl_actors.vllm_engine.VLLME
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -91,7 +91,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group, self.rank = None, None
+        self.group = None  # set by init_transfer_engine
+        self.rank: Optional[int] = None
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         address = SyncAddress(info.host, info.port, info.world_size, "gloo")

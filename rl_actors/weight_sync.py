@@ -77,7 +77,9 @@ def bucket_plan(meta: Sequence[TensorMeta], bucket_bytes: int) -> list:
     (a single larger tensor gets a bucket of its own)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets, current, size, dtype = [], [], 0, None
+    buckets: list = []
+    current: list = []
+    size, dtype = 0, None
     for i, m in enumerate(meta):
         if current and (m.dtype != dtype or size + m.nbytes > bucket_bytes):
             buckets.append(current)
@@ -90,17 +92,27 @@ def bucket_plan(meta: Sequence[TensorMeta], bucket_bytes: int) -> list:
     return buckets
 
 
-def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank: int, device: torch.device,
-                      get_tensors: Optional[Callable[[list], list]] = None,
+def in_group(group, rank: Optional[int]) -> int:
+    """``rank``, for a member of a weight-sync group (``init_sync_group``); an error otherwise."""
+    if group is None or rank is None:
+        raise RuntimeError("this actor has not joined a weight-sync group (init_weight_sync comes first)")
+    return rank
+
+
+def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank: Optional[int],
+                      device: torch.device, get_tensors: Optional[Callable[[list], list]] = None,
                       on_received: Optional[Callable[[list, list], None]] = None) -> int:
     """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
     receivers pass ``on_received(metas, tensors)`` (None: take part and keep nothing). Returns
     bytes moved per receiver."""
+    rank = in_group(group, rank)
+    if rank == 0 and get_tensors is None:
+        raise ValueError("the source of a broadcast (rank 0) passes get_tensors")
     total = 0
     for idx in bucket_plan(meta, bucket_bytes):
         metas = [meta[i] for i in idx]
         numel = sum(m.numel for m in metas)
-        if rank == 0:
+        if rank == 0 and get_tensors is not None:
             tensors = get_tensors(metas)
             flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=DTYPES[metas[0].dtype])
                               for t in tensors])
@@ -119,11 +131,12 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
     return total
 
 
-def raw_broadcast(group, numel: int, dtype: torch.dtype, rank: int, device) -> float:
+def raw_broadcast(group, numel: int, dtype: torch.dtype, rank: Optional[int], device) -> float:
     """Seconds of one broadcast of a preallocated flat buffer from rank 0 (allocation not
     timed): the throughput ceiling of the group."""
     import time
 
+    rank = in_group(group, rank)
     flat = (torch.ones if rank == 0 else torch.empty)(numel, dtype=dtype, device=device)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0

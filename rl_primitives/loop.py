@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Optional, Sequence
 
 from cluster.local import LocalBackend, loaded_tokenizer
 from cluster.loop.train import Hooks, RLRun
@@ -381,7 +381,7 @@ def log_to_wandb(state: TrainingState, stats: TrainingStats, project: str, entit
     key = (project, entity)
     run = _WANDB_RUNS.get(key)
     if run is None:
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode: Literal["online", "offline"] = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         # WANDB_DIR read here, not only at wandb's first setup in the process (it keeps the first one's)
         run = _WANDB_RUNS[key] = wandb.init(project=project, entity=entity, mode=mode, reinit="create_new",
                                             dir=os.environ.get("WANDB_DIR"))

@@ -90,7 +90,9 @@ def validate_batch(batch, group_size: Optional[int] = None) -> dict:
     rollouts: Sequence[Rollout] = batch.rollouts if isinstance(batch, tuple) and hasattr(batch, "rollouts") \
         else list(batch)
     invalid = [{"uid": r.uid, "problems": p} for r in rollouts for p in [rollout_problems(r)] if p]
-    seen, duplicates, groups = set(), [], {}
+    seen: set = set()
+    duplicates: list = []
+    groups: dict = {}
     for r in rollouts:
         if r.uid in seen:
             duplicates.append(r.uid)

@@ -52,6 +52,16 @@ def named_function(field: str, name: str, kwargs: Optional[dict], builtins: dict
     return fn
 
 
+def required_function(field: str, name: str, kwargs: Optional[dict], builtins: dict, hook: str,
+                      args: tuple, factories: bool = True) -> Callable:
+    """``named_function`` where the field must name something to run: a built-in factory that makes
+    None is refused, naming the field."""
+    fn = named_function(field, name, kwargs, builtins, hook, args, factories)
+    if fn is None:
+        raise ConfigErrors([f"{field}: {name!r} with these arguments makes no {hook} (None); this field needs one"])
+    return fn
+
+
 def unknown_name(name: str, builtins: dict) -> str:
     return (f"unknown name {name!r}{did_you_mean(name, builtins) or ''} (built-in: {', '.join(builtins) or 'none'}; "
             "or your own as module:function)")
@@ -100,10 +110,10 @@ def build_schedule(job) -> tuple:
     sc = job.schedule
     algos = phase_algorithms(job)
     if ":" in sc.kind:
-        schedule = named_function("schedule.kind", sc.kind, sc.kwargs, {}, "algorithm_schedule", (0, {}))
+        schedule = required_function("schedule.kind", sc.kind, sc.kwargs, {}, "algorithm_schedule", (0, {}))
         try:  # what it returns over the run's steps when no metric moves it: the algorithms to provide for
             check_schedule(schedule)
-            seen = {}
+            seen: dict = {}
             for step in range(job.algorithm.steps):
                 algo = schedule(step, {})
                 seen.setdefault(algo.name, algo)
@@ -166,8 +176,9 @@ def build_shaping(job) -> Optional[Callable]:
     from primitives.env.rewards import chain_shaping, dapo_overlong_shaping, kl_penalty_shaping, length_penalty
 
     builtins = {"length_penalty": length_penalty, "overlong": dapo_overlong_shaping, "kl_penalty": kl_penalty_shaping}
-    fns = [named_function(f"shaping.{i}", s.name, s.kwargs, builtins, "shaping_fn", (None, 0.0))
-           for i, s in enumerate(job.shaping)]
+    made = [named_function(f"shaping.{i}", s.name, s.kwargs, builtins, "shaping_fn", (None, 0.0))
+            for i, s in enumerate(job.shaping)]
+    fns = [fn for fn in made if fn is not None]  # a factory that makes None (a zero coefficient) shapes nothing
     if not fns:
         return None
     return fns[0] if len(fns) == 1 else chain_shaping(*fns)
@@ -216,19 +227,19 @@ def build_tools(job):
                 errors.append(f"tools.use.{i}: the python tool's sandbox cannot run here: {e}")
     parser = stop = None
     try:
-        parser = named_function("tools.parser", cfg.parser, None, {"xml": parse_xml_tool_calls,
+        parser = required_function("tools.parser", cfg.parser, None, {"xml": parse_xml_tool_calls,
                                                                    "json": parse_json_tool_calls},
                                 "tool_parser", ("",), factories=False)
     except ConfigErrors as e:
         errors += e.errors
     try:
-        stop = named_function("tools.stop", cfg.stop, None, {"no_tool_calls": no_tool_calls_stop}, "stop_condition",
+        stop = required_function("tools.stop", cfg.stop, None, {"no_tool_calls": no_tool_calls_stop}, "stop_condition",
                               (None,), factories=False)
     except ConfigErrors as e:
         errors += e.errors
     if cfg.max_turns < 1:
         errors.append(f"tools.max_turns must be at least 1, got {cfg.max_turns}")
-    if errors:
+    if errors or parser is None or stop is None:
         raise ConfigErrors(errors)
     return BuiltTools(ToolConfig(create_tool_executor(tools), parser, stop, cfg.max_turns), tuple(tools))
 
@@ -248,7 +259,7 @@ def build_generator_policy(job) -> Optional[Callable]:
     if sc.policy == "steps":
         counts = {0: cfg.generators, **{int(k): int(v) for k, v in (sc.at_steps or {}).items()}}
         return step_scaling_policy(sorted(counts.items()))
-    user = named_function("cluster.scaling.policy", sc.policy, None, {}, "generator_policy", ((), 1))
+    user = required_function("cluster.scaling.policy", sc.policy, None, {}, "generator_policy", ((), 1))
     return clamped_policy(user, sc.minimum, sc.maximum or cfg.generators)
 
 

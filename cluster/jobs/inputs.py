@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from cluster.jobs.checks import (
     ConfigErrors,
@@ -38,6 +38,10 @@ from primitives.io.outputs import resolve_output_dir
 from primitives.types import ModelConfig
 
 EMBEDDED_MODELS = ("tiny", "smollm2")
+
+if TYPE_CHECKING:
+    from cluster.jobs.extensions import BuiltTools
+    from primitives.maths.algorithms import AlgorithmConfig
 
 
 MODEL_CACHE_ENV = "RAYRL_MODEL_CACHE"  # where the embedded SmolLM2 is converted to (default ~/.cache/rayrl)
@@ -137,6 +141,7 @@ def load_task(name: str, kwargs: Optional[dict], seed: int):
     from primitives.fixtures.tasks import TASKS, TaskData
     from primitives.hooks import did_you_mean, load_function
 
+    fn: Callable
     if ":" in name:
         fn = load_function(name)
     elif name in TASKS:
@@ -175,6 +180,8 @@ def rl_prompts(job: RLJob, eval_on: bool) -> tuple:
         if eval_on and data.eval_set.path is None and data.eval_set.size is None:
             raise ConfigErrors(["evaluation is on but data.eval_set has neither path (an eval file) nor size (a "
                                 "held-out share or count); set one, or eval.enabled: false"])
+        if data.path is None:
+            raise ConfigErrors(["data: name a task (data.task) or a prompt file (data.path)"])
         train, evals = load_train_eval(data.path, data.fields, data.format, eval_data, data.split)
     if eval_on and not evals:
         raise ConfigErrors([f"evaluation is on but the task {data.task} has no eval prompts; set eval.enabled: false"])
@@ -224,18 +231,18 @@ class RLInputs(NamedTuple):
     eval_items: list
     sft_samples: list
     sft_eval_samples: list
-    reward_fn: object
-    aggregate_fn: object
+    reward_fn: Callable
+    aggregate_fn: Optional[Callable]
     component_names: tuple
-    algo: object  # primitives.maths.algorithms.AlgorithmConfig of step 0
+    algo: AlgorithmConfig  # of step 0
     info: dict  # facts of the task for the summary
     template_kwargs: Optional[dict]  # chat-template variables (enable_thinking) the generators render with
-    schedule: object = None  # (iteration, last_metrics) -> AlgorithmConfig (the schedule section)
+    schedule: Optional[Callable] = None  # (iteration, last_metrics) -> AlgorithmConfig (the schedule section)
     algos: tuple = ()  # every algorithm the schedule can return (step 0's first)
-    ref_update_fn: object = None  # how the reference moves (None: fixed)
-    shaping_fn: object = None  # reward shaping on the reward workers (None: none)
-    tools: object = None  # cluster.jobs.extensions.BuiltTools, or None: single-turn rollouts
-    generator_policy: object = None  # (history, current) -> generator workers (cluster.scaling); None: fixed
+    ref_update_fn: Optional[Callable] = None  # how the reference moves (None: fixed)
+    shaping_fn: Optional[Callable] = None  # reward shaping on the reward workers (None: none)
+    tools: Optional[BuiltTools] = None  # None: single-turn rollouts
+    generator_policy: Optional[Callable] = None  # (history, current) -> generator workers (cluster.scaling)
 
 
 @checked
@@ -293,7 +300,7 @@ def adapters_base(checkpoint: str) -> str:
     raise_if([] if base and os.path.isdir(base) else [
         f"checkpoint.resume {checkpoint}: a LoRA job whose SFT stage trained every weight resumes on that "
         f"stage's model, but {config} {'names ' + repr(base) + ', not a directory' if base else 'does not name it'}"])
-    return base
+    return str(base)
 
 
 def job_extensions(job: RLJob) -> dict:
@@ -308,7 +315,8 @@ def job_extensions(job: RLJob) -> dict:
     )
     from primitives.maths.algorithms import uses_reference
 
-    built, errors = {}, []
+    built: dict = {}
+    errors: list = []
     for key, build in (("schedule", build_schedule), ("ref_update_fn", build_ref_update),
                        ("shaping_fn", build_shaping), ("tools", build_tools),
                        ("generator_policy", build_generator_policy)):
@@ -336,8 +344,9 @@ def side_by_side(work, here):
         try:
             here()
         except BaseException as error:
-            if future.exception() is not None:  # waits for work
-                raise future.exception() from error
+            failed = future.exception()  # waits for work
+            if failed is not None:
+                raise failed from error
             raise
         return future.result()
 

@@ -84,14 +84,23 @@ class Backend(Protocol):
     """The operations of an RL or SFT run. ``pending`` values are the backend's own handles of
     work in flight (``generate`` -> ``reference_logprobs`` / ``score`` -> ``fetch``)."""
 
-    name: str  # for messages ("ray", "local")
-    pad_token_id: int
-    restarts: int  # actors replaced so far
-    has_reference: bool
-    has_critic: bool
-    reference_in_train_step: bool  # the trainer ranks score their own shards' reference logprobs
-    reward_needs_reference: bool  # the shaping function reads ref_logprobs (KL in the reward)
-    remote: bool  # functions travel to other processes (they must pickle)
+    # read by the loop, set by the backend (a plain attribute or a property)
+    @property
+    def name(self) -> str: ...  # for messages ("ray", "local")
+    @property
+    def pad_token_id(self) -> int: ...
+    @property
+    def restarts(self) -> int: ...  # actors replaced so far
+    @property
+    def has_reference(self) -> bool: ...
+    @property
+    def has_critic(self) -> bool: ...
+    @property
+    def reference_in_train_step(self) -> bool: ...  # the trainer ranks score their own shards' reference logprobs
+    @property
+    def reward_needs_reference(self) -> bool: ...  # the shaping function reads ref_logprobs (KL in the reward)
+    @property
+    def remote(self) -> bool: ...  # functions travel to other processes (they must pickle)
 
     def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> Any: ...
     def reference_logprobs(self, pending: Any, temperature: float) -> Any: ...
@@ -109,12 +118,16 @@ class Backend(Protocol):
     def save(self, path: str, state: TrainState) -> str: ...
     def load(self, path: str) -> TrainState: ...
     def busy(self) -> dict: ...
-    def recover(self, failure: ActorFailure, since: int, send_weights: bool = True) -> None: ...
+    # the role it recovered (None: nothing to do); ``lost``: seconds of work the failure cost
+    def recover(self, failure: ActorFailure, since: int, send_weights: bool = True,
+                lost: float = 0.0) -> Optional[str]: ...
     def settle(self, pending: Sequence) -> None: ...
     def prepare_recovery(self) -> None: ...  # keep what a recovery restores from (before the first step)
     def fault_metrics(self) -> dict: ...  # faults/* so far (restarts by role, seconds lost); {} without any
     # generator workers that grow and shrink while the run goes on (``RLRun.generator_policy``): only where
     # ``can_scale_generators`` (the Ray backend's own workers, not generation on the trainer ranks)
-    can_scale_generators: bool
-    generator_count: int
+    @property
+    def can_scale_generators(self) -> bool: ...
+    @property
+    def generator_count(self) -> int: ...
     def scale_generators(self, n: int, in_flight: Sequence = ()) -> dict: ...

@@ -164,8 +164,8 @@ def collect_rollouts(backend: Backend, prompt_source: Callable, state: TrainStat
 SKIPPED_UPDATE = {"batch/rows": 0.0, "batch/loss_tokens": 0.0, "policy/updates": 0.0}
 
 
-def train_and_sync(backend: Backend, rows: Sequence, plan_args: dict, algo, temperature: float, lr: float, version: int,
-                   step: int, queue: deque) -> Optional[dict]:
+def train_and_sync(backend: Backend, rows: Sequence, plan_args: dict, algo, temperature: float, lr: Optional[float],
+                   version: int, step: int, queue: deque) -> Optional[dict]:
     """One update on the step's ``rows`` (``Held``; the policy's, and the critic's when the
     algorithm reads values), then the weights sent to the generators as ``version``; the
     metrics of both and of the trained batch. None when the batch had nothing to train (a
@@ -210,7 +210,7 @@ class RLRun(NamedTuple):
     gen: GenerationConfig  # sampling: n completions per prompt, the temperature the logprobs are of
     num_steps: int  # RL iterations in all (a resumed run counts on from its state)
     prompts_per_step: int
-    lr_schedule: Callable[[int], float]  # iteration -> learning rate
+    lr_schedule: Callable[[int], Optional[float]]  # iteration -> learning rate (None: the optimizer's own)
     max_resample_rounds: int = 4  # dynamic sampling: extra generation rounds per step
     max_staleness: int = 0  # asynchronous RL: generate up to this many steps ahead (0: synchronous)
     component_names: Optional[tuple] = None  # reward component names (``build_reward``'s labels)

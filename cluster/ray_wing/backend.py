@@ -127,7 +127,7 @@ class RayBackend(Recovery):
     def generate(self, items: Sequence, gen: GenerationConfig, tools=None) -> RolloutRefs:
         """``gen.n`` rollouts per item, the items split evenly over the generators
         (tool-using rollouts when ``tools`` is a ``ToolConfig``)."""
-        generators = self.cluster.generators
+        generators = self.cluster.generator_handle
         chunks = split_evenly(list(items), generators.size)
         return RolloutRefs((("generate", [generators.generate(r, chunk, gen, tools)
                                           for r, chunk in enumerate(chunks) if chunk]),))
@@ -135,13 +135,13 @@ class RayBackend(Recovery):
     def reference_logprobs(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:
         """Reference logprobs of the rollouts, at the sampling temperature."""
         chunks = [x.ref for x in refs.phases[-1][1]]
-        return refs.then("ref", [self.cluster.reference.with_ref_logprobs(i, x, temperature)
+        return refs.then("ref", [self.cluster.reference_handle.with_ref_logprobs(i, x, temperature)
                                  for i, x in enumerate(chunks)])
 
     def _score(self, chunks: Sequence) -> tuple:
         """``(summary calls, scored-rollout refs)`` of each chunk, spread over the reward workers."""
-        c = self.cluster
-        split = [call_split(c.rewards, i % c.rewards.size, "score_summarized", x) for i, x in enumerate(chunks)]
+        rewards = self.cluster.reward_group
+        split = [call_split(rewards, i % rewards.size, "score_summarized", x) for i, x in enumerate(chunks)]
         return [s for s, _ in split], [d for _, d in split]
 
     def score(self, refs: RolloutRefs) -> RolloutRefs:
@@ -154,7 +154,7 @@ class RayBackend(Recovery):
         other): the chunks go to the reward workers and the reference workers at once, the
         reference returning only its logprob arrays."""
         chunks = [x.ref for x in refs.phases[-1][1]]
-        ref = [self.cluster.reference.logprobs(i, x, temperature) for i, x in enumerate(chunks)]
+        ref = [self.cluster.reference_handle.logprobs(i, x, temperature) for i, x in enumerate(chunks)]
         reward, data = self._score(chunks)
         return RolloutRefs(refs.phases, (("ref", [count for count, _ in ref]), ("reward", reward)),
                            tuple((d, arrays) for d, (_, arrays) in zip(data, ref)))
@@ -188,7 +188,7 @@ class RayBackend(Recovery):
         """The rows ``filters`` keep, in their order: the filters run on a reward worker, which
         receives the rows' chunks by reference, and only positions come back."""
         positions, parts = plan_parts(rows)
-        kept = gather([call(self.cluster.rewards, 0, "select", tuple(filters), positions, len(parts),
+        kept = gather([call(self.cluster.reward_group, 0, "select", tuple(filters), positions, len(parts),
                             *flat_parts(parts))], self.cluster.timeout_s)[0]
         return [rows[k] for k in kept]
 
@@ -208,7 +208,7 @@ class RayBackend(Recovery):
         if not self.has_critic:
             raise ValueError("this cluster has no critic; build it with a critic for an algorithm whose "
                              "advantage function reads values (PPO's GAE)")
-        return fan_out(c.critics, "values_planned", plan, len(parts), *flat_parts(parts))
+        return fan_out(c.critic_group, "values_planned", plan, len(parts), *flat_parts(parts))
 
     # ------------------------------------------------------------------ training
     def train_step(self, plan: BatchPlan, parts: list, values: Optional[list], algo, temperature: float,
@@ -236,7 +236,7 @@ class RayBackend(Recovery):
         c = self.cluster
         trailing = [*flat_parts(parts), *[v.ref for v in values or ()]]
         calls = fan_out(c.trainers, "train_planned", plan, algo, temperature, lr, len(parts), *trailing)
-        critic_calls = fan_out(c.critics, "value_step_planned", plan, algo, len(parts), *trailing) \
+        critic_calls = fan_out(c.critic_group, "value_step_planned", plan, algo, len(parts), *trailing) \
             if with_critic else []  # at the critic's lr
         try:
             results = gather(calls + list(values or ()) + critic_calls, c.timeout_s)
@@ -304,7 +304,7 @@ class RayBackend(Recovery):
     def busy(self) -> dict:
         """Seconds each role worked since the last call (generators: the mean over workers)."""
         c, out = self.cluster, {}
-        for role, calls, combine in (("generators", c.generators.busy(), lambda xs: sum(xs) / len(xs)),
+        for role, calls, combine in (("generators", c.generator_handle.busy(), lambda xs: sum(xs) / len(xs)),
                                      ("trainers", fan_out(c.trainers, "busy"), max)):
             seconds = []
             for one in calls:
@@ -325,7 +325,7 @@ class RayBackend(Recovery):
 
     @property
     def generator_count(self) -> int:
-        return self.cluster.generators.size
+        return self.cluster.generator_handle.size
 
     def scale_generators(self, n: int, in_flight: Sequence = ()) -> dict:
         """Grow or shrink the generator workers to ``n`` between steps, without a restart. The

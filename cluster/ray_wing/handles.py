@@ -24,7 +24,10 @@ class GeneratorWorkers(NamedTuple):
     replaced alone."""
 
     group: WorkerGroup
-    where = "workers"
+
+    @property
+    def where(self) -> str:
+        return "workers"
 
     @property
     def size(self) -> int:
@@ -60,7 +63,10 @@ class GeneratorsOnTrainers(NamedTuple):
     group is rebuilt)."""
 
     trainers: WorkerGroup
-    where = "trainers"
+
+    @property
+    def where(self) -> str:
+        return "trainers"
 
     @property
     def size(self) -> int:
@@ -94,8 +100,15 @@ class ReferenceWorkers(NamedTuple):
 
     group: WorkerGroup
     tracks: bool = False
-    where = "workers"
-    in_train_step = False  # the rollouts are scored before the batch is made
+
+    @property
+    def where(self) -> str:
+        return "workers"
+
+    @property
+    def in_train_step(self) -> bool:
+        """The rollouts are scored before the batch is made."""
+        return False
 
     @property
     def size(self) -> int:
@@ -141,8 +154,15 @@ class ReferenceOnTrainers(NamedTuple):
 
     trainers: WorkerGroup
     tracks: bool = False
-    where = "trainers"
-    in_train_step = True  # each rank scores its own shard in the train step
+
+    @property
+    def where(self) -> str:
+        return "trainers"
+
+    @property
+    def in_train_step(self) -> bool:
+        """Each rank scores its own shard in the train step."""
+        return True
 
     @property
     def size(self) -> int:

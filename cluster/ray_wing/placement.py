@@ -14,7 +14,7 @@ class RoleSpec(NamedTuple):
     """How many actors of one role and what each one needs."""
 
     name: str  # "generator", "trainer", "reward", "reference"
-    count: int
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count, which no caller uses
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: Optional[dict] = None  # custom resources per actor, e.g. {"generator_node": 1}

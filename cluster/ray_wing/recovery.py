@@ -131,6 +131,13 @@ class Recovery:
     faults: list  # one record per recovery
     snapshot_costs: list  # (seconds, bytes) of each snapshot
 
+    @property
+    def restore_point(self) -> Snapshot:
+        """The last snapshot, which every restore starts from (a run takes one before its first step)."""
+        if self.snapshot is None:
+            raise RuntimeError("no snapshot has been taken yet: nothing to restore the trainers from")
+        return self.snapshot
+
     def recovering(self, op: Callable, after: Optional[Callable] = None, send_weights: bool = True):
         """``op()``, made again after each recovery from an actor's death or silence (``recover``;
         ``after(recovered role)`` runs before the next try), until it succeeds; a failure that is
@@ -152,7 +159,7 @@ class Recovery:
         was snapshotted): its replacement holds the state before the move, so every copy goes
         back there and the step's move is made once more (the sync sent again)."""
         if role == "reference" and self._reference_workers_track():
-            restore_reference_workers(self.cluster, self.snapshot)
+            restore_reference_workers(self.cluster, self.restore_point)
             sync_weights(self.cluster, self.version, *self.last_move)
 
     def snapshot_due(self) -> bool:
@@ -194,7 +201,7 @@ class Recovery:
 
     def _reference_workers_track(self) -> bool:
         """Reference workers that move every step: their state is snapshotted after every sync."""
-        return self._has_reference_workers() and self.cluster.reference.tracks
+        return self._has_reference_workers() and self.cluster.reference_handle.tracks
 
     def _restore_tracking_reference(self) -> None:
         """After a failed sync: a tracking reference may have moved on some ranks; every copy goes
@@ -204,7 +211,7 @@ class Recovery:
         if ref is None or not ref.tracks or self.snapshot is None:
             return
         if ref.where == "workers":
-            restore_reference_workers(self.cluster, self.snapshot)
+            restore_reference_workers(self.cluster, self.restore_point)
         else:
             restore_group(self.cluster, "trainer", self.snapshot, self.log)
 
@@ -267,7 +274,7 @@ class Recovery:
 
     def _recover_one(self, failure: ActorFailure, role: str, rank: int, since: int, send_weights: bool,
                      lost: float) -> Optional[str]:
-        if role == "generator" and rank >= self.cluster.generators.size:
+        if role == "generator" and rank >= self.cluster.generator_handle.size:
             return None  # a worker that left when the generators shrank: only its work is redone, on those left
         key = (role, -1 if role in DEEPSPEED_ROLES else rank)  # a DeepSpeed group is rebuilt whole
         if self.replaced_at.get(key, -1) > since:
@@ -294,7 +301,7 @@ class Recovery:
             else:
                 self.cluster = replace_actor(self.cluster, role, rank)
                 if role == "reference":
-                    gather([call(self.cluster.reference.group, rank, "restore", self.snapshot.reference)],
+                    gather([call(self.cluster.reference_workers.group, rank, "restore", self.restore_point.reference)],
                            self.cluster.timeout_s)
                 if role == "generator" and send_weights:
                     sync_weights(self.cluster, self.version, move_reference=False)
@@ -314,7 +321,9 @@ class Recovery:
         groups = [getattr(c.generators, "group", None), c.rewards, getattr(c.reference, "group", None), c.trainers,
                   c.critics]
         for group in groups:
-            for rank, actor in enumerate(group.actors if group is not None else ()):
+            if group is None:
+                continue
+            for rank, actor in enumerate(group.actors):
                 if actor_id(actor) == dead_id:
                     return group.role, rank
         return None
@@ -344,11 +353,12 @@ class Recovery:
     def _restore_groups(self) -> None:
         """Both DeepSpeed groups (trainer, critic) to the state after the last finished update:
         the snapshot, then the log's updates made again."""
-        restore_group(self.cluster, "trainer", self.snapshot, self.log)
+        restore_group(self.cluster, "trainer", self.restore_point, self.log)
         if self.cluster.critics is not None:
-            restore_group(self.cluster, "critic", self.snapshot, self.log)
-        if self.cluster.generators.where == "trainers":  # generators hosted by rebuilt ranks: the version they hold
-            gather(self.cluster.generators.receive_weights((), 0, self.version), self.cluster.timeout_s)
+            restore_group(self.cluster, "critic", self.restore_point, self.log)
+        gens = self.cluster.generator_handle
+        if gens.where == "trainers":  # generators hosted by rebuilt ranks: the version they hold
+            gather(gens.receive_weights((), 0, self.version), self.cluster.timeout_s)
 
     def settle(self, collections: Sequence) -> None:
         """Wait for the generation of the collections in flight (``cluster.loop.train.Collection``;
@@ -361,7 +371,7 @@ class Recovery:
         for coll in collections:  # waited for where they are: nothing is fetched to the driver
             refs = [c.ref for c in coll.handle.phases[0][1]]
             ray.wait(refs, num_returns=len(refs), timeout=self.cluster.timeout_s, fetch_local=False)
-        for ping in self.cluster.generators.ping():
+        for ping in self.cluster.generator_handle.ping():
             try:
                 gather([ping], self.cluster.timeout_s)
             except ActorFailure as failure:

@@ -62,6 +62,51 @@ class RLCluster(NamedTuple):
     generator_engine: str = "hf"  # the engine the generators run: hf or vllm
     reused: tuple = ()  # roles whose actors an earlier cluster kept (RAYRL_REUSE_ACTORS, cluster.ray_wing.pool)
 
+    # the roles an RL step needs, which an SFT cluster (the trainers alone) or a job without a
+    # reference lacks: asking for one that is not there is an error that names it
+    @property
+    def generator_handle(self) -> GeneratorWorkers | GeneratorsOnTrainers:
+        return _present(self.generators, "generators")
+
+    @property
+    def reward_group(self) -> WorkerGroup:
+        return _present(self.rewards, "reward workers")
+
+    @property
+    def reference_handle(self) -> ReferenceWorkers | ReferenceOnTrainers:
+        return _present(self.reference, "reference")
+
+    @property
+    def generator_workers(self) -> GeneratorWorkers:
+        """The generator workers (not generation on the trainer ranks)."""
+        gens = self.generator_handle
+        if not isinstance(gens, GeneratorWorkers):
+            raise RuntimeError("this cluster generates on its trainer ranks: it has no generator workers")
+        return gens
+
+    @property
+    def reference_workers(self) -> ReferenceWorkers:
+        """The reference workers (not a reference on the trainer ranks)."""
+        ref = self.reference_handle
+        if not isinstance(ref, ReferenceWorkers):
+            raise RuntimeError("this cluster keeps its reference on the trainer ranks: it has no reference workers")
+        return ref
+
+    @property
+    def critic_group(self) -> WorkerGroup:
+        return _present(self.critics, "critics")
+
+    @property
+    def role_factories(self) -> dict:
+        return _present(self.factories, "role factories")
+
+
+def _present(value, what: str):
+    if value is None:
+        raise RuntimeError(f"this cluster has no {what} (an SFT job's cluster is the trainers alone; a job "
+                           f"whose steps read no reference logprobs has no reference)")
+    return value
+
 
 def stage_seconds(marks: Sequence[tuple]) -> dict:
     """``{stage: seconds}`` from ``[(first mark, t0), (stage, t1), ...]`` (``time.time()``
@@ -136,7 +181,7 @@ def check_cluster_hooks(reward_fn: Callable, aggregate_fn: Optional[Callable], s
     Ray starts."""
     from primitives.hooks import check_arity, check_picklable
 
-    hooks = [(reward_fn, "reward_fn", (None,)), (aggregate_fn, "aggregate_fn", ([0.0],)),
+    hooks: list = [(reward_fn, "reward_fn", (None,)), (aggregate_fn, "aggregate_fn", ([0.0],)),
              (shaping_fn, "shaping_fn", (None, 0.0)), (ref_update_fn, "ref_update_fn", (None, {}, 0, None))]
     for fn, what, args in hooks:
         if fn is not None:
@@ -213,14 +258,14 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
     generator on the trainers reads the policy where it is). Called at start-up and after a
     generator is replaced. With nobody to send to, there is no group (world size 1)."""
-    gens = cluster.generators.sync_ranks()
+    gens = cluster.generator_handle.sync_ranks()
     refs = cluster.reference.sync_ranks() if cluster.reference is not None else 0
     if gens + refs == 0:
         return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
-    joins += cluster.generators.join_sync(sync, 1, cluster.bucket_bytes)
+    joins += cluster.generator_handle.join_sync(sync, 1, cluster.bucket_bytes)
     joins += cluster.reference.join_sync(sync, 1 + gens) if cluster.reference is not None else []
     gather(joins, cluster.timeout_s)
     return cluster._replace(sync_address=sync)
@@ -243,8 +288,10 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     if not cluster.factories or role not in cluster.factories or role in DEEPSPEED_ROLES:
         raise ValueError(f"no way to replace a {role}: only generator, reward and reference workers are replaced "
                          "one by one (a trainer or critic group is rebuilt whole: rebuild_group)")
-    group = {"generator": getattr(cluster.generators, "group", None), "reward": cluster.rewards,
-             "reference": getattr(cluster.reference, "group", None)}[role]
+    if role == "reward":
+        group = cluster.reward_group
+    else:
+        group = cluster.reference_workers.group if role == "reference" else cluster.generator_workers.group
     _kill(group.actors[rank])
     actor = cluster.factories[role].create(rank, *group.slot(rank))
     try:
@@ -255,8 +302,8 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
         if role == "reward":
             return cluster._replace(rewards=group)
         if role == "reference":
-            return join_weight_sync(cluster._replace(reference=cluster.reference._replace(group=group)))
-        return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
+            return join_weight_sync(cluster._replace(reference=cluster.reference_workers._replace(group=group)))
+        return join_weight_sync(cluster._replace(generators=cluster.generator_workers._replace(group=group)))
     except BaseException:  # a replacement the cluster does not get must not hold the bundle for the next try
         _kill(actor)
         raise
@@ -308,7 +355,7 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    group, factory = cluster.generators.group, cluster.factories["generator"]
+    group, factory = cluster.generator_workers.group, cluster.role_factories["generator"]
     actors = list(group.actors)
     slots = [group.slots[r] if r < len(group.slots) else None for r in range(group.size)]
     if n > group.size:
@@ -340,11 +387,12 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
     else:
         for r in range(n, group.size):
             ray.kill(actors[r], no_restart=True)
-            if slots[r] is not None:
-                remove_placement_group(slots[r][0])
+            slot = slots[r]
+            if slot is not None:
+                remove_placement_group(slot[0])
         actors, slots = actors[:n], slots[:n]
     group = group._replace(actors=tuple(actors), slots=tuple(slots) if any(s is not None for s in slots) else ())
-    return join_weight_sync(cluster._replace(generators=cluster.generators._replace(group=group)))
+    return join_weight_sync(cluster._replace(generators=cluster.generator_workers._replace(group=group)))
 
 
 def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, critic_cfg: TrainerConfig,

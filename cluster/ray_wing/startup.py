@@ -68,7 +68,7 @@ def create_roles(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerCon
     trainers = groups["trainer"]
     generators = GeneratorsOnTrainers(trainers) if hosted else GeneratorWorkers(groups["generator"])
     tracks = with_reference and fns.ref_update_fn is not None
-    reference = None
+    reference: Optional[ReferenceWorkers | ReferenceOnTrainers] = None
     if on_trainers:
         reference = ReferenceOnTrainers(trainers, tracks)
     elif "reference" in groups:
@@ -83,7 +83,7 @@ def start_roles(made: Roles, cfg: ClusterConfig) -> tuple:
     info)``; the generators' infos come first."""
     master = gather([call(made.trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
     setups = fan_out(made.trainers, "setup", *master)  # waited for later, after the other roles
-    others = ([] if cfg.generate_on_trainers else [made.generators.group]) + [made.rewards] + \
+    others = ([made.generators.group] if isinstance(made.generators, GeneratorWorkers) else []) + [made.rewards] + \
         ([made.reference.group] if isinstance(made.reference, ReferenceWorkers) else [])
     return setups, gather([c for g in others for c in fan_out(g, "info")], cfg.call_timeout_s)
 

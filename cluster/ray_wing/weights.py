@@ -27,7 +27,7 @@ def sync_weights(cluster: RLCluster, version: int, step: int = 0, kl: Optional[f
     t0 = time.perf_counter()
     meta, bucket = list(cluster.weight_meta), cluster.bucket_bytes
     calls = fan_out(cluster.trainers, "send_weights", meta, bucket) if cluster.sync_address.world_size > 1 else []
-    calls += cluster.generators.receive_weights(meta, bucket, version)
+    calls += cluster.generator_handle.receive_weights(meta, bucket, version)
     if cluster.reference is not None:
         calls += cluster.reference.sync(meta, bucket, step, kl, move_reference)
     moved = gather(calls, cluster.timeout_s)[0]

@@ -184,7 +184,7 @@ def kl_penalty_shaping(coef: float) -> Callable:
         m = rollout.loss_mask
         return reward - coef * float(((rollout.logprobs - rollout.ref_logprobs) * m).sum())
 
-    shape.needs_reference = True
+    shape.needs_reference = True  # type: ignore[attr-defined]  # read by the cluster (getattr)
     return shape
 
 
@@ -196,7 +196,7 @@ def chain_shaping(*fns: Callable) -> Callable:
             reward = f(rollout, reward)
         return reward
 
-    shape.needs_reference = any(getattr(f, "needs_reference", False) for f in fns)
+    shape.needs_reference = any(getattr(f, "needs_reference", False) for f in fns)  # type: ignore[attr-defined]
     return shape
 
 
@@ -463,12 +463,12 @@ def reward_model_scores(model, tokenizer, texts: Sequence[str], batch_size: int 
     return torch.cat(out).numpy().astype(np.float32)
 
 
-def create_rm_reward_fn(model, tokenizer, render: Callable = None) -> Callable:
+def create_rm_reward_fn(model, tokenizer, render: Optional[Callable] = None) -> Callable:
     """``reward_fn`` scoring ``render(rollout)`` (default: prompt + completion text) with an RM."""
-    render = render or (lambda r: (r.prompt if isinstance(r.prompt, str) else "") + r.text)
+    text = render or (lambda r: (r.prompt if isinstance(r.prompt, str) else "") + r.text)
 
     def reward_fn(rollout) -> float:
-        return float(reward_model_scores(model, tokenizer, [render(rollout)])[0])
+        return float(reward_model_scores(model, tokenizer, [text(rollout)])[0])
 
     return reward_fn
 
@@ -551,7 +551,7 @@ def reward_model_reward(path: str, device: str = "cpu") -> Callable:
 # ----------------------------------------------------------------------------- reward specs
 
 # Built-in rewards by name: a factory each; a RewardSpec's kwargs are the factory's arguments.
-BUILTIN_REWARDS = {
+BUILTIN_REWARDS: dict[str, Callable] = {
     "exact_match": exact_match,
     "math_verify": math_verify_reward,
     "regex_format": regex_format_reward,

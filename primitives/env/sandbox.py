@@ -351,10 +351,11 @@ def _seccomp_fd():
     if program is None:
         yield None
         return
-    read_fd, write_fd = os.pipe()
+    read_fd, pipe_write = os.pipe()
+    write_fd: int | None = pipe_write
     try:
-        os.write(write_fd, program)  # a few hundred bytes: fits in the pipe buffer
-        os.close(write_fd)
+        os.write(pipe_write, program)  # a few hundred bytes: fits in the pipe buffer
+        os.close(pipe_write)
         write_fd = None
         yield read_fd
     finally:
@@ -385,13 +386,15 @@ def _run_bounded(argv: list, *, cwd: str, env: dict, timeout: float, max_output:
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
     tail, deadline, returncode = bytearray(), time.monotonic() + timeout, None
+    stdout = proc.stdout
+    assert stdout is not None  # stdout=PIPE
     try:
         with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout, selectors.EVENT_READ)
+            selector.register(stdout, selectors.EVENT_READ)
             while time.monotonic() < deadline:
                 if not selector.select(deadline - time.monotonic()):
                     continue
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                chunk = os.read(stdout.fileno(), 1 << 16)
                 if not chunk:
                     break
                 tail += chunk
@@ -404,7 +407,7 @@ def _run_bounded(argv: list, *, cwd: str, env: dict, timeout: float, max_output:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # bwrap's --die-with-parent takes the sandbox down too
             proc.wait()
-        proc.stdout.close()
+        stdout.close()
     out = tail.decode("utf-8", errors="replace").strip()
     if returncode is None:
         out = f"{out}\ntimed out after {timeout}s".strip()

@@ -13,7 +13,7 @@ import math
 import operator
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -73,7 +73,7 @@ def parse_json_tool_calls(text: str) -> list:
     """JSON function calls ``{"name": ..., "arguments": {...}}``, bare or inside Hermes-style
     ``<tool_call>...</tool_call>`` tags; a list of such objects is accepted too."""
     chunks = _HERMES_CALL.findall(text) or ([text.strip()] if text.strip().startswith(("{", "[")) else [])
-    calls = []
+    calls: list = []
     for chunk in chunks:
         try:
             obj = json.loads(chunk)
@@ -99,7 +99,7 @@ def parse_json_tool_calls(text: str) -> list:
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNOPS: dict[type, Callable] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def safe_calculate(expression: str, max_len: int = 200, max_power: int = 100, max_bits: int = 4096):
@@ -211,8 +211,8 @@ class ToolConfig(NamedTuple):
     """
 
     executor: Callable
-    parser: Callable = None  # None: parse_xml_tool_calls
-    stop_condition: Callable = None  # None: no_tool_calls_stop
+    parser: Optional[Callable] = None  # None: parse_xml_tool_calls
+    stop_condition: Optional[Callable] = None  # None: no_tool_calls_stop
     max_turns: int = 4
 
 
@@ -222,7 +222,7 @@ def tool_metrics(rollouts) -> dict:
 
 
 def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], GenerationOutput],
-                      tool_parser: Callable = parse_xml_tool_calls, tool_executor: Callable = None,
+                      tool_parser: Callable = parse_xml_tool_calls, tool_executor: Optional[Callable] = None,
                       stop_condition: Callable = no_tool_calls_stop, max_turns: int = 4,
                       sample: int = 0, policy_version: int = 0) -> Rollout:
     """Generate, parse tool calls, execute, append results, repeat; one ``Rollout``.
@@ -241,7 +241,9 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
     conv = item.prompt if isinstance(item.prompt, Conversation) else Conversation((Message("user", item.prompt),))
     prefix_text = render_prompt(tokenizer, conv)
     prompt_ids = np.asarray(tokenizer(prefix_text, add_special_tokens=False).input_ids, dtype=np.int64)
-    ids, mask, logp = [], [], []
+    ids: list = []
+    mask: list = []
+    logp: list = []
     calls_all, results_all, finish = [], [], "length"
     for turn in range(max_turns):
         out = generate_turn(np.concatenate([prompt_ids, np.asarray(ids, dtype=np.int64)]))

@@ -365,6 +365,8 @@ def load_train_eval(path: str, fields: FieldMap = FieldMap(), fmt: PromptFormat 
         return items, []
     if eval_data.size is not None:
         return split_eval(items, eval_data.size, eval_data.seed)
+    if eval_data.path is None:  # checked above: a size or a path
+        raise ValueError("evaluation is on but no eval set is given")
     if os.path.exists(eval_data.path) and os.path.samefile(path, eval_data.path) and (
             not os.path.isdir(path) or eval_data.split == split):
         raise ValueError(f"{eval_data.path}: the eval set is the training data; give another file or "
@@ -469,7 +471,8 @@ def take_prompts(items: Sequence[PromptItem], position: DataPosition, batch_size
         raise ValueError("empty prompt list")
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    out, epoch, offset = [], position.epoch, position.offset
+    out: list = []
+    epoch, offset = position.epoch, position.offset
     while len(out) < batch_size:
         order = epoch_order(len(items), epoch, seed, shuffle)
         take = order[offset: offset + batch_size - len(out)]

@@ -82,7 +82,7 @@ def eval_metrics(rollouts: Sequence, k: int, correct_threshold: float = 1.0,
     _check_scored(rollouts)
     rewards_B = np.asarray([r.reward for r in rollouts], dtype=np.float64)
     correct_B = rewards_B >= correct_threshold
-    counts = defaultdict(lambda: [0, 0])  # group -> [samples, correct]
+    counts: defaultdict = defaultdict(lambda: [0, 0])  # group -> [samples, correct]
     for r, ok in zip(rollouts, correct_B):
         counts[r.group][0] += 1
         counts[r.group][1] += int(ok)

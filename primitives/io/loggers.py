@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 
 def noop_logger(metrics: dict) -> None:
@@ -21,7 +21,8 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def console_logger(keys: Optional[Sequence[str]] = None, every: int = 1, write: Callable = None) -> Callable:
+def console_logger(keys: Optional[Sequence[str]] = None, every: int = 1,
+                   write: Optional[Callable] = None) -> Callable:
     """Print ``step k=v ...`` every ``every`` calls (through tqdm.write so bars stay intact)."""
     if write is None:
         from tqdm import tqdm
@@ -53,14 +54,14 @@ def wandb_logger(project: str, run_name: Optional[str] = None, config: Optional[
     """Weights & Biases; offline mode when no ``WANDB_API_KEY`` is set (sync later with ``wandb sync``)."""
     import wandb
 
-    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    mode: Literal["online", "offline"] = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     run = wandb.init(project=project, name=run_name, config=config or {}, dir=directory, mode=mode,
                      reinit="finish_previous")
 
     def logger(metrics: dict) -> None:
         run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics.get("step"))
 
-    logger.finish = run.finish
+    logger.finish = run.finish  # type: ignore[attr-defined]  # the caller ends the run
     return logger
 
 

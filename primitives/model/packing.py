@@ -137,9 +137,10 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple:
     Each bin's sequences lie end to end from offset 0 up to its ``fill``."""
     order = np.argsort(-lengths, kind="stable").tolist()
     sizes = lengths.tolist()
-    bins, offsets, fill = [0] * len(sizes), [0] * len(sizes), []
+    bins, offsets = [0] * len(sizes), [0] * len(sizes)
+    fill: list = []
     smallest = min(sizes, default=0)
-    open_bins = []  # bins that can still take the shortest sequence, in order
+    open_bins: list = []  # bins that can still take the shortest sequence, in order
     for i in order:
         b = next((b for b in open_bins if fill[b] + sizes[i] <= capacity), None)
         if b is None:
@@ -242,9 +243,8 @@ def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
             targets.append(input_ids[b, P: P + n])
             at += n - 1
     join = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)  # noqa: E731
-    predictor = join(predictor)
     keep = np.zeros(R * C, bool)
-    keep[predictor] = True
+    keep[join(predictor)] = True
     return PackPlan(
         input_ids=ids.reshape(R, C), position_ids=positions.reshape(R, C), keep=keep.reshape(R, C),
         targets=join(targets), source=(np.cumsum(keep) - 1)[predictor], rows=join(rows), cols=join(cols),

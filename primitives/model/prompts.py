@@ -10,7 +10,7 @@ from primitives.types import Conversation, Message
 
 
 def message_to_dict(m: Message) -> dict:
-    d = {"role": m.role, "content": m.content}
+    d: dict = {"role": m.role, "content": m.content}
     if m.tool_calls:
         d["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                            for c in m.tool_calls]

@@ -65,7 +65,7 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
     if batch.size == 0:
         raise ValueError("forward_backward: empty batch")
     device = next(model.parameters()).device
-    step = micro_batch_rows(micro_batch_size, batch.size, pair_unit(algo))
+    step = micro_batch_rows(micro_batch_size or 0, batch.size, pair_unit(algo))
     parts = []
     model.train()
     for s in range(0, batch.size, step):
