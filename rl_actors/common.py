@@ -84,45 +84,6 @@ def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch:
             torch.manual_seed(seed)
 
 
-class Reusable:
-    """An actor a driver may keep for its next cluster of the same shape (``cluster.ray_wing.pool``):
-    ``release`` drops what this job built (models, engines, process groups); ``rebuild`` then runs
-    the constructor again with the next job's keywords, in the same process, whose imports (torch,
-    transformers, DeepSpeed: 6-8 s of CPU) are already paid. A rebuilt actor computes what a new
-    one would: the constructor sets every seed, and torch's global generator is seeded afresh, as a
-    new process's is."""
-
-    def release(self) -> bool:
-        """Drop this job's state. False: this actor cannot be reused (the driver kills it)."""
-        import gc
-
-        ds = getattr(self, "ds", None)  # a DeepSpeed rank (trainer, critic): its engine and process groups
-        if ds is not None:
-            ds.release()
-        reusable = self.reusable()
-        for name in list(vars(self)):
-            delattr(self, name)
-        if "torch" in sys.modules:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        gc.collect()
-        return reusable
-
-    def reusable(self) -> bool:
-        return True
-
-    def rebuild(self, **kwargs) -> bool:
-        """This actor as ``type(self)(**kwargs)`` would start it."""
-        if vars(self):
-            self.release()
-        if "torch" in sys.modules:  # a new process draws its global generator's seed from the OS
-            sys.modules["torch"].seed()
-        type(self).__init__(self, **kwargs)
-        return True
-
-
 def check_model_path(path: str, role: str) -> None:
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{role}: model path '{path}' is not a directory with config.json "

@@ -39,7 +39,7 @@ from primitives.model.value import (
     value_model_from_reward_model,
 )
 from primitives.types import Batch, BatchPlan, ModelConfig, planned_rollouts
-from rl_actors.common import Reusable, check_model_path, planned_inputs
+from rl_actors.common import check_model_path, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -48,6 +48,7 @@ from rl_actors.deepspeed_rank import (
     rendezvous_endpoint,
     snapshot_bytes,
 )
+from rl_actors.reuse import Reusable
 
 
 def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:

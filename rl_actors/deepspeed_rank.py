@@ -34,7 +34,6 @@ two share.
 """
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from contextlib import nullcontext
@@ -46,6 +45,7 @@ from primitives.io.checkpoint import atomic_directory, capture_rng_state, restor
 from primitives.model.training import micro_batch_rows
 from primitives.types import ModelConfig
 from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
+from rl_actors.reuse import forget_group_registry, peak_rss_mb, remember_group_registry, reset_peak_memory
 from rl_actors.scratch import scratch
 
 
@@ -128,55 +128,6 @@ def import_muon_uncompiled() -> None:
         pass  # a DeepSpeed without Muon imports no TorchInductor for it either
 
 
-_GROUP_REGISTRY: dict = {}  # deepspeed.utils.groups' module state before any group was built
-
-
-def remember_group_registry() -> None:
-    """Note, once per process, DeepSpeed's registry of process groups (``deepspeed.utils.groups``:
-    data-parallel, expert and mesh groups, ``mpu``) as it stands before any group is built."""
-    if not _GROUP_REGISTRY:
-        from deepspeed.utils import groups
-
-        _GROUP_REGISTRY.update({k: copy.copy(v) for k, v in vars(groups).items()
-                                if not k.startswith("__") and (v is None or isinstance(v, (dict, list)))})
-
-
-def forget_group_registry() -> None:
-    """Put DeepSpeed's registry of process groups back as ``remember_group_registry`` found it: the
-    groups of a destroyed process group are not valid in the next."""
-    if _GROUP_REGISTRY:
-        from deepspeed.utils import groups
-
-        for name, value in _GROUP_REGISTRY.items():
-            setattr(groups, name, copy.copy(value))
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set in MiB since it started or since ``reset_peak_memory``: Linux's
-    ``VmHWM``, elsewhere ``ru_maxrss`` (since the start)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        import resource
-        import sys
-
-        per_mib = 2 ** 20 if sys.platform == "darwin" else 2 ** 10  # bytes on macOS, KiB elsewhere
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
-
-
-def reset_peak_memory(on_gpu: bool) -> None:
-    """Start this process's peak memory afresh (a kept actor's next job reports its own): Linux
-    resets ``VmHWM`` when ``5`` is written to ``/proc/self/clear_refs``; torch its CUDA peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-
-
 def rendezvous_endpoint() -> tuple:
     """``(ip, free port)`` on this actor's node: rank 0 hosts the rendezvous stores."""
     import ray
@@ -235,7 +186,7 @@ class DeepSpeedRank:
         self.device = self.engine.device
 
     def release(self) -> None:
-        """Let go of this group (its actor is kept for another job: ``rl_actors.common.Reusable``):
+        """Let go of this group (its actor is kept for another job: ``rl_actors.reuse.Reusable``):
         the engine and its optimizer, the process group, and DeepSpeed's registry of groups built
         on it, so that the next ``setup`` joins a new group as a new process would."""
         import torch.distributed as dist

@@ -18,8 +18,9 @@ from primitives.env.tools import ToolConfig, multiturn_rollouts
 from primitives.model.logprobs import rollout_logprobs
 from primitives.types import GenerationConfig, ModelConfig, VLLMConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import Reusable, actor_info, describe_model, setup_process
+from rl_actors.common import actor_info, describe_model, setup_process
 from rl_actors.hf_engine import HFEngine
+from rl_actors.reuse import Reusable
 from rl_actors.vllm_engine import VLLMEngine, vllm_available, vllm_importable
 from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
 

@@ -26,7 +26,8 @@ import torch
 from primitives.maths.kl import RefState, apply_ref_state, ref_state_from_model
 from primitives.model.logprobs import rollout_logprobs
 from primitives.types import Batch, ModelConfig
-from rl_actors.common import Reusable, actor_info, describe_model, load_causal_lm, setup_process
+from rl_actors.common import actor_info, describe_model, load_causal_lm, setup_process
+from rl_actors.reuse import Reusable
 from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
 
 

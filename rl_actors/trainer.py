@@ -47,7 +47,7 @@ from primitives.model.training import (
 )
 from primitives.types import Batch, BatchPlan, ModelConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import GENERATE_ON_ZERO3, Reusable, load_causal_lm, planned_inputs
+from rl_actors.common import GENERATE_ON_ZERO3, load_causal_lm, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -60,6 +60,7 @@ from rl_actors.deepspeed_rank import (
 )
 from rl_actors.generator import GeneratorWorker
 from rl_actors.reference import AdapterReference, Reference
+from rl_actors.reuse import Reusable
 from rl_actors.weight_sync import (
     DTYPES,
     SyncAddress,

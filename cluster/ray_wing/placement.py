@@ -74,14 +74,9 @@ def create_placement_group(role: RoleSpec, timeout_s: float = 60.0):
 
 def create_placement_groups(roles: Sequence[RoleSpec], timeout_s: float = 60.0) -> dict:
     """``{role name: ready placement group}``, one bundle per actor of each role; all are
-    requested at once, then waited for together. Actors kept from an earlier cluster that no role
-    took (``cluster.ray_wing.pool``) free their bundles first."""
+    requested at once, then waited for together."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-
-    from cluster.ray_wing.pool import release_unclaimed
-
-    release_unclaimed()
 
     pgs = {r.name: placement_group([r.bundle()] * r.count, strategy=r.strategy, name=f"rayrl-{r.name}")
            for r in roles}

@@ -4,7 +4,7 @@ A trainer, generator or reference actor spends most of its start importing torch
 and DeepSpeed (6-8 s of CPU per process); a job of a few steps on a small model spends less than
 that on its steps. A driver that runs many such jobs one after the other (a sweep, a notebook,
 the test suite) can keep the actors of one cluster for the next: at shutdown each kept actor
-drops its job (``rl_actors.common.Reusable.release``: models, engines, process groups) and waits
+drops its job (``rl_actors.reuse.Reusable.release``: models, engines, process groups) and waits
 in its placement group; the next cluster whose role has the same actor class, count, bundle and
 strategy rebuilds those actors with its own keywords (``rebuild``) instead of starting new
 processes. A rebuilt actor computes what a new one would (the tests compare runs on kept and on

@@ -1,4 +1,4 @@
-"""An actor kept for another job (``rl_actors.common.Reusable``), in one process without Ray: a
+"""An actor kept for another job (``rl_actors.reuse.Reusable``), in one process without Ray: a
 trainer rank released and rebuilt joins a new process group and trains as a new rank does (the
 same losses and weights, step by step, though DeepSpeed keeps a registry of the groups it built);
 release drops what the job built; the peak memory a kept rank reports is its own job's."""
@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from primitives.types import ModelConfig
-from rl_actors.common import Reusable
-from rl_actors.deepspeed_rank import peak_rss_mb, reset_peak_memory
+from rl_actors.reuse import Reusable, peak_rss_mb, reset_peak_memory
 from rl_actors.trainer import TrainerConfig, TrainerWorker
 from rl_actors.weight_sync import free_port
 
