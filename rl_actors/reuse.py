@@ -20,19 +20,23 @@ class Reusable:
         """Drop this job's state. False: this actor cannot be reused (the driver kills it)."""
         import gc
 
+        if not self.reusable():
+            return False  # killed as it is: nothing to tear down first
         ds = getattr(self, "ds", None)  # a DeepSpeed rank (trainer, critic): its engine and process groups
         if ds is not None:
             ds.release()
-        reusable = self.reusable()
         for name in list(vars(self)):
             delattr(self, name)
+        gc.collect()
         if "torch" in sys.modules:
+            import torch
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-        gc.collect()
-        return reusable
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the job's model and engine held goes back to the device
+        return True
 
     def reusable(self) -> bool:
         return True

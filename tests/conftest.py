@@ -25,7 +25,8 @@ def ray_up():
     as the tests of starting and leaving Ray do): loopback, quiet, the checkout on every actor's path.
     Its variables reach the actors as the environment of Ray's own processes, as ``start_ray`` sets
     them, so actors take the worker processes Ray starts ahead. Each job or cluster removes its actors
-    and placement groups when it ends; the next one joins this Ray (``start_ray`` joins a running one)."""
+    and placement groups when it ends, or keeps its trainers, generators and reference for the next
+    cluster (``RAYRL_REUSE_ACTORS``, below); the next one joins this Ray (``start_ray`` joins a running one)."""
     import ray
 
     if not ray.is_initialized():
@@ -71,8 +72,13 @@ def tiny_model(tokenizer):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """The test run's Ray (``ray_up``), for a module of tests that start actors."""
-    return ray_up()
+    """The test run's Ray (``ray_up``), for a module of tests that start actors; actors an earlier
+    module's last job kept (``RAYRL_REUSE_ACTORS``) free their bundles for this module's own."""
+    from cluster.ray_wing.pool import release_unclaimed
+
+    ray = ray_up()
+    release_unclaimed()
+    return ray
 
 
 @pytest.fixture(scope="session")

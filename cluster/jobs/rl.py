@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Callable, Optional
 
@@ -149,7 +150,7 @@ def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
         train_sft_stage(backend, inputs, logger)
         backend.save(path, TrainState())
     finally:
-        shutdown_cluster(cluster)
+        shutdown_cluster(cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
     print(f"SFT stage trained every weight ({path}); RL trains adapters on it", flush=True)
     model = job.model._replace(model_name_or_path=os.path.join(path, "hf"))
     return inputs._replace(job=job._replace(model=model))
@@ -339,7 +340,7 @@ def train_rl(inputs: RLInputs, logger) -> dict:
                                              "generation": c.generators.where, "generator_engine": c.generator_engine,
                                              "ray_address": c.ray_address, "reused_roles": list(c.reused)}
     finally:
-        shutdown_cluster(backend.cluster)
+        shutdown_cluster(backend.cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
     return {**where, **accuracy_figures(before, after), **final, **memory, "faults": faults,
             "cluster_started_at": cluster_start, "sft_stage_s": sft_stage_s, "startup": startup, "history": history,
             **({"sft_model": os.path.join(out, SFT_MODEL)} if sft_stage_s or (with_sft and job.sft.save) else {})}

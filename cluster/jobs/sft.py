@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from cluster.jobs.checks import ConfigErrors
@@ -50,7 +51,7 @@ def run_sft(job: SFTJob) -> dict:
                          eval_samples=eval_samples)
         backend.save(os.path.join(out, "final_model"), TrainState(iteration=sft.steps, global_step=sft.steps))
     finally:
-        shutdown_cluster(cluster)
+        shutdown_cluster(cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
     rows = [json.loads(line) for line in open(metrics_path)]
     summary = {"sft_steps": sft.steps, "resumed_at_step": first, "train_samples": len(samples),
                "eval_samples": len(eval_samples), "loss_sft_first": rows[0].get("loss/sft") if rows else None,

@@ -13,15 +13,15 @@ new actors); what it keeps is its imports, and its Ray actor id.
 Only the last cluster's actors wait: a cluster that does not take a kept group frees it (kills its
 actors, removes its placement group) before it asks for its own bundles, so kept actors never
 hold resources a new cluster needs. Reward workers and critics are not kept (they start cheaply
-or late), nor a vLLM generator (``reusable``), nor a group grown or repaired while it ran (an actor
-in a placement group of its own), nor an actor that does not answer its release in time.
+or late), nor a vLLM generator (``reusable``), nor a group grown, shrunk or repaired into a
+placement group of its own while it ran, nor an actor that does not let go of its job in time,
+nor anything of a run that failed.
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Sequence
 
-from cluster.loop.protocol import ActorFailure
 from cluster.ray_wing.groups import (
     Call,
     WorkerGroup,
@@ -52,46 +52,43 @@ def reuse_enabled() -> bool:
 
 
 def _address() -> str:
-    """This driver's Ray, told apart from an earlier one at the same address by the driver's node id."""
+    """This driver's Ray session: the cluster's address, the driver's node and its job (a driver that
+    reconnects is a new job, whose kept actors died with the old one)."""
     import ray
 
     if not ray.is_initialized():
         return ""
     context = ray.get_runtime_context()
-    return f"{context.gcs_address}/{context.get_node_id()}"
+    return f"{context.gcs_address}/{context.get_node_id()}/{context.get_job_id()}"
 
 
-def free_group(group: WorkerGroup, timeout_s: float = RELEASE_S) -> bool:
-    """At a cluster's end: keep ``group`` for the next cluster (``RAYRL_REUSE_ACTORS``) if its role is
-    kept and every actor releases its job in time; else kill it. Returns whether it was kept."""
-    kept = False
-    if reuse_enabled() and group.role in KEPT_ROLES and group.shape and not any(s is not None for s in group.slots):
-        try:
-            kept = all(gather(fan_out(group, "release"), timeout_s))
-        except ActorFailure:
-            kept = False
-    if kept:
-        _KEPT.append(Kept(group, _address()))
-    else:
+def keepable(group: WorkerGroup) -> bool:
+    """A group the next cluster could take whole: a kept role, every actor in its own placement group's
+    bundle (none added while the run grew or repaired it), and as many actors as bundles (not shrunk)."""
+    pg = group.placement_group
+    return (group.role in KEPT_ROLES and bool(group.shape) and not any(s is not None for s in group.slots)
+            and pg is not None and group.size == group.shape[3] == pg.bundle_count)
+
+
+def free_groups(groups: Sequence, timeout_s: float = RELEASE_S, keep: bool = True) -> int:
+    """At a cluster's end: with ``keep`` and ``RAYRL_REUSE_ACTORS`` on, each group that is ``keepable``
+    and whose actors all let go of their job in time (asked together, waited for up to ``timeout_s``)
+    is kept for the next cluster; every other group is killed. Returns how many actors were kept."""
+    keeping = [g for g in groups if keep and reuse_enabled() and keepable(g)]
+    asked = [(g, fan_out(g, "release")) for g in keeping]
+    kept = 0
+    for group in groups:
+        calls = next((c for g, c in asked if g is group), None)
+        if calls is not None:
+            try:
+                if all(gather(calls, timeout_s)):
+                    _KEPT.append(Kept(group, _address()))
+                    kept += group.size
+                    continue
+            except Exception:  # dead, stuck or raising: not kept
+                pass
         kill_group(group)
     return kept
-
-
-def take(shape: tuple, make_kwargs: Callable[[int], dict], timeout_s: float) -> Optional[WorkerGroup]:
-    """A kept group of ``shape``, each actor rebuilt with ``make_kwargs(rank)``; None when there is
-    none, or it failed to rebuild (it is killed: a new group's error names the cause)."""
-    here = _address()
-    for i, kept in enumerate(_KEPT):
-        if kept.group.shape == shape and kept.address == here:
-            del _KEPT[i]
-            try:
-                gather([Call(a.rebuild.remote(**make_kwargs(r)), kept.group.role, r, "rebuild", actor_id(a))
-                        for r, a in enumerate(kept.group.actors)], timeout_s)
-            except ActorFailure:
-                kill_group(kept.group)
-                return None
-            return kept.group
-    return None
 
 
 def release_unclaimed() -> int:
@@ -122,17 +119,31 @@ class Wanted(NamedTuple):
 
 def start_groups(wanted: dict, timeout_s: float) -> tuple:
     """``({role: WorkerGroup}, [roles rebuilt from kept actors])``: each role a kept group of its shape
-    serves is rebuilt there; the kept groups left are freed; the other roles get new placement groups
-    (requested together) and new actors."""
-    groups: dict = {}
+    serves is rebuilt there (every role's actors at once, then waited for); the kept groups left,
+    and any that failed to rebuild, are freed; the other roles get new placement groups (requested
+    together) and new actors (a role whose kept group failed gets new ones: their error, if any,
+    names the cause)."""
+    here = _address() if reuse_enabled() else None
+    rebuilding: dict = {}  # role -> (kept group, its rebuild calls)
     for name, w in wanted.items():
-        if reuse_enabled() and name in KEPT_ROLES:
-            groups[name] = take(group_shape(w.actor_cls, w.spec, w.variant), w.make_kwargs, timeout_s)
-    reused = [name for name, g in groups.items() if g is not None]
+        shape = group_shape(w.actor_cls, w.spec, w.variant)
+        match = next((k for k in _KEPT if here and k.group.shape == shape and k.address == here), None)
+        if name in KEPT_ROLES and match is not None:
+            _KEPT.remove(match)
+            rebuilding[name] = (match.group, [Call(a.rebuild.remote(**w.make_kwargs(r)), name, r, "rebuild",
+                                                   actor_id(a)) for r, a in enumerate(match.group.actors)])
+    groups: dict = {}
+    for name, (group, calls) in rebuilding.items():
+        try:
+            gather(calls, timeout_s)
+            groups[name] = group
+        except Exception:  # a kept actor that died or cannot rebuild: the role starts anew
+            kill_group(group)
+    reused = list(groups)
     release_unclaimed()
-    fresh = [w.spec for name, w in wanted.items() if groups.get(name) is None]
+    fresh = [w.spec for name, w in wanted.items() if name not in groups]
     pgs = create_placement_groups(fresh) if fresh else {}
     for name, w in wanted.items():
-        if groups.get(name) is None:
+        if name not in groups:
             groups[name] = create_group(w.actor_cls, w.spec, pgs[w.spec.name], w.make_kwargs, w.variant)
     return groups, reused

@@ -27,7 +27,7 @@ from cluster.ray_wing.placement import (
     cluster_resources,
     create_placement_group,
 )
-from cluster.ray_wing.pool import RELEASE_S, Wanted, free_group, start_groups
+from cluster.ray_wing.pool import RELEASE_S, Wanted, free_groups, start_groups
 from cluster.ray_wing.startup import UserFunctions, create_roles, start_roles, weight_sync_address
 from primitives.types import ModelConfig
 from rl_actors.common import environ
@@ -418,16 +418,15 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
     return cluster._replace(critics=critics, factories=factories)
 
 
-def shutdown_cluster(cluster: RLCluster) -> None:
+def shutdown_cluster(cluster: RLCluster, keep: bool = True) -> None:
     """Kill every actor and free its bundles (or, with ``RAYRL_REUSE_ACTORS``, keep the trainers,
-    generators and reference for the next cluster of their shape: ``cluster.ray_wing.pool``); then
+    generators and reference for the next cluster of their shape: ``cluster.ray_wing.pool``; not
+    with ``keep`` false, as after a failed run); then
     remove the scratch directories that actors killed mid-snapshot left on this machine
     (``rl_actors.scratch``; other nodes sweep at their next snapshot)."""
     from rl_actors.scratch import sweep
 
     own = [getattr(cluster.generators, "group", None), cluster.trainers, cluster.rewards,
            getattr(cluster.reference, "group", None), cluster.critics]  # hosted roles go with the trainers
-    for group in own:
-        if group is not None:
-            free_group(group, min(RELEASE_S, cluster.timeout_s))
+    free_groups([g for g in own if g is not None], min(RELEASE_S, cluster.timeout_s), keep)
     sweep()

@@ -48,10 +48,12 @@ def _rl_steps(out: str) -> int:
         return sum('"algorithm"' in line for line in f)
 
 
-def monkey(out: str, roles: list, every: int, rng: random.Random, stop: threading.Event, killed: list) -> None:
+def monkey(out: str, roles: list, every: int, rng: random.Random, stop: threading.Event, killed: list,
+           started: float) -> None:
     """After RL steps 1, 1 + ``every``, ... are logged, SIGKILL one process of the next role in
-    ``roles`` (a random rank, after a random pause so that it may be inside a call)."""
-    next_at, started = 1, time.time()
+    ``roles`` (a random rank, after a random pause so that it may be inside a call) that started
+    after ``started`` (the run's, or the calm run's that the run kept: ``RAYRL_REUSE_ACTORS``)."""
+    next_at = 1
     while not stop.is_set() and roles:
         if _rl_steps(out) >= next_at:
             role = roles.pop(0)
@@ -79,14 +81,14 @@ def _ledger(out: str) -> list:
 @pytest.mark.slow
 def test_chaos_run_ends_with_the_undisturbed_weights(tmp_path):
     config = _config(tmp_path)
-    calm = str(tmp_path / "calm")
+    calm, started = str(tmp_path / "calm"), time.time()
     run_job(["rl", config, "--logging.out", calm])
 
     rng = random.Random(22)
     roles = list(ROLE_CLASSES)
     rng.shuffle(roles)
     out, stop, killed = str(tmp_path / "chaos"), threading.Event(), []
-    thread = threading.Thread(target=monkey, args=(out, list(roles), 2, rng, stop, killed), daemon=True)
+    thread = threading.Thread(target=monkey, args=(out, list(roles), 2, rng, stop, killed, started), daemon=True)
     thread.start()
     try:
         summary = run_job(["rl", config, "--logging.out", out])

@@ -59,6 +59,7 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     assert kept3[0]["zero_stage"] == 3 and kept3[0]["reference"] == "workers"
     kept2 = run(zero2, str(tmp_path / "kept2"))  # the ZeRO-3 job's; its reference worker was killed
     assert kept2[0]["reused_roles"] == ["trainer", "generator"]
+    assert kept_count() == 3  # kept2's own: the reference worker no role took was freed at its start
     same_run(new3, kept3)
     same_run(new2, kept2)
     assert new2[1] != new3[1]  # the two shapes differ (ZeRO-3 and a moving reference): the equality is not vacuous

@@ -51,6 +51,9 @@ def three_steps(worker: TrainerWorker) -> tuple:
 @pytest.mark.parametrize("stages", [(2, 2), (2, 3)], ids=["zero2-zero2", "zero2-zero3"])
 def test_a_released_trainer_rank_trains_as_a_new_one(tiny_model_path, stages):
     model = ModelConfig(tiny_model_path)
+    new = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=stages[1], lr=1e-2), seed=0)
+    fresh = three_steps(new)  # the comparison first: before this process ran any other job
+    new.release()
     first = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=stages[0], lr=1e-2), seed=0)
     before = three_steps(first)
     assert torch.distributed.is_initialized()
@@ -58,9 +61,6 @@ def test_a_released_trainer_rank_trains_as_a_new_one(tiny_model_path, stages):
     first.rebuild(model=model, rank=0, world_size=1, config=TrainerConfig(zero_stage=stages[1], lr=1e-2), seed=0)
     kept = three_steps(first)
     first.release()
-    new = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=stages[1], lr=1e-2), seed=0)
-    fresh = three_steps(new)
-    new.release()
     assert kept[0] == fresh[0] and len(set(kept[0])) == 3  # the losses of every step, exactly (and they move)
     assert all(torch.equal(kept[1][k], fresh[1][k]) for k in fresh[1])
     assert before[0][0] == fresh[0][0]  # the same first step whatever ZeRO stage
