@@ -111,15 +111,16 @@ def train_sft_stage(backend, inputs: RLInputs, logger) -> None:
               Hooks(logger=logger, eval_every=sft.eval_every or sft.steps), eval_samples=inputs.sft_eval_samples)
 
 
-def sft_stage(cluster, inputs: RLInputs, logger) -> None:
+def sft_stage(backend, inputs: RLInputs, logger) -> None:
     """The RL job's SFT stage on the RL cluster's trainers: train, send the weights to the generators,
     make them the reference, and give the trainers a fresh optimizer at the RL learning rate. With
-    ``model.lora`` the adapters train, and RL goes on from them."""
-    from cluster.ray_wing.backend import RayBackend
+    ``model.lora`` the adapters train, and RL goes on from them. A trainer rank that dies in the SFT
+    steps is recovered as in RL (``backend`` keeps the snapshot and the steps since)."""
     from cluster.ray_wing.groups import fan_out, gather
     from cluster.ray_wing.weights import copy_policy_to_reference, sync_weights
 
-    train_sft_stage(RayBackend(cluster), inputs, logger)
+    train_sft_stage(backend, inputs, logger)
+    cluster = backend.cluster  # the trainer group as it is now (rebuilt, if a rank died)
     sync_weights(cluster, version=0, move_reference=False)
     copy_policy_to_reference(cluster)
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
@@ -135,7 +136,7 @@ def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
     and is gone before RL's cluster starts. Returns ``inputs`` with that model (its ``hf/``) as the job's
     model, so RL's adapters start on it (``B`` zero: the SFT'd policy) and RL's reference, the adapters
     off, is the SFT'd policy."""
-    from cluster.ray_wing.backend import RayBackend
+    from cluster.ray_wing.backend import job_backend
     from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
     from primitives.types import LoraConfig, TrainState
     from rl_actors.trainer import TrainerConfig
@@ -143,14 +144,14 @@ def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
     job = inputs.job
     trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=job.sft.lr,
                                 micro_batch_size=job.cluster.micro_batch_size)
-    cluster = build_sft_cluster(job.model._replace(lora=LoraConfig()), job.cluster, trainer_cfg, seed=job.seed)
+    backend = job_backend(build_sft_cluster(job.model._replace(lora=LoraConfig()), job.cluster, trainer_cfg,
+                                            seed=job.seed), job.cluster)
     path = os.path.join(job.logging.out, SFT_MODEL)
     try:
-        backend = RayBackend(cluster)
         train_sft_stage(backend, inputs, logger)
         backend.save(path, TrainState())
-    finally:
-        shutdown_cluster(cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
+    finally:  # the group as it ended (rebuilt, if a rank died)
+        shutdown_cluster(backend.cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
     print(f"SFT stage trained every weight ({path}); RL trains adapters on it", flush=True)
     model = job.model._replace(model_name_or_path=os.path.join(path, "hf"))
     return inputs._replace(job=job._replace(model=model))
@@ -192,7 +193,7 @@ def trainer_memory(cluster) -> dict:
 def start_rl_backend(inputs: RLInputs, with_sft: bool):
     """The RL cluster of the job, its trainers at the SFT stage's learning rate when one runs first, behind
     a ``RayBackend`` with the job's recovery settings."""
-    from cluster.ray_wing.backend import RayBackend
+    from cluster.ray_wing.backend import job_backend
     from cluster.ray_wing.roles import build_rl_cluster
     from rl_actors.trainer import TrainerConfig
 
@@ -204,8 +205,7 @@ def start_rl_backend(inputs: RLInputs, with_sft: bool):
                                job_needs_reference(algos, inputs.shaping_fn), ref_update_fn=inputs.ref_update_fn,
                                aggregate_fn=inputs.aggregate_fn, shaping_fn=inputs.shaping_fn, seed=job.seed,
                                bucket_mb=cfg.sync_bucket_mb, reserve_critics=any_needs_values(algos))
-    return RayBackend(cluster, max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every,
-                      snapshot_overhead=cfg.snapshot_overhead)
+    return job_backend(cluster, cfg)
 
 
 def rl_evaluator(inputs: RLInputs, gen) -> Callable:
@@ -239,7 +239,7 @@ def before_rl(backend, inputs: RLInputs, logger, with_sft: bool) -> tuple:
 
     job, t0, trained = inputs.job, time.time(), 0.0
     if with_sft:
-        sft_stage(backend.cluster, inputs, logger)
+        sft_stage(backend, inputs, logger)
         if job.sft.save:
             backend.save(os.path.join(job.logging.out, SFT_MODEL), TrainState())
         trained = time.time() - t0

@@ -21,7 +21,7 @@ def run_sft(job: SFTJob) -> dict:
     ``checkpoint.keep`` kept) and the final model (HF in ``final_model/hf``)."""
     from cluster.loop.sft import SFTRun, evaluate_sft, train_sft
     from cluster.loop.train import Hooks
-    from cluster.ray_wing.backend import RayBackend
+    from cluster.ray_wing.backend import job_backend
     from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
     from cluster.ray_wing.weights import load_cluster_checkpoint
     from primitives.model.training import linear_warmup
@@ -33,13 +33,13 @@ def run_sft(job: SFTJob) -> dict:
     logger, metrics_path = start_output(job)
     trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=sft.lr,
                                 micro_batch_size=job.cluster.micro_batch_size)
-    cluster = build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed)
+    backend = job_backend(build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed), job.cluster)
     try:
-        first = load_cluster_checkpoint(cluster, job.checkpoint.resume).iteration if job.checkpoint.resume else 0
+        resume = job.checkpoint.resume
+        first = load_cluster_checkpoint(backend.cluster, resume).iteration if resume else 0
         if first > sft.steps:
             raise ConfigErrors([f"checkpoint.resume {job.checkpoint.resume} is at step {first}, past sft.steps "
                                 f"{sft.steps}; raise sft.steps to train on"])
-        backend = RayBackend(cluster)
         before = evaluate_sft(backend, eval_samples)["eval/loss_sft"] if eval_samples else None
         save = lambda b, step: save_step_checkpoint(  # noqa: E731
             b, out, TrainState(iteration=step, global_step=step), job.checkpoint.keep)
@@ -50,13 +50,14 @@ def run_sft(job: SFTJob) -> dict:
                                checkpoint_every=job.checkpoint.every, checkpoint_minutes=job.checkpoint.minutes),
                          eval_samples=eval_samples)
         backend.save(os.path.join(out, "final_model"), TrainState(iteration=sft.steps, global_step=sft.steps))
-    finally:
-        shutdown_cluster(cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
+    finally:  # the group as it ended (rebuilt, if a rank died)
+        shutdown_cluster(backend.cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
     rows = [json.loads(line) for line in open(metrics_path)]
     summary = {"sft_steps": sft.steps, "resumed_at_step": first, "train_samples": len(samples),
                "eval_samples": len(eval_samples), "loss_sft_first": rows[0].get("loss/sft") if rows else None,
                "loss_sft_last": last.get("loss/sft"), "eval_loss_before": before,
                "eval_loss_after": last.get("eval/loss_sft"), "model": job.model.model_name_or_path,
                "trainer_ranks": job.cluster.trainers, "zero_stage": job.cluster.zero_stage, "seed": job.seed,
+               "faults": backend.fault_summary(),
                "wall_s": round(time.time() - start, 1), "out": out, "hf_model": os.path.join(out, "final_model", "hf")}
     return finish_output(job, metrics_path, ["loss/sft", "eval/loss_sft", "lr"], "SFT on Ray", summary)

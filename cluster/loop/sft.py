@@ -57,6 +57,7 @@ def train_sft(backend: Backend, samples: Sequence[SFTSample], run: SFTRun, hooks
         raise ValueError(f"hooks.checkpoint_minutes must be >= 0, got {hooks.checkpoint_minutes}")
     rng = np.random.default_rng(seed)
     pad = backend.pad_token_id
+    backend.prepare_recovery()  # what a rank that dies is restored from (Ray; nothing in one process)
     size = min(batch_size, len(samples))
     for _ in range(start_step):
         rng.choice(len(samples), size, replace=False)

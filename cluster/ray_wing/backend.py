@@ -30,7 +30,7 @@ from cluster.ray_wing.groups import (
     split_evenly,
     wait_next,
 )
-from cluster.ray_wing.recovery import Recovery, Snapshot, Update, snapshot_reference
+from cluster.ray_wing.recovery import Recovery, SFTUpdate, Snapshot, Update, snapshot_reference
 from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster
 from cluster.ray_wing.weights import load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
 from primitives.types import BatchPlan, GenerationConfig, TrainState, planned_rollouts
@@ -77,6 +77,13 @@ def wait_each(phases: Sequence[tuple], timeout_s: float) -> dict:
             if not refs and name not in done:
                 done[name] = time.perf_counter() - t0
     return {name: done.get(name, time.perf_counter() - t0) for name, _ in phases}
+
+
+def job_backend(cluster: RLCluster, cfg) -> "RayBackend":
+    """The backend of a job's cluster, with the job's recovery settings (``cluster`` section:
+    ``max_restarts``, ``snapshot_every``, ``snapshot_overhead``)."""
+    return RayBackend(cluster, max_actor_restarts=cfg.max_restarts, snapshot_every=cfg.snapshot_every,
+                      snapshot_overhead=cfg.snapshot_overhead)
 
 
 class RayBackend(Recovery):
@@ -250,11 +257,20 @@ class RayBackend(Recovery):
                           if with_critic else None, policy[0][1])
 
     def sft_step(self, arrays: tuple, lr: Optional[float]) -> list:
-        """One SFT step on every trainer rank (each takes its rows of the collated arrays)."""
+        """One SFT step on every trainer rank (each takes its rows of the collated arrays). If a rank
+        dies or stops answering, the group is rebuilt, restored to the last snapshot with the SFT
+        steps since made again, and the step made again; snapshots are taken as in RL
+        (``snapshot_due``), so the steps to make again stay few."""
         import ray
 
-        c = self.cluster
-        return gather(fan_out(c.trainers, "sft_step", *[ray.put(a) for a in arrays], lr), c.timeout_s)
+        refs = tuple(ray.put(a) for a in arrays)
+        metrics = self.recovering(lambda: gather(fan_out(self.cluster.trainers, "sft_step", *refs, lr),
+                                                 self.cluster.timeout_s))
+        if self.snapshot_every != 0:
+            self.log.append(SFTUpdate(refs, lr))
+            if self.snapshot_due():
+                self.take_snapshot()
+        return metrics
 
     def sft_eval(self, arrays: tuple) -> list:
         import ray

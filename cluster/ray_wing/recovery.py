@@ -43,6 +43,13 @@ class Update(NamedTuple):
     moved: Optional[tuple] = None  # (step, kl) once the step's sync moved a tracking reference on the trainers
 
 
+class SFTUpdate(NamedTuple):
+    """One SFT step as the trainer ranks were asked to make it: the collated arrays (refs) and lr."""
+
+    arrays: tuple  # refs of (input_ids, attention_mask, loss_mask)
+    lr: Optional[float]
+
+
 class Snapshot(NamedTuple):
     """The stateful roles' state at one point of the run, by reference (see the module docstring)."""
 
@@ -67,14 +74,18 @@ def take_snapshot(cluster, reference_workers: bool) -> Snapshot:
                     ref_split[0][1] if ref_split else None, int(sum(sizes)), time.perf_counter() - t0)
 
 
-def restore_group(cluster, role: str, snapshot: Snapshot, log: Sequence[Update]) -> None:
+def restore_group(cluster, role: str, snapshot: Snapshot, log: Sequence[Update | SFTUpdate]) -> None:
     """Bring every rank of ``role`` (trainer or critic; live ranks or a rebuilt group) to the
     state after the snapshot and the updates of ``log``: the snapshot restored, then each
-    update made again, in order, with the rollouts and value shares it had. A tracking
-    reference on the trainer ranks moves again where the update's sync moved it."""
+    update made again, in order, with the rollouts and value shares it had (an SFT step with its
+    batch). A tracking reference on the trainer ranks moves again where the update's sync moved it."""
     group, parts = (cluster.trainers, snapshot.trainers) if role == "trainer" else (cluster.critics, snapshot.critics)
     gather(fan_out(group, "restore", *parts), cluster.timeout_s)
     for u in log:
+        if isinstance(u, SFTUpdate):
+            if role == "trainer":
+                gather(fan_out(group, "sft_step", *u.arrays, u.lr), cluster.timeout_s)
+            continue
         trailing = [x for part in u.parts for x in part] + list(u.values)
         if role == "trainer":
             gather(fan_out(group, "train_planned", u.plan, u.algo, u.temperature, u.lr, len(u.parts), *trailing),
@@ -356,8 +367,8 @@ class Recovery:
         restore_group(self.cluster, "trainer", self.restore_point, self.log)
         if self.cluster.critics is not None:
             restore_group(self.cluster, "critic", self.restore_point, self.log)
-        gens = self.cluster.generator_handle
-        if gens.where == "trainers":  # generators hosted by rebuilt ranks: the version they hold
+        gens = self.cluster.generators  # None in an SFT job's cluster
+        if gens is not None and gens.where == "trainers":  # generators hosted by rebuilt ranks: their version
             gather(gens.receive_weights((), 0, self.version), self.cluster.timeout_s)
 
     def settle(self, collections: Sequence) -> None:

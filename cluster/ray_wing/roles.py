@@ -234,7 +234,8 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
 
 
 def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerConfig, seed: int = 0) -> RLCluster:
-    """The trainer group alone (an SFT job): no generators, reward workers or reference."""
+    """The trainer group alone (an SFT job): no generators, reward workers or reference. A dead or
+    stuck rank's group is rebuilt as an RL job's is (its factory)."""
     from rl_actors.trainer import TrainerWorker
 
     watch_heartbeats(cfg.heartbeat_s)
@@ -242,15 +243,16 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
     address = start_ray(cfg, roles)
     check_fits(roles, *cluster_resources())
-    groups, reused = start_groups({"trainer": Wanted(TrainerWorker, roles[0], lambda r: dict(
-        model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg, seed=seed,
-        num_threads=cfg.threads_per_actor))}, cfg.call_timeout_s)
+    trainer_args = lambda r: dict(model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg,  # noqa: E731
+                                  seed=seed, num_threads=cfg.threads_per_actor)
+    groups, reused = start_groups({"trainer": Wanted(TrainerWorker, roles[0], trainer_args)}, cfg.call_timeout_s)
     trainers = groups["trainer"]
     master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
     gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
     pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
     return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo", "torch"), (), pad_id, 0,
-                     cfg.call_timeout_s, address, reused=tuple(reused))
+                     cfg.call_timeout_s, address, {"trainer": RoleFactory(TrainerWorker, roles[0], trainer_args)},
+                     reused=tuple(reused))
 
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
@@ -258,14 +260,14 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
     generator on the trainers reads the policy where it is). Called at start-up and after a
     generator is replaced. With nobody to send to, there is no group (world size 1)."""
-    gens = cluster.generator_handle.sync_ranks()
+    gens = cluster.generators.sync_ranks() if cluster.generators is not None else 0  # none: an SFT job
     refs = cluster.reference.sync_ranks() if cluster.reference is not None else 0
     if gens + refs == 0:
         return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
     sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
-    joins += cluster.generator_handle.join_sync(sync, 1, cluster.bucket_bytes)
+    joins += cluster.generators.join_sync(sync, 1, cluster.bucket_bytes) if cluster.generators is not None else []
     joins += cluster.reference.join_sync(sync, 1 + gens) if cluster.reference is not None else []
     gather(joins, cluster.timeout_s)
     return cluster._replace(sync_address=sync)
