@@ -116,12 +116,30 @@ def split_evenly(items: Sequence, parts: int) -> list:
     return [list(items[(n * i) // parts: (n * (i + 1)) // parts]) for i in range(parts)]
 
 
-def kill_group(group: WorkerGroup) -> None:
+def kill_actor(actor) -> None:
+    """Kill ``actor`` (a stuck one too: Ray ends its process), if it is not gone already, and drop
+    its heartbeat count from Ray's key-value store (a long-lived cluster would gather one per
+    actor ever started)."""
     import ray
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    from rl_actors.common import HEARTBEAT_KEY
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
+    try:
+        _internal_kv_del((HEARTBEAT_KEY + actor_id(actor)).encode())
+    except Exception:  # Ray going down: nothing left to keep clean
+        pass
+
+
+def kill_group(group: WorkerGroup) -> None:
     from ray.util.placement_group import remove_placement_group
 
     for actor in group.actors:
-        ray.kill(actor, no_restart=True)
+        kill_actor(actor)
     added = [slot[0] for slot in group.slots if slot is not None]
     for pg in ([group.placement_group] if group.placement_group is not None else []) + added:
         remove_placement_group(pg)

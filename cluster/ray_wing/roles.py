@@ -18,6 +18,7 @@ from cluster.ray_wing.groups import (
     create_group,
     fan_out,
     gather,
+    kill_actor,
     watch_heartbeats,
 )
 from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
@@ -273,14 +274,7 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     return cluster._replace(sync_address=sync)
 
 
-def _kill(actor) -> None:
-    """Kill ``actor`` (a stuck one too: Ray ends its process), if it is not gone already."""
-    import ray
 
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already gone
-        pass
 
 
 def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
@@ -294,7 +288,7 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
         group = cluster.reward_group
     else:
         group = cluster.reference_workers.group if role == "reference" else cluster.generator_workers.group
-    _kill(group.actors[rank])
+    kill_actor(group.actors[rank])
     actor = cluster.factories[role].create(rank, *group.slot(rank))
     try:
         gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
@@ -307,7 +301,7 @@ def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
             return join_weight_sync(cluster._replace(reference=cluster.reference_workers._replace(group=group)))
         return join_weight_sync(cluster._replace(generators=cluster.generator_workers._replace(group=group)))
     except BaseException:  # a replacement the cluster does not get must not hold the bundle for the next try
-        _kill(actor)
+        kill_actor(actor)
         raise
 
 
@@ -325,7 +319,7 @@ def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
     if role not in DEEPSPEED_ROLES or group is None or not cluster.factories or role not in cluster.factories:
         raise ValueError(f"no {role} group to rebuild")
     for actor in group.actors:
-        _kill(actor)
+        kill_actor(actor)
     factory = cluster.factories[role]
     group = group._replace(actors=tuple(factory.create(r, *group.slot(r)) for r in range(group.size)))
     try:
@@ -341,7 +335,7 @@ def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
         return join_weight_sync(cluster._replace(trainers=group, generators=generators, reference=reference))
     except BaseException:  # ranks the cluster does not get must not hold the bundles for the next try
         for actor in group.actors:
-            _kill(actor)
+            kill_actor(actor)
         raise
 
 
@@ -380,7 +374,7 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
                    cluster.timeout_s)
         except BaseException:
             for actor in new:
-                ray.kill(actor, no_restart=True)
+                kill_actor(actor)
             for pg in added.values():
                 remove_placement_group(pg)
             raise
@@ -388,7 +382,7 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
         slots += new_slots
     else:
         for r in range(n, group.size):
-            ray.kill(actors[r], no_restart=True)
+            kill_actor(actors[r])
             slot = slots[r]
             if slot is not None:
                 remove_placement_group(slot[0])

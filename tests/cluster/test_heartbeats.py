@@ -1,6 +1,7 @@
 """Heartbeats: an actor whose process stops is found within ``cluster.heartbeat_s`` (plus the
 driver's reading interval), named alone, long before the call timeout; a healthy call longer than
-the bound is left alone; an actor with no heartbeat is left to the call timeout."""
+the bound is left alone; an actor with no heartbeat is left to the call timeout; a killed actor's
+count leaves Ray's key-value store."""
 import os
 import signal
 import time
@@ -108,3 +109,23 @@ def test_a_stopped_actor_is_named_within_the_bound_not_the_call_timeout(ray_loca
         os.kill(pid, signal.SIGCONT)
         ray_local.kill(actor)
         ray_local.kill(quiet)
+
+
+def test_a_killed_actors_heartbeat_leaves_the_key_value_store(ray_local):
+    """``kill_group`` (every kill the driver makes) drops the actor's count: a long-lived cluster
+    would otherwise hold one key per actor it ever started."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from cluster.ray_wing.groups import WorkerGroup, kill_group
+    from rl_actors.common import HEARTBEAT_EVERY_S, HEARTBEAT_KEY
+
+    actor = ray_local.remote(num_cpus=0)(Sleeper).remote()
+    key = (HEARTBEAT_KEY + actor_id(actor)).encode()
+    ray_local.get(actor.pid.remote(), timeout=60)
+    deadline = time.monotonic() + 30
+    while _internal_kv_get(key) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _internal_kv_get(key) is not None  # it beats
+    kill_group(WorkerGroup("generator", (actor,)))
+    time.sleep(HEARTBEAT_EVERY_S + 1)  # a beat it might still have sent would be back by now
+    assert _internal_kv_get(key) is None
