@@ -1,15 +1,13 @@
 """TrainerWorker: one rank of a DeepSpeed ZeRO-1/2/3 engine (gloo + fp32 on CPU, NCCL + bf16 on GPU).
 
-The group plumbing (rendezvous, engine, one gradient reduction per update, checkpoints)
-is a ``rl_actors.deepspeed_rank.DeepSpeedRank`` the worker holds (``self.ds``), as the PPO
-critic does; the worker builds the causal LM and does the policy's work. Every rank
-receives the whole step batch by reference, trains on its contiguous shard, and divides its
-loss by the step's *global* token / sequence counts; DeepSpeed averages gradients over
-ranks, so the loss is multiplied by the world size to make the reduced gradient the
-gradient of the global loss. Forward passes go through the engine (not ``engine.module``):
-ZeRO-3 counts micro-steps in ``engine.forward``, and without that count each micro-batch's
-gradient overwrote the previous one (caught by the ZeRO equivalence test). Rank 0 is the
-source of the weight broadcast.
+The group plumbing (rendezvous, engine, one gradient reduction per update, checkpoints) is a
+``rl_actors.deepspeed_rank.DeepSpeedRank`` the worker holds (``self.ds``), as the PPO critic does;
+the worker builds the causal LM and does the policy's work. Every rank receives the whole step
+batch by reference, trains on its contiguous shard, and divides its loss by the step's *global*
+token / sequence counts; DeepSpeed averages gradients over ranks, so the loss is multiplied by the
+world size. Forward passes go through the engine (not ``engine.module``): ZeRO-3 counts
+micro-steps in ``engine.forward`` (without it each micro-batch's gradient overwrote the last one).
+Rank 0 is the source of the weight broadcast.
 
 With ``reference=True`` (``cluster.reference_on_trainers``) every rank also holds the
 reference (``rl_actors.reference.Reference``, a frozen copy of the initial policy in the
@@ -19,9 +17,8 @@ the reward the driver asks it for the rollouts' reference logprobs first, as it 
 reference worker.
 
 With ``host_generator=True`` (``cluster.generate_on_trainers``, ZeRO-1/2) every rank also hosts a
-``GeneratorWorker`` that generates with this rank's module (in eval mode while it does); the
-driver reaches it through ``generate`` / ``generate_multiturn``, and a weight sync only stamps
-its version (``generator_version``).
+``GeneratorWorker`` generating with this rank's module (in eval mode meanwhile), reached through
+``generate`` / ``generate_multiturn``; a weight sync only stamps its version.
 """
 from __future__ import annotations
 
@@ -257,18 +254,33 @@ class TrainerWorker(Reusable):
     def _send_to_vllm(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
         """The trainer side of vLLM's NCCL weight transfer (GPU generators): its packed producer,
         names in ``meta`` order, ``VLLM_NCCL_BUFFERS`` buffers of ``bucket_bytes`` in flight, as
-        the generators' init info fixed them (``VLLMEngine.init_transfer``)."""
+        the generators' init info fixed them (``VLLMEngine.init_transfer``). Under ZeRO-3 the
+        weights are gathered one bucket at a time (``sync_items``), as the gloo path does."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         from rl_actors.vllm_engine import VLLM_NCCL_BUFFERS
 
-        params = dict(self.module.named_parameters())
-        with self.ds.gathered([m.name for m in meta]):
-            if self.rank == 0:
-                tensors = ((m.name, params[m.name].data.to(DTYPES[m.dtype])) for m in meta)
-                packed_nccl_broadcast_producer(tensors, self.sync_group, 0, post_iter_func=lambda item: item[1],
-                                               buffer_size_bytes=bucket_bytes, num_buffers=VLLM_NCCL_BUFFERS)
+        items = self.sync_items(meta, bucket_bytes)
+        if self.rank == 0:
+            packed_nccl_broadcast_producer(items, self.sync_group, 0, post_iter_func=lambda item: item[1],
+                                           buffer_size_bytes=bucket_bytes, num_buffers=VLLM_NCCL_BUFFERS)
+        else:
+            for _ in items:  # the other ranks join each bucket's gather (collective under ZeRO-3)
+                pass
         return sum(m.nbytes for m in meta)
+
+    def sync_items(self, meta: Sequence[TensorMeta], bucket_bytes: int):
+        """``(name, tensor)`` of each parameter of ``meta`` in order, gathered a bucket at a time: no
+        rank holds more than a bucket of ZeRO-3's weights whole (a tensor is a copy there, as a consumer
+        may pack several before sending). Ranks other than 0 get ``(name, None)``: they only gather."""
+        params = dict(self.module.named_parameters())
+        partitioned = self.config.zero_stage == 3
+        for idx in bucket_plan(meta, bucket_bytes):
+            metas = [meta[i] for i in idx]
+            with self.ds.gathered([m.name for m in metas]):
+                for m in metas:
+                    yield m.name, (params[m.name].data.to(DTYPES[m.dtype], copy=partitioned)
+                                   if self.rank == 0 else None)
 
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
         """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket."""
@@ -287,7 +299,6 @@ class TrainerWorker(Reusable):
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
         """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check
         and the baseline the bucketed sync is measured against)."""
-
         return raw_broadcast(self.sync_group, numel, DTYPES[dtype], 0, self.sync_device)
 
     def weight_checksums(self) -> dict:

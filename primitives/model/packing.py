@@ -243,11 +243,12 @@ def plan_packing(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
             targets.append(input_ids[b, P: P + n])
             at += n - 1
     join = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)  # noqa: E731
+    predicted = join(predictor)  # the positions whose logits predict a target
     keep = np.zeros(R * C, bool)
-    keep[join(predictor)] = True
+    keep[predicted] = True
     return PackPlan(
         input_ids=ids.reshape(R, C), position_ids=positions.reshape(R, C), keep=keep.reshape(R, C),
-        targets=join(targets), source=(np.cumsum(keep) - 1)[predictor], rows=join(rows), cols=join(cols),
+        targets=join(targets), source=(np.cumsum(keep) - 1)[predicted], rows=join(rows), cols=join(cols),
         shape=(B, T), segment=segment.reshape(R, C), branch=branch.reshape(R, C),
     )
 

@@ -12,8 +12,10 @@ from cluster.ray_wing.backend import RayBackend
 
 
 def protocol_members() -> dict:
-    """``{name: "method" | "attribute"}`` of the protocol, read from its class body."""
-    members = {name: "attribute" for name in Backend.__annotations__}
+    """``{name: "method" | "attribute"}`` of the protocol, read from its class body (a read-only
+    property is an attribute: a backend may set it in ``__init__``, as a class value or a property)."""
+    members = {name: "attribute" for name in getattr(Backend, "__annotations__", {})}
+    members.update({name: "attribute" for name, value in vars(Backend).items() if isinstance(value, property)})
     members.update({name: "method" for name, value in vars(Backend).items()
                     if inspect.isfunction(value) and not name.startswith("_")})
     return members
