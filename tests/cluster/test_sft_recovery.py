@@ -14,7 +14,6 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from cluster.jobs.config import ClusterConfig
 from cluster.jobs.sft import run_sft
 from tests.chaos import actor_pids
 from tests.cluster.test_job import _sft_job
@@ -56,6 +55,13 @@ def losses(out: str) -> list:
         return [(r["step"], r["loss/sft"]) for r in map(json.loads, f) if r.get("phase") == "sft" and "loss/sft" in r]
 
 
+def same_losses(a: str, b: str, steps: int) -> None:
+    """Every SFT step of both runs logged once, with the same loss (1e-5)."""
+    la, lb = losses(a), losses(b)
+    assert [s for s, _ in la] == [s for s, _ in lb] == list(range(steps))
+    assert [x for _, x in la] == pytest.approx([x for _, x in lb], abs=1e-5)
+
+
 def same_weights(a: str, b: str) -> None:
     wa, wb = load_file(a), load_file(b)
     assert wa.keys() == wb.keys()
@@ -65,17 +71,21 @@ def same_weights(a: str, b: str) -> None:
 
 def test_the_sft_job_survives_a_trainer_death(tmp_path, tiny_model_path):
     ray_up()
-    cluster = ClusterConfig(snapshot_every=4)  # a snapshot every 4 steps: the steps since are made again
-    calm = run_sft(_sft_job(tmp_path, tiny_model_path, "calm", 24, cluster=cluster))
+
+    def job(out: str):  # a snapshot every 4 steps: the steps since are made again
+        made = _sft_job(tmp_path, tiny_model_path, out, 24)
+        return made._replace(cluster=made.cluster._replace(snapshot_every=4))
+
+    calm = run_sft(job("calm"))
     done: dict = {}
     thread = kill_a_trainer_in_sft_after(str(tmp_path / "killed"), 10, done)
-    killed = run_sft(_sft_job(tmp_path, tiny_model_path, "killed", 24, cluster=cluster))
+    killed = run_sft(job("killed"))
     thread.join(5)
     assert done.get("after", -1) >= 10, done  # killed mid-run, not before or after it
     faults = killed["faults"]
     assert faults["restarts"] == {"trainer": 1} and faults["failed_recoveries"] == {}, faults
     assert faults["recoveries"][0]["replayed"] <= 4  # at most the steps since the last snapshot
-    assert losses(str(tmp_path / "killed")) == pytest.approx(losses(str(tmp_path / "calm")), abs=1e-5)
+    same_losses(str(tmp_path / "killed"), str(tmp_path / "calm"), 24)
     same_weights(os.path.join(calm["hf_model"], "model.safetensors"),
                  os.path.join(killed["hf_model"], "model.safetensors"))
     assert calm["faults"]["restarts"] == {}
@@ -97,6 +107,6 @@ def test_an_rl_jobs_sft_stage_survives_a_trainer_death(tmp_path):
     thread.join(5)
     assert done.get("after", -1) >= 10, done
     assert summary["faults"]["restarts"] == {"trainer": 1}, summary["faults"]
-    assert losses(out) == pytest.approx(losses(calm), abs=1e-5)
+    same_losses(out, calm, 24)
     same_weights(os.path.join(calm, "final_model", "hf", "model.safetensors"),
                  os.path.join(out, "final_model", "hf", "model.safetensors"))
