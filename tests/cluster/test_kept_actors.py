@@ -2,16 +2,20 @@
 job's cluster kept computes what it computes on new actors - every logged number of every SFT and
 RL step, and the final weights - across ZeRO stages (a trainer kept from a ZeRO-2 job rebuilt for
 ZeRO-3 and back), a generator worker, and a policy-tracking reference worker; kept actors that a
-new cluster does not take are killed before it asks for its bundles. (The rest of the suite runs
+new cluster does not take are killed before it asks for its bundles; a kept actor that died while
+it waited is replaced by a new one, the job unchanged. (The rest of the suite runs
 with kept actors, ``tests/conftest.py``; this module compares them with new ones.)"""
 import json
 import os
+import signal
+import time
 
 import pytest
 import yaml
 from safetensors.numpy import load_file
 
 from cluster.ray_wing.pool import REUSE_ENV, kept_count, release_unclaimed
+from tests.chaos import actor_pids
 from tests.conftest import DEFAULT_JOB, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -63,3 +67,9 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     same_run(new3, kept3)
     same_run(new2, kept2)
     assert new2[1] != new3[1]  # the two shapes differ (ZeRO-3 and a moving reference): the equality is not vacuous
+    # a kept actor that died while it waited: its role starts anew, and the job is the same
+    os.kill(actor_pids("TrainerWorker")[-1], signal.SIGKILL)
+    time.sleep(1)
+    after_death = run(zero2, str(tmp_path / "after_death"))
+    assert after_death[0]["reused_roles"] == ["generator"]
+    same_run(new2, after_death)
