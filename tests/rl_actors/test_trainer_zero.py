@@ -141,7 +141,8 @@ def test_logged_metrics_do_not_depend_on_the_number_of_ranks(ray_local, tiny_mod
     for world in (2, 3):
         many, many_updates = _logged(ray_local, tiny_model_path, batch, algo, world)
         for key in KEYS:
-            assert many[key] == pytest.approx(one[key], abs=1e-6), (world, key, many[key], one[key])
+            # fp32 sums over other shard boundaries: a few ulp (grad_norm 3.67107 differed by 1.01e-6 once)
+            assert many[key] == pytest.approx(one[key], rel=1e-6, abs=1e-6), (world, key, many[key], one[key])
         for u1, un in zip(updates, many_updates):
             assert un["policy/clip_frac"] == pytest.approx(u1["policy/clip_frac"], abs=1e-6)
             assert un["loss/policy"] == pytest.approx(u1["loss/policy"], abs=1e-6)
