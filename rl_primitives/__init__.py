@@ -7,7 +7,13 @@ A facade, the top of the import rooms (like ``cluster.jobs``): it imports the pr
 loop and the local backend, and nothing imports it. Training runs in this process on
 ``cluster.local.LocalBackend``; the same loop runs on Ray through ``rayrl rl job.yaml``.
 """
-from primitives.env.rewards import compute_scalar_reward, compute_vector_reward
+from primitives.env.rewards import (
+    compute_scalar_reward,
+    compute_vector_reward,
+    lexicographic_aggregator,
+    min_threshold_aggregator,
+    weighted_sum_aggregator,
+)
 from primitives.env.rollouts import create_rollout, create_rollouts
 from primitives.env.tools import ToolCall, ToolConfig, ToolResult, safe_calculate
 from primitives.io.data import PromptItem, make_prompt_source, prompt_source_from_loader
@@ -31,6 +37,7 @@ from rl_primitives.api import (
     create_batch_rollouts,
     create_multiturn_rollout,
     create_ref_update_fn,
+    generate,
     generate_with_logprobs,
     get_reference_logprobs,
     load_model,
@@ -58,10 +65,10 @@ __all__ = [
     "compute_reward_model_score", "compute_scalar_reward", "compute_vector_reward", "create_adaptive_kl",
     "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_ema_updater",
     "create_multiturn_rollout", "create_periodic_updater", "create_ref_update_fn", "create_rollout",
-    "create_rollouts", "create_truncated_kl", "dapo", "generate_with_logprobs", "get_algorithm",
+    "create_rollouts", "create_truncated_kl", "dapo", "generate", "generate_with_logprobs", "get_algorithm",
     "get_reference_logprobs", "grpo", "inspect_rollout", "load_checkpoint", "load_model", "log_to_console",
-    "log_to_wandb", "make_prompt_source",
-    "online_dpo",
+    "lexicographic_aggregator", "log_to_wandb", "make_prompt_source", "min_threshold_aggregator", "online_dpo",
     "piecewise_schedule", "plot_training_curves", "prompt_source_from_loader", "quick_start_training",
     "safe_calculate", "save_checkpoint", "train", "training_iteration", "training_step", "validate_batch",
+    "weighted_sum_aggregator",
 ]

@@ -214,6 +214,13 @@ def generate_with_logprobs(model, tokenizer, prompt, gen_config: _GenerationConf
     return create_rollout(model, tokenizer, prompt, gen_config._replace(n=1)).generation
 
 
+def generate(model, tokenizer, prompt, config: _GenerationConfig, generator: Optional[Callable] = None) -> Generation:
+    """The seeds' ``generate(model, tokenizer, prompt, config, generator=None)``: one completion's
+    ``Generation``, from ``generator(model, tokenizer, prompt, config)`` (a generation backend of the
+    user's; the policy scores the tokens where it returns no logprobs) or the model's own sampler."""
+    return create_rollout(model, tokenizer, prompt, config._replace(n=1), generate_fn=generator).generation
+
+
 def get_reference_logprobs(*args, **kwargs):
     """Refused: the seeds' ``get_reference_logprobs(ref_model, tokenizer, prompt, token_ids)``
     has no temperature, and reference logprobs must be of the sampling temperature's softmax."""

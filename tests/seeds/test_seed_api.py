@@ -373,3 +373,19 @@ def test_create_ref_update_fn_names_an_argument_it_does_not_take():
         create_ref_update_fn("ema", deacy=0.5)
     with pytest.raises(ValueError, match="accepted: reset_every"):
         create_ref_update_fn("periodic", every=2)
+
+
+def test_generate_takes_the_seeds_generation_backend(tiny_model, tokenizer):
+    """The seeds' ``generate(model, tokenizer, prompt, config, generator=fn)``: the backend's tokens
+    and text; without one, the model's own sampling, as ``create_rollout`` samples."""
+    from primitives.types import Generation
+    from rl_primitives import GenerationConfig, create_rollout, generate
+
+    config = GenerationConfig(max_new_tokens=4, temperature=0.7, seed=5)
+    own = generate(tiny_model, tokenizer, "12+34=", config)
+    assert list(own.token_ids) == list(create_rollout(tiny_model, tokenizer, "12+34=", config).generation.token_ids)
+    ids = tokenizer("77", add_special_tokens=False).input_ids
+    backend = lambda model, tok, prompt, cfg: Generation("77", None, list(ids), "length")  # noqa: E731
+    theirs = generate(tiny_model, tokenizer, "12+34=", config, generator=backend)
+    assert theirs.text == "77" and list(theirs.token_ids) == list(ids) and len(theirs.logprobs) == len(ids)
+    assert all(lp < 0 for lp in theirs.logprobs)  # the policy scored the backend's tokens
