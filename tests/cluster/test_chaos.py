@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.chaos import ROLE_CLASSES, actor_pids, our_scratch
-from tests.conftest import run_job
+from tests.conftest import ray_up, run_job
 
 STEPS = 12
 # the default job's task and model, every role an actor of its own, PPO (a critic) with a KL reference
@@ -80,7 +80,11 @@ def _ledger(out: str) -> list:
 
 @pytest.mark.slow
 def test_chaos_run_ends_with_the_undisturbed_weights(tmp_path):
+    from cluster.ray_wing.pool import release_unclaimed
+
     config = _config(tmp_path)
+    ray_up()
+    release_unclaimed()  # the calm run starts its own processes (an earlier test's kept ones started before it)
     calm, started = str(tmp_path / "calm"), time.time()
     run_job(["rl", config, "--logging.out", calm])
 
