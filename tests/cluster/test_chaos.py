@@ -79,12 +79,13 @@ def _ledger(out: str) -> list:
 
 
 @pytest.mark.slow
-def test_chaos_run_ends_with_the_undisturbed_weights(tmp_path):
-    from cluster.ray_wing.pool import release_unclaimed
+def test_chaos_run_ends_with_the_undisturbed_weights(tmp_path, monkeypatch):
+    from cluster.ray_wing.pool import REUSE_ENV, release_unclaimed
 
     config = _config(tmp_path)
     ray_up()
-    release_unclaimed()  # the calm run starts its own processes (an earlier test's kept ones started before it)
+    release_unclaimed()
+    monkeypatch.setenv(REUSE_ENV, "0")  # every run's own new processes: the monkey kills the chaos run's alone
     calm, started = str(tmp_path / "calm"), time.time()
     run_job(["rl", config, "--logging.out", calm])
 
