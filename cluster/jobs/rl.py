@@ -124,6 +124,8 @@ def sft_stage(backend, inputs: RLInputs, logger) -> None:
     sync_weights(cluster, version=0, move_reference=False)
     copy_policy_to_reference(cluster)
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
+    if backend.snapshot_every != 0:  # the reference copy and the new optimizer are no update the log replays
+        backend.take_snapshot()
 
 
 # <out>/sft_model: the SFT stage's model (sft.save; the PPO critic's start; LoRA's base after a full-weight stage)

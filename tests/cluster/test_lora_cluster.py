@@ -122,7 +122,7 @@ def test_rl_starts_from_the_sft_stage_adapters_and_a_restore_keeps_them(ray_loca
     try:
         start = gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0]
         logged = []
-        sft_stage(cluster, inputs, logged.append)
+        sft_stage(backend, inputs, logged.append)
         assert [m["step"] for m in logged if "loss/sft" in m] == [0, 1, 2]
         sft = gather([call(cluster.trainers, 0, "weight_checksums")], 300)[0]
         moved = {n for n in sft if sft[n] != start[n]}
