@@ -124,8 +124,7 @@ def sft_stage(backend, inputs: RLInputs, logger) -> None:
     sync_weights(cluster, version=0, move_reference=False)
     copy_policy_to_reference(cluster)
     gather(fan_out(cluster.trainers, "reset_optimizer", inputs.job.algorithm.lr), cluster.timeout_s)
-    if backend.snapshot_every != 0:  # the reference copy and the new optimizer are no update the log replays
-        backend.take_snapshot()
+    backend.state_changed()  # the reference copy and the new optimizer are no update the log replays
 
 
 # <out>/sft_model: the SFT stage's model (sft.save; the PPO critic's start; LoRA's base after a full-weight stage)
@@ -177,6 +176,7 @@ def with_critic(backend, inputs: RLInputs, with_sft: bool):
     critic_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=algo.critic_lr or algo.lr,
                                micro_batch_size=cfg.micro_batch_size)
     backend.cluster = add_critics(backend.cluster, model, cfg, critic_cfg, algo.critic_init, job.seed)
+    backend.state_changed()  # a snapshot taken before holds no critic
 
 
 def trainer_memory(cluster) -> dict:

@@ -192,6 +192,12 @@ class Recovery:
         if self.snapshot_every != 0 and (self.snapshot is None or self.log):
             self.take_snapshot()
 
+    def state_changed(self) -> None:
+        """The stateful roles changed outside the update log (the SFT stage's reference copy and new
+        optimizer, a critic added): the snapshot no longer restores them, and the next
+        ``prepare_recovery`` takes a new one."""
+        self.snapshot, self.log = None, []
+
     def take_snapshot(self) -> dict:
         """A new in-memory snapshot of the trainer and critic ranks (and the reference workers);
         the log of updates starts again. Returns ``faults/snapshot_s`` and ``faults/snapshot_mb``."""
