@@ -21,7 +21,7 @@ class WorkerGroup(NamedTuple):
     actors: tuple
     placement_group: Any = None
     slots: tuple = ()  # per rank: (placement group, bundle) of an added actor, None for the group's own bundle
-    shape: tuple = ()  # group_shape of its actor class and role (cluster.ray_wing.pool keeps groups by it)
+    shape: Optional["GroupShape"] = None  # of its actor class and role (cluster.ray_wing.pool keeps groups by it)
 
     @property
     def size(self) -> int:
@@ -67,11 +67,21 @@ def create_actor(actor_cls, spec: RoleSpec, placement_group, rank: int, make_kwa
     return ray.remote(actor_cls).options(**options).remote(**kwargs)
 
 
-def group_shape(actor_cls: type, spec: RoleSpec, variant: str = "") -> tuple:
-    """What another group must match to stand in for one: actor class, role, count, bundle,
-    placement strategy, and ``variant`` (a generator's engine)."""
-    return (actor_cls.__module__, actor_cls.__qualname__, spec.name, spec.count,
-            tuple(sorted(spec.bundle().items())), spec.strategy, variant)
+class GroupShape(NamedTuple):
+    """What another group must match to stand in for one (``group_shape``)."""
+
+    actor_cls: str  # module.qualname
+    role: str
+    size: int  # actors, one per bundle
+    bundle: tuple  # sorted (resource, amount) pairs
+    strategy: str
+    variant: str  # a generator's engine
+
+
+def group_shape(actor_cls: type, spec: RoleSpec, variant: str = "") -> GroupShape:
+    """Actor class, role, count, bundle, placement strategy, and ``variant`` (a generator's engine)."""
+    return GroupShape(f"{actor_cls.__module__}.{actor_cls.__qualname__}", spec.name, spec.count,
+                      tuple(sorted(spec.bundle().items())), spec.strategy, variant)
 
 
 def create_group(actor_cls, spec: RoleSpec, placement_group, make_kwargs: Callable[[int], dict],

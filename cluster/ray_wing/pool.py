@@ -66,8 +66,8 @@ def keepable(group: WorkerGroup) -> bool:
     """A group the next cluster could take whole: a kept role, every actor in its own placement group's
     bundle (none added while the run grew or repaired it), and as many actors as bundles (not shrunk)."""
     pg = group.placement_group
-    return (group.role in KEPT_ROLES and bool(group.shape) and not any(s is not None for s in group.slots)
-            and pg is not None and group.size == group.shape[3] == pg.bundle_count)
+    return (group.role in KEPT_ROLES and group.shape is not None and not any(s is not None for s in group.slots)
+            and pg is not None and group.size == group.shape.size == pg.bundle_count)
 
 
 def free_groups(groups: Sequence, timeout_s: float = RELEASE_S, keep: bool = True) -> int:

@@ -80,18 +80,12 @@ class RLCluster(NamedTuple):
     @property
     def generator_workers(self) -> GeneratorWorkers:
         """The generator workers (not generation on the trainer ranks)."""
-        gens = self.generator_handle
-        if not isinstance(gens, GeneratorWorkers):
-            raise RuntimeError("this cluster generates on its trainer ranks: it has no generator workers")
-        return gens
+        return _own_workers(self.generator_handle, GeneratorWorkers, "generator")
 
     @property
     def reference_workers(self) -> ReferenceWorkers:
         """The reference workers (not a reference on the trainer ranks)."""
-        ref = self.reference_handle
-        if not isinstance(ref, ReferenceWorkers):
-            raise RuntimeError("this cluster keeps its reference on the trainer ranks: it has no reference workers")
-        return ref
+        return _own_workers(self.reference_handle, ReferenceWorkers, "reference")
 
     @property
     def critic_group(self) -> WorkerGroup:
@@ -100,6 +94,12 @@ class RLCluster(NamedTuple):
     @property
     def role_factories(self) -> dict:
         return _present(self.factories, "role factories")
+
+
+def _own_workers(handle, kind: type, role: str):
+    if not isinstance(handle, kind):
+        raise RuntimeError(f"this cluster's {role} role lives on its trainer ranks: it has no {role} workers")
+    return handle
 
 
 def _present(value, what: str):
