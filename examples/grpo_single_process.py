@@ -12,7 +12,8 @@ What it does: builds a tiny Qwen2 and a character tokenizer locally (HF format, 
 network), fine-tunes it on imperfect demonstrations of two-number addition (a stated share
 of carry problems drop the carry), then runs GRPO with an exact-match reward. It prints
 held-out greedy accuracy before and after RL and writes to --out: summary.json,
-metrics.jsonl, curves.png, base_model/, sft_model/ and final_model/ (HF checkpoints).
+metrics.jsonl, curves.png, base_model/ (unless --base), sft_model/ and final_model/ (HF
+checkpoints).
 
 What it leaves out, and why: no critic, no dynamic sampling, no KL by default (the SFT
 model is the only reference that matters here; --kl-coef adds one), one process.
@@ -57,6 +58,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/grpo_single_process", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, the task and sampling")
+    p.add_argument("--base", default=None,
+                   help="start from this HF model directory (the tiny character tokenizer, e.g. an SFT'd model's "
+                        "sft_model/) instead of building the random tiny model")
     p.add_argument("--sft-steps", type=int, default=1500, help="SFT warm-up optimizer steps")
     p.add_argument("--sft-batch", type=int, default=64, help="SFT demonstrations per step")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (AdamW)")
@@ -78,6 +82,8 @@ def parse_args(argv=None):
         p.error("--group-size must be at least 2: GRPO normalises rewards within a group")
     if args.sft_steps < 0 or args.rl_steps < 0:
         p.error("--sft-steps and --rl-steps must be >= 0")
+    if args.base is not None and not os.path.isfile(os.path.join(args.base, "config.json")):
+        p.error(f"--base {args.base}: not an HF model directory (no config.json)")
     if args.eval_every < 0:
         p.error("--eval-every must be >= 0")
     if args.temperature <= 0:
@@ -131,7 +137,7 @@ def main(argv=None) -> dict:
     seed_everything(args.seed)
     logger, metrics_path = run_logger(args.out, ["loss/sft", "reward/mean", "eval/accuracy", "policy/entropy"])
 
-    base = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
+    base = args.base or save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     spec = ArithmeticTaskSpec(num_heldout=args.heldout, carry_error_rate=args.carry_error_rate, seed=args.seed)
     train_items, heldout = make_arithmetic_task(spec)

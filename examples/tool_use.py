@@ -131,11 +131,17 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/tool_use", help="output directory")
     p.add_argument("--steps", type=int, default=10, help="GRPO steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the task and sampling")
+    p.add_argument("--base", default=None,
+                   help="start from this HF model directory (the tiny chat tokenizer, e.g. a model already SFT'd on "
+                        "the tool task) instead of building the random tiny model")
     p.add_argument("--sft-steps", type=int, default=1000, help="SFT warm-up steps (in this process)")
     p.add_argument("--sft-batch", type=int, default=32, help="demonstrations per SFT step")
     p.add_argument("--sft-lr", type=float, default=3e-3, help="SFT learning rate")
     p.add_argument("--no-python", action="store_true", help="leave the sandboxed python tool out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.base is not None and not os.path.isfile(os.path.join(args.base, "config.json")):
+        p.error(f"--base {args.base}: not an HF model directory (no config.json)")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -151,7 +157,7 @@ def main(argv=None) -> dict:
     print(f"tools: {sorted(tools)}; python tool: {python}")
     train_items, heldout = make_items(2000, list(tools), args.seed), make_items(64, list(tools), args.seed + 1)
 
-    base = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
+    base = args.base or save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     tokenizer, model = AutoTokenizer.from_pretrained(base), AutoModelForCausalLM.from_pretrained(base)
     sft = sft_warmup(model, tokenizer, train_items, args, logger)
     sft_path = save_checkpoint(os.path.join(args.out, "sft_model"), model, tokenizer)

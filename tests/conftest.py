@@ -162,3 +162,27 @@ def default_job(tmp_path_factory):
 def sft_policy(default_job):
     """The default task's SFT'd policy (the default job's SFT stage, 1500 steps), an HF directory."""
     return os.path.join(default_job[0], "sft_model", "hf")
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tmp_path_factory):
+    """tool_use.yaml's SFT stage alone, once per test run for the tool tests (the job file's in
+    ``test_config_scenarios``, ``examples/tool_use.py``'s in ``test_scenarios``): a model that calls the
+    tools. 300 steps at lr 1e-2 in batches of 16 (the shipped stage is 1000 at 3e-3 in 32s), on the job's
+    own SFT samples through the job's own SFT stage (``train_sft_stage``), in this process: a Ray trainer
+    group computes the same update (the SFT tests of 1 rank against N hold it), and here it costs no cluster
+    start. Saved in HF form for the RL runs."""
+    from cluster.jobs.config import load_job_config
+    from cluster.jobs.inputs import prepare_rl
+    from cluster.jobs.rl import train_sft_stage
+    from cluster.local import LocalBackend
+    from primitives.types import TrainState
+
+    out = str(tmp_path_factory.mktemp("tool_sft"))
+    job = load_job_config(os.path.join(ROOT, "examples", "configs", "tool_use.yaml"))
+    job = job._replace(sft=job.sft._replace(steps=300, batch=16, lr=1e-2), logging=job.logging._replace(out=out),
+                       eval=job.eval._replace(enabled=False))
+    inputs = prepare_rl(job)
+    backend = LocalBackend(inputs.job.model, inputs.reward_fn, seed=job.seed)
+    train_sft_stage(backend, inputs, logger=lambda metrics: None)
+    return os.path.join(backend.save(os.path.join(out, "sft"), TrainState()), "policy")

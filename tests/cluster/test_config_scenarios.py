@@ -57,28 +57,6 @@ def test_algorithm_switching_config_switches_at_the_phase_starts(tmp_path):
     assert rows[2]["batch/rows"] == 2 * rows[2]["dpo/pairs"]  # a pair per kept group
 
 
-@pytest.fixture(scope="module")
-def tool_caller(tmp_path_factory):
-    """tool_use.yaml's SFT stage alone, once for the tool tests below: a model that calls the tools. 300
-    steps at lr 1e-2 in batches of 16 (the shipped stage is 1000 at 3e-3 in 32s; examples/tool_use.py
-    warms up with 150 at 1e-2), on the job's own SFT samples through the job's own SFT stage
-    (``train_sft_stage``), in this process: a Ray trainer group computes the same update (the SFT tests of
-    1 rank against N hold it), and here it costs no cluster start. Saved in HF form for the RL runs."""
-    from cluster.jobs.inputs import prepare_rl
-    from cluster.jobs.rl import train_sft_stage
-    from cluster.local import LocalBackend
-    from primitives.types import TrainState
-
-    out = str(tmp_path_factory.mktemp("tool_sft"))
-    job = load_job_config(os.path.join(CONFIGS, "tool_use.yaml"))
-    job = job._replace(sft=job.sft._replace(steps=300, batch=16, lr=1e-2), logging=job.logging._replace(out=out),
-                       eval=job.eval._replace(enabled=False))
-    inputs = prepare_rl(job)
-    backend = LocalBackend(inputs.job.model, inputs.reward_fn, seed=job.seed)
-    train_sft_stage(backend, inputs, logger=lambda metrics: None)
-    return os.path.join(backend.save(os.path.join(out, "sft"), TrainState()), "policy")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("on_trainers", [False, True], ids=["generator_workers", "generate_on_trainers"])
 def test_tool_use_config_masks_tool_tokens_and_logs_tool_statistics(tmp_path, on_trainers, tool_caller):

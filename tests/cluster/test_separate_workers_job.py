@@ -15,7 +15,8 @@ from tests.conftest import ROOT, run_job
 
 CONFIGS = os.path.join(ROOT, "examples", "configs")
 # no snapshots either: a SmolLM2 snapshot takes about 15 s here, and the fault tests hold them
-SHORT = ["--algorithm.steps", "2", "--algorithm.prompts-per-step", "4", "--generation.max-new-tokens", "8",
+PROMPTS = 2
+SHORT = ["--algorithm.steps", "2", "--algorithm.prompts-per-step", str(PROMPTS), "--generation.max-new-tokens", "8",
          "--eval.max-items", "8", "--eval.final-pass-k", "0", "--checkpoint.every", "0",
          "--cluster.snapshot-every", "0"]
 
@@ -49,7 +50,7 @@ def test_shipped_separate_worker_configs_run_two_steps(name, tmp_path):
     assert [r["step"] for r in steps] == [0, 1]
     for r in steps:
         assert r["time/sync"] > 0 and r["sync/bytes"] > 0  # the weights went to the generator workers after the step
-        assert r["batch/rows"] == 4 * shipped.generation.group_size
+        assert r["batch/rows"] == PROMPTS * shipped.generation.group_size
         # the generators sampled the weights the trainers hold: their logprobs agree (to bf16's rounding in
         # the k8s job: single tokens differ by up to ~1 nat, the mean k3 was 0.023 here)
         if shipped.model.dtype == "bfloat16":

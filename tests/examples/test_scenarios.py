@@ -84,11 +84,11 @@ def runs_of(mask: np.ndarray) -> list:
     return [(float(mask[a]), a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def test_tool_use_masks_tool_tokens_and_keeps_the_conversation(tmp_path):
-    """After a short SFT warm-up the model calls the tools; tool output is in the rollout but
-    masked (loss mask 0, logprob 0) - exactly the tool turns of the conversation - and the
-    trainers' logprobs match the generator's on the policy tokens; the conversation keeps its
-    roles and the prompt item's metadata survives."""
+def test_tool_use_masks_tool_tokens_and_keeps_the_conversation(tmp_path, tool_caller):
+    """From the tool task's SFT'd model (``--base``, then 5 steps of the example's own warm-up loop)
+    the model calls the tools; tool output is in the rollout but masked (loss mask 0, logprob 0) -
+    exactly the tool turns of the conversation - and the trainers' logprobs match the generator's on
+    the policy tokens; the conversation keeps its roles and the prompt item's metadata survives."""
     from transformers import AutoTokenizer
 
     from primitives.fixtures.tiny import IM_END, IM_START, SPECIAL_TOKENS
@@ -97,9 +97,11 @@ def test_tool_use_masks_tool_tokens_and_keeps_the_conversation(tmp_path):
     torch.set_num_threads(1)  # the warm-up runs in this process; 2 shared cores are slower with 2 threads
     try:
         module, summary, history, out = run_example(
-            "tool_use", tmp_path, "--steps", "2", "--sft-steps", "150", "--sft-batch", "16", "--sft-lr", "1e-2")
+            "tool_use", tmp_path, "--base", tool_caller, "--steps", "2", "--sft-steps", "5", "--sft-batch", "16",
+            "--sft-lr", "1e-2")
     finally:
         torch.set_num_threads(threads)
+    assert summary["sft_steps"] == 5 and np.isfinite(summary["sft_loss_last"])
     rl = [m for m in history if "algorithm" in m]
     assert len(rl) == 2
     for m in rl:
