@@ -11,13 +11,17 @@ from primitives.env.rewards import (
     compute_scalar_reward,
     compute_vector_reward,
     lexicographic_aggregator,
+    max_aggregator,
+    mean_aggregator,
+    min_aggregator,
     min_threshold_aggregator,
     weighted_sum_aggregator,
 )
-from primitives.env.rollouts import create_rollout, create_rollouts
+from primitives.env.rollouts import create_rollouts
 from primitives.env.tools import ToolCall, ToolConfig, ToolResult, safe_calculate
 from primitives.io.data import PromptItem, make_prompt_source, prompt_source_from_loader
-from primitives.maths.algorithms import dapo, get_algorithm, grpo, online_dpo, piecewise_schedule
+from primitives.io.loggers import update_ema_metrics
+from primitives.maths.algorithms import dapo, get_algorithm, grpo, online_dpo, piecewise_schedule, reinforce
 from primitives.maths.kl import (
     create_confidence_masked_kl,
     create_ema_updater,
@@ -37,6 +41,8 @@ from rl_primitives.api import (
     create_batch_rollouts,
     create_multiturn_rollout,
     create_ref_update_fn,
+    create_rollout,
+    execute_and_track_tools,
     generate,
     generate_with_logprobs,
     get_reference_logprobs,
@@ -65,10 +71,11 @@ __all__ = [
     "compute_reward_model_score", "compute_scalar_reward", "compute_vector_reward", "create_adaptive_kl",
     "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_ema_updater",
     "create_multiturn_rollout", "create_periodic_updater", "create_ref_update_fn", "create_rollout",
-    "create_rollouts", "create_truncated_kl", "dapo", "generate", "generate_with_logprobs", "get_algorithm",
-    "get_reference_logprobs", "grpo", "inspect_rollout", "load_checkpoint", "load_model", "log_to_console",
-    "lexicographic_aggregator", "log_to_wandb", "make_prompt_source", "min_threshold_aggregator", "online_dpo",
-    "piecewise_schedule", "plot_training_curves", "prompt_source_from_loader", "quick_start_training",
-    "safe_calculate", "save_checkpoint", "train", "training_iteration", "training_step", "validate_batch",
-    "weighted_sum_aggregator",
+    "create_rollouts", "create_truncated_kl", "dapo", "execute_and_track_tools", "generate",
+    "generate_with_logprobs", "get_algorithm", "get_reference_logprobs", "grpo", "inspect_rollout",
+    "lexicographic_aggregator", "load_checkpoint", "load_model", "log_to_console", "log_to_wandb",
+    "make_prompt_source", "max_aggregator", "mean_aggregator", "min_aggregator", "min_threshold_aggregator",
+    "online_dpo", "piecewise_schedule", "plot_training_curves", "prompt_source_from_loader",
+    "quick_start_training", "reinforce", "safe_calculate", "save_checkpoint", "train", "training_iteration",
+    "training_step", "update_ema_metrics", "validate_batch", "weighted_sum_aggregator",
 ]

@@ -15,8 +15,9 @@ import torch
 
 from primitives.env.rewards import aggregate_vector_rewards as _aggregate_vector_rewards
 from primitives.env.rewards import score_rollouts
-from primitives.env.rollouts import create_rollout
+from primitives.env.rollouts import create_rollout as _create_rollout
 from primitives.env.tools import ToolCall, ToolResult, hf_turn_generator, multiturn_rollout, no_tool_calls_stop
+from primitives.env.tools import execute_and_track_tools as _execute_and_track_tools
 from primitives.hooks import fn_name
 from primitives.io.data import PromptItem, as_prompt_items
 from primitives.maths.algorithms import AlgorithmConfig, get_algorithm, online_dpo
@@ -211,14 +212,14 @@ def create_batch_rollouts(model, tokenizer, prompts: Sequence, gen_config: _Gene
 def generate_with_logprobs(model, tokenizer, prompt, gen_config: _GenerationConfig) -> Generation:
     """The seeds' ``generate_with_logprobs``: one completion's ``Generation`` (text, logprobs,
     token ids, finish reason) - ``create_rollout(model, tokenizer, prompt, gen_config).generation``."""
-    return create_rollout(model, tokenizer, prompt, gen_config._replace(n=1)).generation
+    return _create_rollout(model, tokenizer, prompt, gen_config._replace(n=1)).generation
 
 
 def generate(model, tokenizer, prompt, config: _GenerationConfig, generator: Optional[Callable] = None) -> Generation:
     """The seeds' ``generate(model, tokenizer, prompt, config, generator=None)``: one completion's
     ``Generation``, from ``generator(model, tokenizer, prompt, config)`` (a generation backend of the
     user's; the policy scores the tokens where it returns no logprobs) or the model's own sampler."""
-    return create_rollout(model, tokenizer, prompt, config._replace(n=1), generate_fn=generator).generation
+    return _create_rollout(model, tokenizer, prompt, config._replace(n=1), generate_fn=generator).generation
 
 
 def get_reference_logprobs(*args, **kwargs):
@@ -407,6 +408,32 @@ def seed_tool_executor(executor: Callable) -> Callable:
 
     execute.__name__ = getattr(executor, "__name__", "tool_executor")
     return execute
+
+
+def create_rollout(model, tokenizer, prompt, gen_config: _GenerationConfig = _GenerationConfig(), ref_model=None,
+                   reward_fn: Optional[Callable] = None, tool_parser: Optional[Callable] = None, conversation=None,
+                   **ours) -> Rollout:
+    """The seeds' ``create_rollout(model, tokenizer, prompt, gen_config, ref_model=None, reward_fn=None,
+    tool_parser=None)``: ``primitives.env.rollouts.create_rollout`` (preferred; its other keywords -
+    ``aggregate_fn``, ``shaping_fn``, ``generator``/``generate_fn`` - pass through). The seeds'
+    ``tool_parser`` may return their dicts (``{"name", "arguments", "id"}``); the rollout's
+    ``tool_calls`` read both ways (``call["name"]``). A conversation is given as the prompt."""
+    if conversation is not None:
+        raise ValueError("create_rollout(conversation=...): here the conversation is the prompt - "
+                         "create_rollout(model, tokenizer, Conversation(messages), gen_config), rendered by the "
+                         "tokenizer's chat template; a conversation with tool turns is create_multiturn_rollout(...)")
+    return _create_rollout(model, tokenizer, prompt, gen_config, ref_model=ref_model, reward_fn=reward_fn,
+                           tool_parser=None if tool_parser is None else seed_tool_parser(tool_parser), **ours)
+
+
+def execute_and_track_tools(rollout: Rollout, tool_executor: Callable,
+                            result_tracker: Optional[Callable] = None) -> Rollout:
+    """The seeds' ``execute_and_track_tools``: ``primitives.env.tools.execute_and_track_tools``
+    (preferred) with the seeds' shapes accepted - an executor that takes and returns their dicts
+    (``call["arguments"]`` -> ``{"id", "output", "success"}``), results that read both ways in
+    ``result_tracker(results)`` and in ``rollout.tool_results``."""
+    seeded = rollout._replace(tool_calls=tuple(SeedToolCall._make(c) for c in rollout.tool_calls))
+    return _execute_and_track_tools(seeded, seed_tool_executor(tool_executor), result_tracker)
 
 
 def create_multiturn_rollout(model, tokenizer, initial_conversation, gen_config: _GenerationConfig,

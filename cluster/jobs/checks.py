@@ -263,9 +263,10 @@ def record_errors(job: RLJob, record, where: str = "") -> list:
     """The job-level checks of one algorithm record the job may run (the algorithm section's,
     or a schedule phase's, named ``where``): its critic, its rows per trainer rank, and vLLM's
     truncated logprobs under its importance weight."""
-    from primitives.maths.algorithms import needs_values, pairwise
+    from primitives.maths.algorithms import min_group_size, needs_values, pairwise
 
     algo, gen = job.algorithm, job.generation
+    need = min_group_size(record)
     rows = algo.prompts_per_step * (2 if pairwise(record) else gen.group_size)  # pairwise loss: a pair per prompt
     init = algo.critic_init
     errors = failed_checks([
@@ -273,7 +274,11 @@ def record_errors(job: RLJob, record, where: str = "") -> list:
          f"algorithm.critic_init must be 'policy' or a reward model directory, got '{init}'"),
         (not needs_values(record) or job.cluster.critics >= 1, "cluster.critics must be at least 1 for "
                                                                f"'{record.name}', whose advantage reads critic values"),
-        (gen.group_size < 2 or rows // algo.mini_batches >= job.cluster.trainers,  # a bad group size is named alone
+        (gen.group_size < 1 or gen.group_size >= need,
+         f"generation.group_size must be at least {need} for '{record.name}' (completions per prompt: its "
+         f"advantages or pairs compare completions of one prompt), got {gen.group_size}; algorithm.name reinforce "
+         "learns from single completions"),
+        (gen.group_size < max(need, 1) or rows // algo.mini_batches >= job.cluster.trainers,  # a bad group size alone
          f"algorithm.mini_batches {algo.mini_batches} leaves {rows // algo.mini_batches} rows per "
          f"mini-batch for {job.cluster.trainers} trainer ranks; every rank needs rows (raise "
          "algorithm.prompts_per_step or lower algorithm.mini_batches)"),
@@ -326,8 +331,8 @@ def rl_errors(job: RLJob) -> list:
          "generator workers"),
         (algo.warmup >= 0, "algorithm.warmup must be >= 0"),
         (algo.critic_lr is None or algo.critic_lr > 0, f"algorithm.critic_lr must be positive, got {algo.critic_lr}"),
-        (gen.group_size >= 2, f"generation.group_size must be at least 2 (completions per prompt), got "
-                              f"{gen.group_size}: group advantages and pairs compare completions of one prompt"),
+        (gen.group_size >= 1, f"generation.group_size must be at least 1 (completions per prompt), got "
+                              f"{gen.group_size}"),
         (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
         (0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1], got {gen.top_p}"),
         (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),

@@ -40,7 +40,8 @@ class DataConfig(NamedTuple):
 
 
 class RLConfig(NamedTuple):
-    name: str = "grpo"  # preset (grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, ppo, online_dpo) or module:function
+    # preset (grpo, dapo, dr_grpo, rloo, reinforce, reinforce_pp, gspo, ppo, online_dpo) or module:function
+    name: str = "grpo"
     steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
     prompts_per_step: int = 32  # prompts per RL step
     lr: float = 3e-4  # RL learning rate

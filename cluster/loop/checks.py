@@ -12,13 +12,27 @@ from primitives.maths.algorithms import check_schedule, needs_values, uses_refer
 from primitives.types import TrainState
 
 
-def check_algorithm_for(backend: Backend, algo) -> None:
-    """``algo`` fits this backend: its functions take their arguments and give the documented
-    results on a sample, it has the critic and reference it needs, and on a remote backend every function
-    it carries (filters included) can be pickled. Named errors, before a step of ``algo``."""
-    from primitives.maths.algorithms import check_algorithm_functions, check_algorithm_picklable, validate_algorithm
+def check_algorithm_for(backend: Backend, algo, group_size: int) -> None:
+    """``algo`` fits this backend and run: its functions take their arguments and give the documented
+    results on a sample, ``group_size`` completions per prompt are enough for it, it has the critic and
+    reference it needs, and on a remote backend every function it carries (filters included) can be
+    pickled. Named errors, before a step of ``algo`` (the first one's before any generation)."""
+    from primitives.maths.algorithms import (
+        check_algorithm_functions,
+        check_algorithm_picklable,
+        min_group_size,
+        validate_algorithm,
+    )
 
     check_algorithm_functions(validate_algorithm(algo))
+    need = min_group_size(algo)
+    if group_size < need:
+        raise ValueError(f"algorithm '{algo.name}' compares completions of the same prompt and needs at least {need} "
+                         f"per prompt; the run samples {group_size} (GenerationConfig.n, the seeds' "
+                         f"num_return_sequences; generation.group_size in a job file). Sample n >= {need}, or learn "
+                         f"from single completions with REINFORCE and a constant baseline: "
+                         f"primitives.maths.algorithms.reinforce(baseline=0.5) "
+                         f"(rl_primitives.create_algorithm_config('reinforce', {{'baseline': 0.5}}))")
     if needs_values(algo) and not backend.has_critic:
         raise ValueError(f"algorithm '{algo.name}': its advantage function reads critic values (GAE), but the "
                          f"{backend.name} backend has no critic")
@@ -61,14 +75,14 @@ def check_loader_shape(prompt_source: Callable) -> None:
 
 
 def check_train_hooks(backend: Backend, prompt_source: Callable, algorithm_schedule: Callable, logger: Callable,
-                      eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools):
+                      eval_fn: Optional[Callable], checkpoint_fn: Optional[Callable], tools, group_size: int):
     """Every hook of ``train`` takes its documented arguments, and on a remote backend the ones that travel
     to actors can be pickled: named errors before the first step. Returns the schedule's
     first algorithm, checked (one a schedule turns to later is checked when it appears)."""
     from primitives.hooks import check_picklable
 
     first = check_schedule(algorithm_schedule)
-    check_algorithm_for(backend, first)
+    check_algorithm_for(backend, first, group_size)
     check_loader_shape(prompt_source)
     check_arity(prompt_source, "prompt_source", None, 1)
     check_arity(logger, "logger", {})
@@ -112,7 +126,7 @@ def check_train_run(backend: Backend, prompt_source: Callable, algorithm_schedul
         raise ValueError("; ".join(problems))
     checked: set = set()  # algorithms already checked against this backend (records are hashable)
     seen_before(check_train_hooks(backend, prompt_source, algorithm_schedule, hooks.logger, hooks.eval_fn,
-                                  hooks.checkpoint_fn, tools), checked)
+                                  hooks.checkpoint_fn, tools, run.gen.n), checked)
     if hooks.iteration_hook is not None:
         check_arity(hooks.iteration_hook, "iteration_hook", TrainState(), RolloutBatch(()))
     if hooks.ledger is not None:

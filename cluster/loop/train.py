@@ -296,7 +296,7 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
                **({} if run.progress else {"disable": True}))
     for it in bar:
         t_step = time.perf_counter()
-        algo = step_algorithm(backend, algorithm_schedule, state, it, checked)
+        algo = step_algorithm(backend, algorithm_schedule, state, it, checked, run.gen.n)
         scaled = scale_for_step(backend, run.generator_policy, state.metrics_history, queue)
         rollouts, position, metrics = collect_rollouts(backend, prompt_source, state, algo, run.gen,
                                                        run.prompts_per_step, run.max_resample_rounds, tools, queue,
@@ -323,13 +323,14 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
     return state
 
 
-def step_algorithm(backend: Backend, algorithm_schedule: Callable, state: TrainState, it: int, checked: set):
+def step_algorithm(backend: Backend, algorithm_schedule: Callable, state: TrainState, it: int, checked: set,
+                   group_size: int):
     """The schedule's algorithm for step ``it`` (from the last step's metrics), checked against the
-    backend the first time it appears."""
+    backend and the run's ``group_size`` the first time it appears."""
     last = state.metrics_history[-1] if state.metrics_history else {}
     algo = call_hook(algorithm_schedule, "algorithm_schedule", it, last)
     if not seen_before(algo, checked):
-        check_algorithm_for(backend, algo)
+        check_algorithm_for(backend, algo, group_size)
     return algo
 
 

@@ -98,7 +98,13 @@ def mean_aggregator(vector) -> float:
 
 
 def min_aggregator(vector) -> float:
+    """The smallest component (pessimistic: every objective must be met)."""
     return float(np.min(vector))
+
+
+def max_aggregator(vector) -> float:
+    """The largest component (optimistic: any one objective met is enough)."""
+    return float(np.max(vector))
 
 
 def min_threshold_aggregator(threshold: float = 0.5) -> Callable:

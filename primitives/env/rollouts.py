@@ -17,7 +17,7 @@ from primitives.types import GenerationConfig, PromptItem, Rollout
 def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig = GenerationConfig(),
                     ref_model=None, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,
                     shaping_fn: Optional[Callable] = None, generator=None,
-                    generate_fn: Optional[Callable] = None) -> list:
+                    generate_fn: Optional[Callable] = None, tool_parser: Optional[Callable] = None) -> list:
     """The group of ``gen_config.n`` rollouts of one prompt, in this process: for notebooks
     and for inspecting what the model does. Training at scale goes through
     ``cluster.loop.train.train``, which batches prompts, spreads work over actors and syncs weights.
@@ -43,6 +43,11 @@ def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig 
     own sampler, once per completion: it returns the completion's ``token_ids``, ``text``,
     ``finish_reason`` and per-token ``logprobs`` (floats, or vLLM's ``Logprob`` records). Logprobs it
     does not return are the policy ``model``'s own of those tokens at the config's temperature.
+
+    ``tool_parser(text) -> [ToolCall]`` (single-turn tool tracking, the seeds' extension point):
+    sets ``tool_calls`` from each completion's text, before the reward so it can read them; nothing
+    is executed (``primitives.env.tools.execute_and_track_tools`` runs them; a conversation that
+    feeds the results back to the model is ``multiturn_rollout``).
     """
     item = prompt if isinstance(prompt, PromptItem) else PromptItem(index=0, prompt=prompt)
     if callable(generator) and not isinstance(generator, torch.Generator):
@@ -54,6 +59,8 @@ def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig 
             device = next(model.parameters()).device
             generator = torch.Generator(device=device).manual_seed(gen_config.seed)
         rollouts = generate_rollouts(model, tokenizer, [item], gen_config, generator=generator)
+    if tool_parser is not None:
+        rollouts = [r._replace(tool_calls=parsed_tool_calls(tool_parser, r.text)) for r in rollouts]
     if ref_model is not None:
         with torch.no_grad():
             refs = rollout_logprobs(ref_model, rollouts, tokenizer.pad_token_id, gen_config.temperature)
@@ -63,10 +70,23 @@ def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig 
     return rollouts
 
 
+def parsed_tool_calls(tool_parser: Callable, text: str) -> tuple:
+    """``tool_parser(text)`` as a tuple of ``ToolCall``s; anything else is a named error."""
+    from primitives.env.tools import ToolCall
+    from primitives.hooks import fn_name
+
+    calls = tuple(tool_parser(text))
+    wrong = [type(c).__name__ for c in calls if not isinstance(c, ToolCall)]
+    if wrong:
+        raise ValueError(f"tool_parser {fn_name(tool_parser)} returned {wrong[0]}; expected a list of "
+                         f"primitives.env.tools.ToolCall(name, arguments, id)")
+    return calls
+
+
 def create_rollout(model, tokenizer, prompt: Any, gen_config: GenerationConfig = GenerationConfig(),
                    ref_model=None, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,
                    shaping_fn: Optional[Callable] = None, generator=None,
-                   generate_fn: Optional[Callable] = None) -> Rollout:
+                   generate_fn: Optional[Callable] = None, tool_parser: Optional[Callable] = None) -> Rollout:
     """One completion of ``prompt`` as a ``Rollout``, in this process: for notebooks and for
     inspecting what the model does (``create_rollout(model, tokenizer, "12+34=", gen_config,
     reward_fn=my_reward)``). Training at scale goes through ``cluster.loop.train.train``.
@@ -79,7 +99,7 @@ def create_rollout(model, tokenizer, prompt: Any, gen_config: GenerationConfig =
                          f"use create_rollouts for a group of n completions")
     return create_rollouts(model, tokenizer, prompt, gen_config, ref_model=ref_model, reward_fn=reward_fn,
                            aggregate_fn=aggregate_fn, shaping_fn=shaping_fn, generator=generator,
-                           generate_fn=generate_fn)[0]
+                           generate_fn=generate_fn, tool_parser=tool_parser)[0]
 
 
 def custom_rollout(generate_fn: Callable, model, tokenizer, item: PromptItem, gen_config: GenerationConfig,

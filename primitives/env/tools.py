@@ -193,6 +193,30 @@ def create_tool_executor(tools: dict) -> Callable:
     return tool_executor
 
 
+def execute_and_track_tools(rollout, tool_executor: Callable, result_tracker: Optional[Callable] = None):
+    """Single-turn tool tracking (the seeds' ``execute_and_track_tools``): each of the rollout's
+    ``tool_calls`` (``create_rollout(..., tool_parser=...)``) run by ``tool_executor(call) ->
+    ToolResult`` in order, as a new rollout whose ``tool_results`` hold them and whose
+    ``metadata["tool_tracking"]`` is ``result_tracker(results) -> dict`` ({} without one). The
+    completion's tokens are unchanged: the results are not fed back to the model (that is
+    ``multiturn_rollout``, whose tool tokens are masked out of the loss)."""
+    from primitives.hooks import fn_name
+
+    results = []
+    for call in rollout.tool_calls:
+        result = tool_executor(call)
+        if not isinstance(result, ToolResult):
+            raise ValueError(f"tool_executor {fn_name(tool_executor)} returned {type(result).__name__} for the call "
+                             f"{call.name!r}; expected a primitives.env.tools.ToolResult (create_tool_executor)")
+        results.append(result)
+    tracking = {} if result_tracker is None else result_tracker(results)
+    if not isinstance(tracking, dict):
+        raise ValueError(f"result_tracker {fn_name(result_tracker)} returned {type(tracking).__name__}; expected a "
+                         f"dict of tracking values")
+    return rollout._replace(tool_results=tuple(results),
+                            metadata={**(rollout.metadata or {}), "tool_tracking": tracking})
+
+
 # ----------------------------------------------------------------------------- multi-turn
 
 def no_tool_calls_stop(conversation: Conversation) -> bool:

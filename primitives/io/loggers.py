@@ -118,6 +118,28 @@ def run_logger(out_dir: str, console_keys: Sequence[str], every: int = 10):
     return multi_logger(jsonl_logger(path), console_logger(console_keys, every=every)), path
 
 
+def update_ema_metrics(current: dict, ema: dict, momentum: float = 0.9) -> dict:
+    """A new dict of smoothed metrics (the seeds' ``update_ema_metrics``): ``momentum * ema[k] +
+    (1 - momentum) * current[k]`` for a key both have, ``current[k]`` for a key seen first now
+    (no bias toward a zero start); keys only in ``ema`` are kept as they were. A value that is not
+    a number (an algorithm's name) is taken as it is; a NaN or infinity leaves the average alone."""
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"update_ema_metrics: momentum must be in [0, 1), got {momentum}")
+
+    def finite(x) -> Optional[float]:
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+    out = dict(ema)
+    for key, value in current.items():
+        now = finite(value)
+        if now is not None:
+            old = finite(ema.get(key))
+            out[key] = now if old is None else momentum * old + (1.0 - momentum) * now
+        elif not isinstance(value, (int, float)) or key not in ema:
+            out[key] = value
+    return out
+
+
 def mean_of(rows: Sequence[dict], key: str) -> Optional[float]:
     """Mean of ``key`` over the rows that have it (None if none do), rounded for summaries."""
     values = [r[key] for r in rows if key in r]

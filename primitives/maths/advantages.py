@@ -3,9 +3,10 @@
 Sources: GRPO - Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), eq. for outcome
 supervision; Dr.GRPO - Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv
 2503.20783), no std normalisation; RLOO - Ahmadian et al. 2024 (arXiv 2402.14740),
-leave-one-out baseline; REINFORCE++ - Hu 2025 (arXiv 2501.03262), token-level KL in the
-reward, discounted returns, global batch normalisation; GAE - Schulman et al. 2016
-(arXiv 1506.02438).
+leave-one-out baseline; REINFORCE with a constant baseline - Williams 1992 (Machine Learning
+8, "Simple statistical gradient-following algorithms"); REINFORCE++ - Hu 2025 (arXiv
+2501.03262), token-level KL in the reward, discounted returns, global batch normalisation;
+GAE - Schulman et al. 2016 (arXiv 1506.02438).
 """
 from __future__ import annotations
 
@@ -222,6 +223,30 @@ def no_advantage(x: AdvantageInputs, algo):
     """Zeros: for losses that do not use advantages (online DPO marks pair roles itself)."""
     return torch.zeros_like(x.mask), None
 
+
+def constant_baseline(baseline: float = 0.0):
+    """REINFORCE with a fixed baseline (the seeds' ``compute_advantages(rewards, baseline)``):
+    ``R - baseline`` on every loss token, the sequence's KL subtracted first when it is in the
+    reward. No group statistics, so it learns from one completion per prompt; the variance is
+    what a fixed baseline leaves (a group or a critic removes more)."""
+    b = float(baseline)
+    if not np.isfinite(b):
+        raise ValueError(f"constant_baseline: baseline must be finite, got {baseline}")
+
+    def advantage(x: AdvantageInputs, algo):
+        check_rewards(x.rewards, "constant_baseline")
+        return broadcast_to_tokens(_sequence_rewards(x, algo.kl_coef) - b, x.mask), None
+
+    advantage.__name__ = f"constant_baseline({b:g})"
+    advantage.__qualname__ = advantage.__name__
+    advantage.baseline = b  # type: ignore[attr-defined]
+    return advantage
+
+
+# a trait the loop checks before any generation: these compare completions of one prompt, so a
+# run must sample at least this many per prompt (GenerationConfig.n, a job's generation.group_size)
+for _fn in (grpo_advantage, dr_grpo_advantage, rloo_advantage, reinforce_pp_baseline_advantage):
+    _fn.min_group_size = 2  # type: ignore[attr-defined]
 
 ADVANTAGE_FNS = {"grpo": grpo_advantage, "dr_grpo": dr_grpo_advantage, "rloo": rloo_advantage,
                  "reinforce_pp": reinforce_pp_advantage, "reinforce_pp_baseline": reinforce_pp_baseline_advantage,

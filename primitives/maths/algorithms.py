@@ -131,6 +131,12 @@ def reinforce_pp(baseline: bool = False, **overrides) -> AlgorithmConfig:
                           aggregation=token_mean, kl_coef=0.01, kl_fn=kl_k1, kl_in_reward=True)
 
 
+def reinforce(baseline: float = 0.0, **overrides) -> AlgorithmConfig:
+    """REINFORCE with a constant baseline (the seeds' plan: advantages ``R - baseline``; Williams
+    1992): no group statistics, so one completion per prompt is enough. No KL by default."""
+    return make_algorithm("reinforce", overrides, advantage_fn=adv.constant_baseline(baseline))
+
+
 def gspo(**overrides) -> AlgorithmConfig:
     """GSPO: sequence-level ratio with the paper's small clip range."""
     return make_algorithm("gspo", overrides, policy_loss_fn=gspo_policy_loss, clip_eps_low=3e-4,
@@ -151,8 +157,8 @@ def online_dpo(beta: float = 0.1, **overrides) -> AlgorithmConfig:
                           pair_selector=top_bottom_pairs, dpo_beta=beta)
 
 
-PRESETS = {"grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
-           "gspo": gspo, "ppo": ppo, "online_dpo": online_dpo}
+PRESETS = {"grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce": reinforce,
+           "reinforce_pp": reinforce_pp, "gspo": gspo, "ppo": ppo, "online_dpo": online_dpo}
 
 
 def make_algorithm(name: str, overrides: Optional[dict] = None, **fields) -> AlgorithmConfig:
@@ -169,6 +175,13 @@ def make_algorithm(name: str, overrides: Optional[dict] = None, **fields) -> Alg
 def pairwise(algo: AlgorithmConfig) -> bool:
     """Whether the loss takes (chosen, rejected) rows: then rows travel and split in pairs."""
     return bool(trait(algo.loss_fn, "pairwise"))
+
+
+def min_group_size(algo: AlgorithmConfig) -> int:
+    """The fewest completions per prompt a step of ``algo`` can learn from: 2 for a group estimator
+    (its ``advantage_fn``'s ``min_group_size`` trait) or a pairwise loss, else 1 (a constant
+    baseline, REINFORCE++, GAE; a function of the user's without the trait is checked on its batch)."""
+    return max(int(trait(algo.advantage_fn, "min_group_size", 1)), 2 if pairwise(algo) else 1)
 
 
 def needs_values(algo: AlgorithmConfig) -> bool:
@@ -325,7 +338,7 @@ def resolve_function(field: str, value):
 
 
 def get_algorithm(name: str, **overrides) -> AlgorithmConfig:
-    """A preset by name (grpo, dapo, dr_grpo, rloo, reinforce_pp, gspo, ppo, online_dpo), or
+    """A preset by name (grpo, dapo, dr_grpo, rloo, reinforce, reinforce_pp, gspo, ppo, online_dpo), or
     ``module:function`` returning an ``AlgorithmConfig``; ``overrides`` replace its fields
     (function fields may be given by name or as ``module:function``)."""
     if ":" in name:

@@ -261,16 +261,27 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
         run_sft(SFTJob(logging=LoggingConfig(out=str(tmp_path))))
 
 
-def test_a_bad_group_size_is_named_alone(tmp_path):
-    """generation.group_size 0 is reported as itself, with what is valid - not as the rows it
-    would leave each mini-batch."""
-    from cluster.jobs.cli import run
+@pytest.mark.parametrize("size, algorithm, message", [
+    (0, "grpo", "generation.group_size must be at least 1 (completions per prompt), got 0"),
+    (1, "grpo", "generation.group_size must be at least 2 for 'grpo' (completions per prompt: its advantages or "
+                "pairs compare completions of one prompt), got 1; algorithm.name reinforce learns from single"),
+    (1, "online_dpo", "generation.group_size must be at least 2 for 'online_dpo'"),
+    (1, "reinforce", None),  # a constant baseline learns from one completion per prompt
+])
+def test_a_bad_group_size_is_named_alone(tmp_path, size, algorithm, message):
+    """generation.group_size is reported as itself, with what is valid for the algorithm - not as the
+    rows it would leave each mini-batch; REINFORCE with its constant baseline takes one per prompt."""
+    from cluster.jobs.checks import rl_errors
+    from cluster.jobs.config import RLJob, load_job_config
 
-    with pytest.raises(SystemExit) as e:
-        run(["rl", DEFAULT, "--generation.group-size", "0", "--logging.out", str(tmp_path)])
-    text = str(e.value)
-    assert "generation.group_size must be at least 2 (completions per prompt), got 0" in text
-    assert "mini_batches" not in text and text.count("\n  - ") == 1
+    job = load_job_config(DEFAULT, RLJob)
+    job = job._replace(generation=job.generation._replace(group_size=size),
+                       algorithm=job.algorithm._replace(name=algorithm))
+    errors = rl_errors(job)
+    if message is None:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and message in errors[0] and "mini_batches" not in errors[0], errors
 
 
 @pytest.mark.slow

@@ -106,3 +106,47 @@ def test_masked_whiten_ignores_padding():
     x = torch.tensor([[1.0, 3.0, 100.0]])
     out = A.masked_whiten(x, torch.tensor([[1.0, 1.0, 0.0]]))
     torch.testing.assert_close(out, torch.tensor([[-1.0, 1.0, 0.0]]), atol=1e-4, rtol=0)
+
+
+def test_constant_baseline_hand_values_one_completion_per_prompt():
+    """REINFORCE with a constant baseline: R - b on every loss token, 0 off the mask; the KL in the
+    reward (a sequence's summed token KL times kl_coef) is subtracted first. Groups of one are fine."""
+    from primitives.maths.algorithms import reinforce
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    rewards = torch.tensor([1.0, 0.0, 0.25])
+    algo = reinforce(baseline=0.5)
+    out, returns = algo.advantage_fn(A.AdvantageInputs(rewards, ("p0", "p1", "p2"), mask), algo)
+    assert returns is None
+    torch.testing.assert_close(out, torch.tensor([[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0], [0.0, -0.25, -0.25]]),
+                               rtol=0, atol=0)
+    # KL in the reward, coef 0.1: sequence KLs 0.3+0.1 = 0.4, 2.0, 0.5 -> rewards 0.96, -0.2, 0.2
+    kl = torch.tensor([[0.3, 0.1, 0.0], [2.0, 0.0, 0.0], [0.0, 0.2, 0.3]])
+    with_kl = algo._replace(kl_coef=0.1, kl_in_reward=True)
+    out, _ = with_kl.advantage_fn(A.AdvantageInputs(rewards, ("p0", "p1", "p2"), mask, token_kl=kl), with_kl)
+    torch.testing.assert_close(out, torch.tensor([[0.46, 0.46, 0.0], [-0.7, 0.0, 0.0], [0.0, -0.3, -0.3]]),
+                               rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="constant_baseline: baseline must be finite, got inf"):
+        A.constant_baseline(float("inf"))
+
+
+@pytest.mark.parametrize("name, need", [("grpo", 2), ("dapo", 2), ("dr_grpo", 2), ("rloo", 2), ("online_dpo", 2),
+                                        ("reinforce", 1), ("reinforce_pp", 1), ("ppo", 1), ("gspo", 2)])
+def test_min_group_size_of_each_preset(name, need):
+    """The fewest completions per prompt each preset learns from: group estimators and pairs need
+    two, a constant baseline, REINFORCE++'s batch whitening and PPO's critic one."""
+    from primitives.maths.algorithms import get_algorithm, min_group_size
+
+    assert min_group_size(get_algorithm(name)) == need
+    assert min_group_size(get_algorithm("reinforce_pp", baseline=True)) == 2  # the group mean as its baseline
+
+
+def test_constant_baseline_travels_to_actors():
+    import cloudpickle
+
+    from primitives.maths.algorithms import check_algorithm_picklable, reinforce
+
+    algo = reinforce(baseline=0.25)
+    check_algorithm_picklable(algo)
+    again = cloudpickle.loads(cloudpickle.dumps(algo.advantage_fn))
+    assert again.baseline == 0.25 and again.__name__ == "constant_baseline(0.25)"

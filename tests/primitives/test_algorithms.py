@@ -27,7 +27,8 @@ def test_presets_are_records_of_their_papers_functions():
     assert (o.dpo_beta, o.loss_fn, o.pair_selector) == (0.2, online_dpo_objective, top_bottom_pairs)
     assert A.pairwise(o) and not A.pairwise(g) and A.uses_reference(o) and not A.uses_reference(A.dapo())
     assert A.ppo().advantage_fn is adv.gae_advantage and A.needs_values(A.ppo()) and not A.needs_values(g)
-    assert set(A.PRESETS) == {"grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "ppo", "online_dpo"}
+    assert set(A.PRESETS) == {"grpo", "dapo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gspo", "ppo",
+                              "online_dpo"}
 
 
 def my_advantage(x, algo):

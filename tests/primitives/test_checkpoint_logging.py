@@ -153,3 +153,19 @@ def test_atomic_file_keeps_the_old_file_when_writing_fails(tmp_path):
     assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]
     atomic_file(str(path), lambda f: f.write("new\n"))
     assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]
+
+
+def test_update_ema_metrics_hand_values():
+    """momentum 0.9: 0.9 * 2.0 + 0.1 * 4.0 = 2.2; a key seen first takes its value; a key only in
+    the average stays; a name is taken as it is; a NaN leaves the average alone; the input is not changed."""
+    from primitives.io.loggers import update_ema_metrics
+
+    ema = {"loss": 2.0, "old": 7.0, "reward": 0.5}
+    out = update_ema_metrics({"loss": 4.0, "kl": 0.3, "algorithm": "dapo", "reward": float("nan")}, ema)
+    assert out == {"loss": pytest.approx(2.2, abs=1e-12), "old": 7.0, "kl": 0.3, "algorithm": "dapo", "reward": 0.5}
+    assert ema == {"loss": 2.0, "old": 7.0, "reward": 0.5}
+    assert update_ema_metrics({"loss": 4.0}, {"loss": 2.0}, momentum=0.0) == {"loss": 4.0}
+    two = update_ema_metrics({"loss": 1.0}, update_ema_metrics({"loss": 3.0}, {}, 0.5), 0.5)
+    assert two == {"loss": 2.0}
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.0"):
+        update_ema_metrics({}, {}, momentum=1.0)

@@ -271,3 +271,11 @@ def test_last_number_parser_and_chat_arithmetic():
                                               answer=item.answer))
 
     assert scored(f"{a} + {b} = {a + b}") == 1.0 and scored(f"{a + b}") == 1.0 and scored(f"{a + b + 10}") == 0.0
+
+
+def test_min_max_mean_aggregators_hand_values():
+    from primitives.env.rewards import max_aggregator, mean_aggregator, min_aggregator
+
+    v = [0.2, 0.9, 0.4]
+    assert (min_aggregator(v), max_aggregator(v)) == (0.2, 0.9)
+    assert mean_aggregator(v) == pytest.approx(0.5, abs=1e-15)

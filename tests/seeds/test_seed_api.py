@@ -389,3 +389,69 @@ def test_generate_takes_the_seeds_generation_backend(tiny_model, tokenizer):
     theirs = generate(tiny_model, tokenizer, "12+34=", config, generator=backend)
     assert theirs.text == "77" and list(theirs.token_ids) == list(ids) and len(theirs.logprobs) == len(ids)
     assert all(lp < 0 for lp in theirs.logprobs)  # the policy scored the backend's tokens
+
+
+def test_single_turn_tool_tracking_with_the_seeds_parser_executor_and_tracker(tiny_model, tokenizer):
+    """The seeds' ``create_rollout(..., tool_parser=)`` then ``execute_and_track_tools(rollout, executor,
+    result_tracker)``, their dict shapes throughout: the calls are parsed from the completion (before the
+    reward, which reads them), run in order, and tracked; the completion is not changed and the rollout
+    passed in keeps no results (a new rollout is returned)."""
+    import json
+    import re
+
+    from primitives.types import Generation
+    from rl_primitives import GenerationConfig, create_rollout, execute_and_track_tools, safe_calculate
+
+    text = '<tool_call name="calc">{"expression": "2+3"}</tool_call> <tool_call name="calc">{"expression": "1/0"}' \
+           '</tool_call>'
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    backend = lambda model, tok, prompt, cfg: Generation(text, None, list(ids), "stop")  # noqa: E731
+
+    def parse_function_calls(text):  # the seeds' parser: dicts
+        return [{"name": n, "arguments": json.loads(a), "id": f"c{k}"}
+                for k, (n, a) in enumerate(re.findall(r'<tool_call name="(\w+)">(.*?)</tool_call>', text))]
+
+    def execute(call):  # the seeds' executor: a dict in, a dict out
+        try:
+            return {"id": call["id"], "output": str(safe_calculate(call["arguments"]["expression"])), "success": True}
+        except Exception as e:  # noqa: BLE001 - the seeds' shape: failure is a result
+            return {"id": call["id"], "output": str(e), "success": False}
+
+    called = create_rollout(tiny_model, tokenizer, "2+3?", GenerationConfig(max_new_tokens=8), generator=backend,
+                            tool_parser=parse_function_calls, reward_fn=lambda r: float(len(r.tool_calls)))
+    assert called.reward == 2.0 and [c["name"] for c in called.tool_calls] == ["calc", "calc"]
+    assert called.tool_calls[0]["arguments"] == {"expression": "2+3"} and called.tool_calls[1].id == "c1"
+    done = execute_and_track_tools(called, execute, result_tracker=lambda results: {
+        "success_rate": sum(r["success"] for r in results) / len(results)})
+    assert [(r["output"], r["success"]) for r in done.tool_results][0] == ("5", True)
+    assert done.tool_results[1]["success"] is False and done.tool_results[1].is_error
+    assert done.metadata["tool_tracking"] == {"success_rate": 0.5}
+    assert list(done.completion_ids) == list(ids) and called.tool_results == ()
+    untracked = execute_and_track_tools(called, execute)
+    assert untracked.metadata["tool_tracking"] == {} and len(untracked.tool_results) == 2
+
+
+def test_tool_tracking_refuses_what_it_cannot_use(tiny_model, tokenizer):
+    """Our ``create_rollout``'s parser must give ``ToolCall``s and the executor ``ToolResult``s (the seeds'
+    wrappers accept their dicts); a tracker returns a dict; the seeds' ``conversation=`` is the prompt here."""
+    from primitives.env.rollouts import create_rollout as ours
+    from primitives.env.tools import ToolCall, ToolResult
+    from primitives.env.tools import execute_and_track_tools as execute_ours
+    from primitives.types import Generation
+    from rl_primitives import GenerationConfig, create_rollout
+
+    ids = tokenizer("x", add_special_tokens=False).input_ids
+    backend = lambda model, tok, prompt, cfg: Generation("x", None, list(ids), "stop")  # noqa: E731
+    config = GenerationConfig(max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"tool_parser .*<lambda> returned dict; expected a list of "
+                                         r"primitives.env.tools.ToolCall\(name, arguments, id\)"):
+        ours(tiny_model, tokenizer, "q", config, generate_fn=backend, tool_parser=lambda text: [{"name": "calc"}])
+    r = ours(tiny_model, tokenizer, "q", config, generate_fn=backend,
+             tool_parser=lambda text: [ToolCall("calc", {"expression": "1+1"}, "c0")])
+    with pytest.raises(ValueError, match=r"tool_executor .*<lambda> returned str for the call 'calc'; expected a "
+                                         r"primitives.env.tools.ToolResult"):
+        execute_ours(r, lambda call: "2")
+    with pytest.raises(ValueError, match="result_tracker .*<lambda> returned float; expected a dict"):
+        execute_ours(r, lambda call: ToolResult("c0", "calc", "2"), result_tracker=lambda results: 1.0)
+    with pytest.raises(ValueError, match=r"create_rollout\(conversation=...\): here the conversation is the prompt"):
+        create_rollout(tiny_model, tokenizer, "q", config, conversation=Conversation(()))

@@ -135,14 +135,45 @@ def test_example_1_basic_grpo_loop_runs_as_written(tiny_model_path, capsys):
         assert stats.kl_divergence >= 0.0
 
 
-def test_example_1_one_completion_per_prompt_is_refused_by_name(tiny_model_path):
-    """The seed's GenerationConfig has n=1: GRPO's groups of one are refused, naming n >= 2."""
+def test_example_1_one_completion_per_prompt_is_refused_before_any_generation(tiny_model_path, monkeypatch):
+    """The seed's GenerationConfig has n=1 (no num_return_sequences): GRPO compares completions of one
+    prompt, so the run is refused before anything is generated, naming n, the seeds' name, the job
+    file's, and the single-completion algorithm that would learn."""
     model, _, ref_model, optimizer = setup(tiny_model_path)
-    with pytest.raises(ValueError, match=r"needs at least 2 per prompt \(set GenerationConfig.n >= 2\)"):
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated before the n check")
+
+    monkeypatch.setattr(model, "generate", no_generation)
+    with pytest.raises(ValueError) as e:
         train(initial_state=TrainingState(model=model, optimizer=optimizer, ref_model=ref_model),
               prompt_loader=load_prompts, num_iterations=1,
               gen_config=GenerationConfig(max_new_tokens=4, temperature=0.7, top_p=0.9, do_sample=True),
               algorithm_config=create_algorithm_config("grpo", {"kl_coef": 0.1}), reward_fn=correctness_reward)
+    assert str(e.value) == (
+        "algorithm 'grpo' compares completions of the same prompt and needs at least 2 per prompt; the run samples 1 "
+        "(GenerationConfig.n, the seeds' num_return_sequences; generation.group_size in a job file). Sample n >= 2, "
+        "or learn from single completions with REINFORCE and a constant baseline: "
+        "primitives.maths.algorithms.reinforce(baseline=0.5) "
+        "(rl_primitives.create_algorithm_config('reinforce', {'baseline': 0.5}))")
+
+
+def test_example_1_with_one_completion_per_prompt_learns_with_the_named_constant_baseline(tiny_model_path):
+    """The refusal's alternative, run: the seed's n=1 with REINFORCE and baseline 0.5 trains; each
+    rollout's advantage is its reward minus 0.5 (test_advantages works the numbers by hand)."""
+    torch.manual_seed(0)
+    model, _, ref_model, optimizer = setup(tiny_model_path)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+    final = train(initial_state=TrainingState(model=model, optimizer=optimizer, ref_model=ref_model),
+                  prompt_loader=load_prompts, num_iterations=1,
+                  gen_config=GenerationConfig(max_new_tokens=4, temperature=0.7, do_sample=True),
+                  algorithm_config=create_algorithm_config("reinforce", {"baseline": 0.5}),
+                  reward_fn=correctness_reward, iteration_hook=lambda state, batch: seen.append(batch))
+    (batch,) = seen
+    assert len(batch) == 4 and len({r.group for r in batch.rollouts}) == 4  # one completion per prompt
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert final.loop_state.metrics_history[-1]["algorithm"] == "reinforce"
 
 
 # ----------------------------------------------------------------------------- Example 2
