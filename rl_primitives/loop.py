@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections import Counter
 from typing import Any, Callable, Literal, NamedTuple, Optional, Sequence
 
 from cluster.local import LocalBackend, loaded_tokenizer
@@ -17,7 +18,7 @@ from primitives.hooks import call_hook, fn_name
 from primitives.io.checkpoint import load_checkpoint as _load_checkpoint
 from primitives.io.checkpoint import save_checkpoint as _save_checkpoint
 from primitives.io.data import make_prompt_source, prompt_source_from_loader
-from primitives.maths.algorithms import AlgorithmConfig, constant_schedule, uses_reference
+from primitives.maths.algorithms import AlgorithmConfig, constant_schedule, group_size_error, uses_reference
 from primitives.maths.batching import make_batch, rollout_metrics
 from primitives.maths.metrics import mean_over_updates
 from primitives.model.training import train_on_batch
@@ -280,6 +281,10 @@ def training_step(state: TrainingState, batch: RolloutBatch, algorithm_config,
                          "set batch_metadata={'temperature': T, 'max_new_tokens': N}")
     check_unique_uids(batch.rollouts)
     algo = as_algorithm(algorithm_config)
+    sizes = Counter(r.group for r in batch.rollouts)
+    too_few = group_size_error(algo, min(sizes.values())) if sizes else None
+    if too_few:
+        raise ValueError(f"training_step: {too_few}")
     tokenizer = state.tokenizer if state.tokenizer is not None else loaded_tokenizer(state.model)
     trainer_batch = make_batch(list(batch.rollouts), algo, tokenizer.pad_token_id,
                                budget=int(meta.get("max_new_tokens", 0)))
@@ -304,6 +309,9 @@ def training_iteration(state: TrainingState, prompts: Sequence, model, tokenizer
         raise ValueError("training_iteration(ref_model_update_fn=...): the reference moves at the loop's weight "
                          "sync with an explicit step; use train(..., ref_model_update_fn=create_ref_update_fn('ema', "
                          "decay=0.995))")
+    too_few = group_size_error(as_algorithm(algorithm_config), gen_config.n)
+    if too_few:  # before generating
+        raise ValueError(f"training_iteration: {too_few}")
     batch = create_batch_rollouts(model, tokenizer, prompts, gen_config, ref_model=state.ref_model,
                                   reward_fn=reward_fn, epoch=state.iteration)
     if iteration_hook is not None:

@@ -20,19 +20,14 @@ def check_algorithm_for(backend: Backend, algo, group_size: int) -> None:
     from primitives.maths.algorithms import (
         check_algorithm_functions,
         check_algorithm_picklable,
-        min_group_size,
+        group_size_error,
         validate_algorithm,
     )
 
     check_algorithm_functions(validate_algorithm(algo))
-    need = min_group_size(algo)
-    if group_size < need:
-        raise ValueError(f"algorithm '{algo.name}' compares completions of the same prompt and needs at least {need} "
-                         f"per prompt; the run samples {group_size} (GenerationConfig.n, the seeds' "
-                         f"num_return_sequences; generation.group_size in a job file). Sample n >= {need}, or learn "
-                         f"from single completions with REINFORCE and a constant baseline: "
-                         f"primitives.maths.algorithms.reinforce(baseline=0.5) "
-                         f"(rl_primitives.create_algorithm_config('reinforce', {{'baseline': 0.5}}))")
+    too_few = group_size_error(algo, group_size)
+    if too_few:
+        raise ValueError(too_few)
     if needs_values(algo) and not backend.has_critic:
         raise ValueError(f"algorithm '{algo.name}': its advantage function reads critic values (GAE), but the "
                          f"{backend.name} backend has no critic")

@@ -184,6 +184,20 @@ def min_group_size(algo: AlgorithmConfig) -> int:
     return max(int(trait(algo.advantage_fn, "min_group_size", 1)), 2 if pairwise(algo) else 1)
 
 
+def group_size_error(algo: AlgorithmConfig, group_size: int) -> Optional[str]:
+    """Why ``group_size`` completions per prompt are too few for ``algo`` (None when they are not):
+    the one message of this refusal, for the loop's check before generating and for a batch made by
+    hand."""
+    need = min_group_size(algo)
+    if group_size >= need:
+        return None
+    return (f"algorithm '{algo.name}' compares completions of the same prompt and needs at least {need} per prompt; "
+            f"the run samples {group_size} (GenerationConfig.n, the seeds' num_return_sequences; "
+            f"generation.group_size in a job file). Sample n >= {need}, or learn from single completions with "
+            f"REINFORCE and a constant baseline: primitives.maths.algorithms.reinforce(baseline=0.5) "
+            f"(rl_primitives.create_algorithm_config('reinforce', {{'baseline': 0.5}}))")
+
+
 def needs_values(algo: AlgorithmConfig) -> bool:
     """Whether the advantage function reads critic values (PPO's GAE): the job needs a critic."""
     return bool(trait(algo.advantage_fn, "needs_values"))
