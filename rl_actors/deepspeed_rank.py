@@ -157,6 +157,7 @@ class DeepSpeedRank:
         self.frozen = False  # some parameters do not train (LoRA): checkpoints and snapshots leave them out
         self.steps = 0
         self._backwards_left = 0  # micro-batches still to come in the current update
+        self.open_passes = 0  # backward passes of an update left open by accumulate (the seeds' forward_backward)
 
     @property
     def module_device(self) -> str:
@@ -247,6 +248,9 @@ class DeepSpeedRank:
         least one): ``run()`` makes this rank's micro-batches through ``backward`` and returns
         their metrics, then padding passes (``padding_backward``) make up the count; ``run``
         None is a rank without rows. Then the engine steps (``finish_step``)."""
+        if self.open_passes:
+            raise RuntimeError(f"{self.role} {self.rank}: an update left open by forward_backward "
+                               f"({self.open_passes} passes) must be stepped (optim_step) before another begins")
         self._backwards_left = max(1, passes)
         metrics = run() if run is not None else {}
         if self._backwards_left < 0:

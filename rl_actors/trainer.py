@@ -56,6 +56,7 @@ from rl_actors.deepspeed_rank import (
     snapshot_bytes,
 )
 from rl_actors.generator import GeneratorWorker
+from rl_actors.open_update import OpenUpdates
 from rl_actors.reference import AdapterReference, Reference
 from rl_actors.reuse import Reusable
 from rl_actors.weight_sync import (
@@ -72,10 +73,9 @@ from rl_actors.weight_sync import (
 
 __all__ = ["TrainerWorker", "TrainerConfig", "deepspeed_config", "micro_batch_count"]
 
-class TrainerWorker(Reusable):
-    """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``self.ds``, a
-    ``DeepSpeedRank``, holds the group plumbing), RL and SFT updates on this rank's shard,
-    weight broadcast."""
+class TrainerWorker(Reusable, OpenUpdates):
+    """One trainer rank: the policy as a causal LM in a DeepSpeed engine (``self.ds``, a ``DeepSpeedRank``, holds
+    the group plumbing), RL and SFT updates on this rank's shard, updates left open (``OpenUpdates``), weights sent."""
 
     role = "trainer"
 

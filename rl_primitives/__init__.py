@@ -60,14 +60,25 @@ from rl_primitives.loop import (
     training_iteration,
     training_step,
 )
+from rl_primitives.plan import (
+    PyTorchTrainingBackend,
+    RayTrainingBackend,
+    Sample,
+    TrainFuture,
+    TrainingConfig,
+    collate_batch,
+    prepare_sft_batch,
+    run_sft_training,
+)
 from rl_primitives.utilities import inspect_rollout, plot_training_curves, validate_batch
 
 create_adaptive_kl = create_confidence_masked_kl  # the seeds' name (seeds/003): k3 on tokens the policy is sure of
 
 __all__ = [
-    "Batch", "Conversation", "Generation", "GenerationConfig", "Message", "ModelConfig", "PromptItem", "Rollout",
-    "RolloutBatch", "ToolCall", "ToolConfig", "ToolResult", "TrainingState", "TrainingStats",
-    "aggregate_vector_rewards", "compute_grpo_advantages", "compute_grpo_loss", "compute_per_token_kl",
+    "Batch", "Conversation", "Generation", "GenerationConfig", "Message", "ModelConfig", "PromptItem",
+    "PyTorchTrainingBackend", "RayTrainingBackend", "Rollout", "RolloutBatch", "Sample", "ToolCall", "ToolConfig",
+    "ToolResult", "TrainFuture", "TrainingConfig", "TrainingState", "TrainingStats", "aggregate_vector_rewards",
+    "collate_batch", "compute_grpo_advantages", "compute_grpo_loss", "compute_per_token_kl",
     "compute_reward_model_score", "compute_scalar_reward", "compute_vector_reward", "create_adaptive_kl",
     "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_ema_updater",
     "create_multiturn_rollout", "create_periodic_updater", "create_ref_update_fn", "create_rollout",
@@ -75,7 +86,7 @@ __all__ = [
     "generate_with_logprobs", "get_algorithm", "get_reference_logprobs", "grpo", "inspect_rollout",
     "lexicographic_aggregator", "load_checkpoint", "load_model", "log_to_console", "log_to_wandb",
     "make_prompt_source", "max_aggregator", "mean_aggregator", "min_aggregator", "min_threshold_aggregator",
-    "online_dpo", "piecewise_schedule", "plot_training_curves", "prompt_source_from_loader",
-    "quick_start_training", "reinforce", "safe_calculate", "save_checkpoint", "train", "training_iteration",
-    "training_step", "update_ema_metrics", "validate_batch", "weighted_sum_aggregator",
+    "online_dpo", "piecewise_schedule", "plot_training_curves", "prepare_sft_batch", "prompt_source_from_loader",
+    "quick_start_training", "reinforce", "run_sft_training", "safe_calculate", "save_checkpoint", "train",
+    "training_iteration", "training_step", "update_ema_metrics", "validate_batch", "weighted_sum_aggregator",
 ]

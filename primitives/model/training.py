@@ -6,6 +6,7 @@ DeepSpeed), so the same functions serve one process and a sharded trainer group.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import numpy as np
@@ -205,6 +206,44 @@ def sft_eval_loss(model, input_ids: np.ndarray, attention_mask: np.ndarray, loss
     total = sum(float(loss) for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens,
                                                           micro_batch_size))
     return {"eval/loss_sft": total, "eval/sft_tokens": float(loss_mask[:, 1:].sum())}
+
+
+ROW_ARRAYS = ("input_ids", "attention_mask", "labels", "loss_mask")
+
+
+def loss_fn_forward_backward(model, arrays: dict, loss_fn: Callable, global_rows: int,
+                             micro_batch_size: Optional[int] = None, backward: Callable = _default_backward,
+                             loss_scale: float = 1.0) -> dict:
+    """A loss of the user's over ``arrays``, accumulated (the seeds' plan: ``backend.forward_backward``).
+
+    ``arrays``: ``input_ids`` (B, L) and optionally ``attention_mask`` (ones), ``labels`` (the
+    ids) and ``loss_mask`` (ones), plus any array with one entry per row (``advantages`` (B,)).
+    Each micro-batch calls ``loss_fn(logits, labels, loss_mask, **others)`` with the targets
+    aligned to their logits: ``logits[:, :-1]`` (float32) with ``labels[:, 1:]`` and
+    ``loss_mask[:, 1:]`` - position t predicts token t + 1. ``loss_fn`` returns the mean over the
+    rows it is given; each micro-batch's is weighted by its rows / ``global_rows``, so the shares
+    of every micro-batch on every rank add up to the mean over the whole batch (``loss``)."""
+    device = next(model.parameters()).device
+    rows = len(arrays["input_ids"])
+    step = micro_batch_size or rows or 1
+    total = 0.0
+    model.train()
+    for s in range(0, rows, step):
+        part = {k: torch.as_tensor(np.asarray(v[s: s + step])).to(device) for k, v in arrays.items()}
+        ids = part.pop("input_ids")
+        attn = part.pop("attention_mask", None)
+        labels = part.pop("labels", ids)
+        mask = part.pop("loss_mask", torch.ones_like(ids))
+        logits = model(input_ids=ids, attention_mask=attn if attn is not None else torch.ones_like(ids)).logits
+        loss = call_hook(functools.partial(loss_fn, **part) if part else loss_fn, "loss_fn", logits[:, :-1].float(),
+                         labels[:, 1:], mask[:, 1:].float())
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ValueError(f"loss_fn must return a scalar tensor (the mean over its rows), got "
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        share = loss * (len(ids) / global_rows)
+        backward(share * loss_scale)
+        total += float(share.detach())
+    return {"loss": total, "rows": float(rows)}
 
 
 def linear_warmup(base_lr: float, warmup_steps: int):
