@@ -20,17 +20,14 @@ two share.
   not split evenly, so ranks would make different numbers of micro-batches. ZeRO-2 reduces
   gradients at every backward and ZeRO-3 gathers parameters at every forward: the
   collectives stop matching (gloo aborts with a collective mismatch, NCCL hangs). Every rank
-  therefore makes the largest shard's count (``passes``); a rank with fewer rows (or none)
-  makes the rest as padding passes, a one-token forward whose loss is multiplied by zero
-  (``padding_backward``), and under ZeRO-3 forward-only work is padded the same way
-  (``pad_forwards``).
-* **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and its RNG
-  state into one temporary directory that rank 0 moves into the checkpoint in a single
-  rename (``primitives.io.checkpoint.atomic_directory``); nothing is ever half-written.
-* **Snapshots.** ``snapshot`` is the same DeepSpeed checkpoint of one rank held in memory:
-  its files as byte arrays, returned to the driver, so the part lives in the object store, outside
-  this process, and outlives it. A new group of the same size and ZeRO stage ``restore``s
-  every rank from all the parts (DeepSpeed reads every rank's optimizer file when it loads).
+  therefore makes the largest shard's count (``passes``); a rank with fewer rows (or none) makes the
+  rest as padding passes, a one-token forward whose loss is multiplied by zero (``padding_backward``),
+  and under ZeRO-3 forward-only work is padded the same way (``pad_forwards``).
+* **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and RNG state into one
+  temporary directory that rank 0 renames into the checkpoint (``atomic_directory``): never half-written.
+* **Snapshots.** ``snapshot`` is that checkpoint of one rank in memory, its files as byte arrays in the
+  object store, outliving this process. A new group of the same size and ZeRO stage ``restore``s every
+  rank from all the parts (DeepSpeed reads every rank's optimizer file when it loads).
 """
 from __future__ import annotations
 
@@ -201,9 +198,8 @@ class DeepSpeedRank:
         reset_peak_memory(self.on_gpu)
 
     def info(self) -> dict:
-        model = describe_model(self.module) if self.engine is not None else {}
         return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16,
-                "model": model}
+                "model": describe_model(self.module) if self.engine is not None else {}}
 
     @property
     def module(self):
@@ -248,9 +244,7 @@ class DeepSpeedRank:
         least one): ``run()`` makes this rank's micro-batches through ``backward`` and returns
         their metrics, then padding passes (``padding_backward``) make up the count; ``run``
         None is a rank without rows. Then the engine steps (``finish_step``)."""
-        if self.open_passes:
-            raise RuntimeError(f"{self.role} {self.rank}: an update left open by forward_backward "
-                               f"({self.open_passes} passes) must be stepped (optim_step) before another begins")
+        self.check_closed("another update")
         self._backwards_left = max(1, passes)
         metrics = run() if run is not None else {}
         if self._backwards_left < 0:
@@ -259,6 +253,15 @@ class DeepSpeedRank:
         while self._backwards_left > 0:
             self.padding_backward()
         return self.finish_step(metrics, lr)
+
+    def check_closed(self, what: str) -> None:
+        """No update is left open (``rl_actors.open_update``): its gradients would land on other weights."""
+        if self.open_passes < 0:
+            raise RuntimeError(f"{self.role} {self.rank}: a forward_backward failed part-way here: its update can "
+                               f"be neither applied nor continued ({what}); rebuild the trainer group")
+        if self.open_passes:
+            raise RuntimeError(f"{self.role} {self.rank}: an update left open by forward_backward ({self.open_passes} "
+                               f"passes) must be stepped (optim_step) before {what}")
 
     def finish_step(self, metrics: dict, lr: Optional[float]) -> dict:
         """Step the engine (after the last micro-batch's backward) and add the reduced
@@ -358,6 +361,7 @@ class DeepSpeedRank:
     def load(self, path: str) -> None:
         """Restore the engine shard (weights and optimizer), the step count and the RNG of
         this rank from ``path/deepspeed`` (all ranks call it together)."""
+        self.check_closed("a checkpoint is loaded")
         if not os.path.isdir(os.path.join(path, "deepspeed")):
             raise FileNotFoundError(f"{self.role} {self.rank}: {path} is not a {self.role} checkpoint "
                                     f"(no deepspeed/)")
@@ -390,6 +394,7 @@ class DeepSpeedRank:
         """Become rank ``self.rank`` of the group whose ``snapshot`` parts (one per rank, any
         order) are given: weights, optimizer, step count and RNG exactly as they were. All ranks
         call it together, in a group of the snapshot's size and ZeRO stage."""
+        self.check_closed("a snapshot is restored")
         ranks = sorted(p["rank"] for p in parts)
         if ranks != list(range(self.world_size)) or {p["zero_stage"] for p in parts} != {self.config.zero_stage}:
             raise ValueError(f"{self.role} {self.rank}: a snapshot of ranks {ranks} (ZeRO "

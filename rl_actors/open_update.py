@@ -1,12 +1,19 @@
 """An update left open between calls: the seeds' plan's ``forward_backward(batch)`` now and
 ``optim_step()`` later, on every rank of a DeepSpeed trainer group (``rl_primitives.plan``).
 
-``DeepSpeedRank.update`` knows its passes up front and makes the last one the gradient-reduction
+``DeepSpeedRank.update`` knows its passes up front and makes the last one the gradient-accumulation
 boundary. Here the caller may call ``forward_backward`` several times (gradient accumulation)
-before it steps, so no pass of an ``accumulate`` is the boundary: gradients accumulate on each
-rank unreduced, and ``step_accumulated`` makes one padding pass at the boundary (a one-token
-forward times zero: it adds nothing, and the reduction runs), then steps. Every rank makes the
-same number of passes in each call (the largest shard's), as in ``update``.
+before it steps, so no pass of an ``accumulate`` is the boundary, and ``step_accumulated`` makes
+one padding pass at the boundary (a one-token forward times zero: it adds nothing, and what
+DeepSpeed does at the boundary runs), then steps. Each ZeRO stage communicates at each pass as it
+does inside ``update`` (ZeRO-2 and 3 at every backward), so every rank makes the same number of
+passes in each call (the largest shard's), as in ``update``.
+
+A failed ``accumulate`` leaves gradients partly added: the rank marks its update spoiled
+(``open_passes`` -1), and every later step, update, load or restore on it refuses; the group must
+be rebuilt (the jobs' loop does so) or restored from a checkpoint by new processes. A ``loss_fn``
+that raises on one rank while the others go on leaves them waiting in a collective until the
+driver's call timeout names them.
 """
 from __future__ import annotations
 
@@ -21,8 +28,14 @@ from rl_actors.deepspeed_rank import passes
 def accumulate(ds: Any, count: int, run: Optional[Callable[[], dict]]) -> dict:
     """``count`` backward passes on the ``DeepSpeedRank`` ``ds`` (``run`` makes this rank's, padding
     makes the rest), none of them the boundary. Returns ``run``'s metrics."""
+    if ds.open_passes < 0:
+        ds.check_closed("another forward_backward")
     ds._backwards_left = max(1, count) + 1  # one more than this call makes: the step's pass is the boundary
-    metrics = run() if run is not None else {}
+    try:
+        metrics = run() if run is not None else {}
+    except BaseException:
+        ds.open_passes = -1  # spoiled: part of this batch's gradients are in
+        raise
     if ds._backwards_left < 1:
         raise RuntimeError(f"{ds.role} {ds.rank}: made more backward passes than the {max(1, count)} planned")
     while ds._backwards_left > 1:
@@ -33,6 +46,8 @@ def accumulate(ds: Any, count: int, run: Optional[Callable[[], dict]]) -> dict:
 
 def step_accumulated(ds: Any, lr: Optional[float]) -> dict:
     """Close what ``accumulate`` left open: one padding pass at the boundary, then the step."""
+    if ds.open_passes < 0:
+        ds.check_closed("a step")
     if not ds.open_passes:
         raise RuntimeError(f"{ds.role} {ds.rank}: optim_step with no forward_backward since the last step")
     ds._backwards_left = 1

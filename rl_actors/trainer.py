@@ -269,31 +269,31 @@ class TrainerWorker(Reusable, OpenUpdates):
                 pass
         return sum(m.nbytes for m in meta)
 
-    def sync_items(self, meta: Sequence[TensorMeta], bucket_bytes: int):
-        """``(name, tensor)`` of each parameter of ``meta`` in order, gathered a bucket at a time: no
-        rank holds more than a bucket of ZeRO-3's weights whole (a tensor is a copy there, as a consumer
-        may pack several before sending). Ranks other than 0 get ``(name, None)``: they only gather."""
+    def _gathered_buckets(self, meta: Sequence[TensorMeta], bucket_bytes: int):
+        """``(metas, tensors)`` of each bucket of ``meta`` in order, gathered while used (ZeRO-3: collective)."""
         params = dict(self.module.named_parameters())
-        partitioned = self.config.zero_stage == 3
         for idx in bucket_plan(meta, bucket_bytes):
             metas = [meta[i] for i in idx]
             with self.ds.gathered([m.name for m in metas]):
-                for m in metas:
-                    yield m.name, (params[m.name].data.to(DTYPES[m.dtype], copy=partitioned)
-                                   if self.rank == 0 else None)
+                yield metas, [params[m.name].data for m in metas]
+
+    def sync_items(self, meta: Sequence[TensorMeta], bucket_bytes: int):
+        """``(name, tensor)`` of each parameter of ``meta`` in order, a bucket at a time (a copy under ZeRO-3:
+        a consumer may pack several before sending); ranks other than 0 get ``(name, None)``."""
+        partitioned = self.config.zero_stage == 3
+        for metas, tensors in self._gathered_buckets(meta, bucket_bytes):
+            for m, t in zip(metas, tensors):
+                yield m.name, (t.to(DTYPES[m.dtype], copy=partitioned) if self.rank == 0 else None)
 
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
         """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket."""
         if getattr(self, "sync_protocol", "torch") == "vllm":
             return self._send_to_vllm(meta, bucket_bytes)
-        params = dict(self.module.named_parameters())
         moved = 0
-        for idx in bucket_plan(meta, bucket_bytes):
-            metas = [meta[i] for i in idx]
-            with self.ds.gathered([m.name for m in metas]):
-                if self.rank == 0:
-                    moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.sync_device,
-                                               get_tensors=lambda ms: [params[m.name].data for m in ms])
+        for metas, tensors in self._gathered_buckets(meta, bucket_bytes):
+            if self.rank == 0:
+                moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.sync_device,
+                                           get_tensors=(lambda ts: lambda ms: ts)(tensors))
         return moved
 
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:

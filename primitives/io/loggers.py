@@ -127,7 +127,14 @@ def update_ema_metrics(current: dict, ema: dict, momentum: float = 0.9) -> dict:
         raise ValueError(f"update_ema_metrics: momentum must be in [0, 1), got {momentum}")
 
     def finite(x) -> Optional[float]:
-        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+        """A finite number's value (Python, numpy or a 0-d tensor), else None."""
+        if isinstance(x, (bool, str, bytes)) or getattr(x, "ndim", 0) != 0:
+            return None
+        try:
+            value = float(x)
+        except (TypeError, ValueError):
+            return None
+        return value if math.isfinite(value) else None
 
     out = dict(ema)
     for key, value in current.items():
@@ -135,8 +142,8 @@ def update_ema_metrics(current: dict, ema: dict, momentum: float = 0.9) -> dict:
         if now is not None:
             old = finite(ema.get(key))
             out[key] = now if old is None else momentum * old + (1.0 - momentum) * now
-        elif not isinstance(value, (int, float)) or key not in ema:
-            out[key] = value
+        elif key not in ema or isinstance(value, (bool, str, bytes)) or getattr(value, "ndim", 0) != 0:
+            out[key] = value  # a name, or a NaN with nothing to keep
     return out
 
 

@@ -165,6 +165,12 @@ def test_update_ema_metrics_hand_values():
     assert out == {"loss": pytest.approx(2.2, abs=1e-12), "old": 7.0, "kl": 0.3, "algorithm": "dapo", "reward": 0.5}
     assert ema == {"loss": 2.0, "old": 7.0, "reward": 0.5}
     assert update_ema_metrics({"loss": 4.0}, {"loss": 2.0}, momentum=0.0) == {"loss": 4.0}
+    import numpy as np
+    import torch
+
+    scalars = update_ema_metrics({"a": np.float32(4.0), "b": torch.tensor(4.0), "c": np.int64(4)},
+                                 {"a": 2.0, "b": 2.0, "c": 2.0}, momentum=0.5)
+    assert scalars == {"a": 3.0, "b": 3.0, "c": 3.0}  # numpy and 0-d tensor values are averaged too
     two = update_ema_metrics({"loss": 1.0}, update_ema_metrics({"loss": 3.0}, {}, 0.5), 0.5)
     assert two == {"loss": 2.0}
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.0"):

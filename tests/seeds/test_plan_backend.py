@@ -164,12 +164,35 @@ def test_run_sft_training_as_the_plan_prints_it(tiny_model_path, tmp_path, capsy
     assert wrapped["attention_mask"][1].tolist() == [1] * 6 + [0] and wrapped["loss_mask"][1, -1] == 0
 
 
+def raising_on_marked(logits, labels, loss_mask, advantages):
+    """The plan's loss, raising on a batch whose advantages are marked (all 100)."""
+    if bool((advantages == 100).all()):
+        raise ValueError("a marked batch")
+    return grpo_loss(logits, labels, loss_mask, advantages)
+
+
+def test_a_failed_forward_backward_drops_the_update(tiny_model_path):
+    """One process: the gradients of the calls before the failure are dropped with it, and the
+    error says so; the next update starts clean."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    backend = PyTorchTrainingBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), raising_on_marked)
+    backend.forward_backward(batch_of(3, 0)).result()
+    with pytest.raises(ValueError, match="a marked batch") as e:
+        backend.forward_backward({**batch_of(3, 1), "advantages": np.full(3, 100, np.float32)})
+    assert "the gradients accumulated since the last optim_step were dropped" in "".join(e.value.__notes__)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="no forward_backward"):
+        backend.optim_step()
+
+
 @pytest.mark.ray
-@pytest.mark.parametrize("ranks, stage", [(1, 2), (2, 2), (2, 3)])
+@pytest.mark.parametrize("ranks, stage", [(1, 2), (2, 2), (2, 3), (3, 1)])
 def test_the_ray_trainer_group_computes_the_one_process_update(ray_local, tiny_model_path, ranks, stage):
-    """The same two steps (5 rows: one rank gets 3, the other 2, micro-batches of 2) through the
-    trainer group the jobs use and through the one-process backend: the same losses, gradient
-    norms and final weights. A group left open refuses an RL update until it steps."""
+    """The same two steps through the trainer group the jobs use and through the one-process
+    backend, each step two forward_backward calls (5 rows: shards of 3/2 or 2/2/1; then 2 rows, so
+    a third rank has none) and the second step at its own lr: the same losses, gradient norms and
+    final weights. An open update refuses an RL or SFT update until it steps; a failed
+    forward_backward spoils the update on every rank."""
     from cluster.ray_wing.config import ClusterConfig
     from cluster.ray_wing.groups import fan_out, gather
     from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
@@ -180,23 +203,30 @@ def test_the_ray_trainer_group_computes_the_one_process_update(ray_local, tiny_m
     # order over ranks moves a weight by up to lr * dg / (4 eps): test_trainer_zero explains the choice
     cfg = TrainerConfig(zero_stage=stage, lr=1e-3, micro_batch_size=2, adam_eps=1e-6)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    local = PyTorchTrainingBackend(model, adamw(model.parameters(), cfg), grpo_loss, micro_batch_size=2)
+    local = PyTorchTrainingBackend(model, adamw(model.parameters(), cfg), raising_on_marked, micro_batch_size=2)
     cluster = build_sft_cluster(ModelConfig(tiny_model_path), ClusterConfig(trainers=ranks, zero_stage=stage), cfg)
     try:
-        remote = RayTrainingBackend(cluster, grpo_loss)
-        for step in range(2):
-            batch = batch_of(5, 10 + step)
-            futures = remote.forward_backward(batch)
-            mine = local.forward_backward(batch).result()
-            assert futures.result()["loss"] == pytest.approx(mine["loss"], rel=1e-5)
-            theirs, ours = remote.optim_step().result(), local.optim_step().result()
-            assert theirs["grad_norm"] == pytest.approx(ours["grad_norm"], rel=1e-5) and theirs["lr"] == 1e-3
+        remote = RayTrainingBackend(cluster, raising_on_marked)
+        for step, lr in enumerate((None, 5e-4)):
+            for batch in (batch_of(5, 10 + step), batch_of(2, 20 + step)):
+                futures = remote.forward_backward(batch)  # under way while this process computes its own
+                mine = local.forward_backward(batch).result()
+                assert futures.result()["loss"] == pytest.approx(mine["loss"], rel=1e-5)
+            theirs, ours = remote.optim_step(lr).result(), local.optim_step(lr).result()
+            assert theirs["grad_norm"] == pytest.approx(ours["grad_norm"], rel=1e-5)
+            assert theirs["lr"] == ours["lr"] == (lr or 1e-3)
         final = gather(fan_out(cluster.trainers, "full_state"), cluster.timeout_s)[0]
         diffs = np.concatenate([np.abs(final[n] - p.detach().numpy()).ravel() for n, p in model.named_parameters()])
         assert diffs.max() < 0.02 * cfg.lr and diffs.mean() < 1e-3 * cfg.lr, (diffs.max(), diffs.mean())
         remote.forward_backward(batch_of(5, 0)).result()
         with pytest.raises(Exception, match="must be stepped"):
             gather(fan_out(cluster.trainers, "sft_step", *_sft_arrays()), cluster.timeout_s)
+        remote.optim_step().result()
+        if ranks == 2 and stage == 2:
+            with pytest.raises(Exception, match="a marked batch"):
+                remote.forward_backward({**batch_of(4, 1), "advantages": np.full(4, 100, np.float32)}).result()
+            with pytest.raises(Exception, match="a forward_backward failed part-way here"):
+                remote.optim_step().result()
     finally:
         shutdown_cluster(cluster, keep=False)
 

@@ -174,6 +174,7 @@ def test_example_1_with_one_completion_per_prompt_learns_with_the_named_constant
     assert len(batch) == 4 and len({r.group for r in batch.rollouts}) == 4  # one completion per prompt
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert final.loop_state.metrics_history[-1]["algorithm"] == "reinforce"
+    assert create_algorithm_config("reinforce", {"baseline": 0.5}).advantage_fn.baseline == 0.5  # not the default 0
 
 
 # ----------------------------------------------------------------------------- Example 2

@@ -186,7 +186,8 @@ def test_the_worked_examples_run_or_stop_where_expected(tiny_model_path, wandb_o
         assert "[Iter" not in out and not os.path.exists(wandb_offline / "checkpoints")
         return
     # what the completed examples printed and wrote: Example 1's and 3's two iterations, Example 6's two
-    # (its adaptive config, EMA reference, W&B offline run and checkpoints after iterations 0 and 2)
+    # (its adaptive config, EMA reference, W&B offline run, and its checkpoints: after the first iteration,
+    # iter_1, and the final one, iter_2)
     assert "Training complete! Final iteration: 2" in out and "=== Switching to GRPO at iteration 0 ===" in out
     assert out.count("[Iter   1]") == 1 and out.count("[Iter   2]") == 1  # Example 6's own logger
     assert "Training complete!\nFinal iteration: 2\nTotal steps: 2" in out
