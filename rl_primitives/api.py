@@ -303,6 +303,49 @@ def compute_reward_model_score(model, tokenizer, prompt, text) -> float:
 
 # ----------------------------------------------------------------------------- models
 
+def load_tokenizer(config, tokenizer_loader: Optional[Callable] = None):
+    """The seeds' ``load_tokenizer(config, tokenizer_loader=None)``: ``tokenizer_loader(config)``, or the
+    tokenizer of ``config.model_name_or_path`` (a ``ModelConfig``, or a local directory)."""
+    from primitives.types import ModelConfig
+
+    config = ModelConfig(config) if isinstance(config, str) else config
+    if tokenizer_loader is not None:
+        return tokenizer_loader(config)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+
+
+def load_reward_model(config, loader: Optional[Callable] = None, device: str = "cpu"):
+    """The seeds' ``load_reward_model(config, loader=None)``: ``loader(config)``, or the sequence
+    classifier of ``config.model_name_or_path`` (``primitives.env.rewards.load_reward_model``, which
+    returns its tokenizer too: kept on the model as ``reward_tokenizer``, since the score is of text
+    tokenized by the reward model's own tokenizer)."""
+    from primitives.env.rewards import load_reward_model as ours
+    from primitives.types import ModelConfig
+
+    config = ModelConfig(config) if isinstance(config, str) else config
+    if loader is not None:
+        return loader(config)
+    model, tokenizer = ours(config.model_name_or_path, device)
+    model.reward_tokenizer = tokenizer
+    return model
+
+
+def create_rm_reward_fn(reward_model, tokenizer, render: Optional[Callable] = None) -> Callable:
+    """The seeds' ``create_rm_reward_fn(reward_model, tokenizer)``: ``primitives.env.rewards.create_rm_reward_fn``
+    (prompt + completion text scored by the reward model). The seeds pass the policy's tokenizer; one
+    whose vocabulary differs from the reward model's own is refused (its ids would mean other tokens)."""
+    from primitives.env.rewards import create_rm_reward_fn as ours
+
+    own = getattr(reward_model, "reward_tokenizer", None)
+    if own is not None and tokenizer is not own and tokenizer.get_vocab() != own.get_vocab():
+        raise ValueError("create_rm_reward_fn: this tokenizer's vocabulary is not the reward model's (the seeds pass "
+                         "the policy's); pass the reward model's own: create_rm_reward_fn(reward_model, "
+                         "reward_model.reward_tokenizer)")
+    return ours(reward_model, tokenizer, render)
+
+
 SEED_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

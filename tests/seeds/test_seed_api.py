@@ -455,3 +455,41 @@ def test_tool_tracking_refuses_what_it_cannot_use(tiny_model, tokenizer):
         execute_ours(r, lambda call: ToolResult("c0", "calc", "2"), result_tracker=lambda results: 1.0)
     with pytest.raises(ValueError, match=r"create_rollout\(conversation=...\): here the conversation is the prompt"):
         create_rollout(tiny_model, tokenizer, "q", config, conversation=Conversation(()))
+
+
+def test_the_seeds_model_loaders_and_reward_model_function(tiny_model, tokenizer, tmp_path):
+    """seeds/000's ``load_tokenizer(config, tokenizer_loader=)``, ``create_reference_model(model,
+    ref_model_fn=)``, ``load_reward_model(config, loader=)`` and ``create_rm_reward_fn(rm, tokenizer)``:
+    the reward function's score is the reward model's own of prompt + completion; a tokenizer whose
+    vocabulary is not the reward model's is refused."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from primitives.types import ModelConfig
+    from rl_primitives import (
+        compute_reward_model_score,
+        create_reference_model,
+        create_rm_reward_fn,
+        load_reward_model,
+        load_tokenizer,
+    )
+
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    config = ModelConfig(str(tmp_path / "rm"))
+    assert load_tokenizer(config).get_vocab() == tokenizer.get_vocab()
+    assert load_tokenizer(config, tokenizer_loader=lambda c: c.model_name_or_path) == str(tmp_path / "rm")
+    ref = create_reference_model(tiny_model)
+    assert ref is not tiny_model and not any(p.requires_grad for p in ref.parameters())
+    assert create_reference_model(tiny_model, ref_model_fn=lambda m: m) is tiny_model
+    rm = load_reward_model(config)
+    assert load_reward_model(config, loader=lambda c: "mine") == "mine"
+    r = rollout(prompt="2+2=", text="4. yes")
+    score = create_rm_reward_fn(rm, tokenizer)(r)
+    assert score == pytest.approx(compute_reward_model_score(rm, rm.reward_tokenizer, "2+2=", "4. yes"), abs=1e-6)
+    other = AutoTokenizer.from_pretrained(str(tmp_path / "rm"))
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"this tokenizer's vocabulary is not the reward model's"):
+        create_rm_reward_fn(rm, other)
