@@ -284,20 +284,17 @@ class TrainingConfig(NamedTuple):
 
 
 def prepare_sft_batch(samples: Sequence[Sample], pad_id: int = 0) -> dict:
-    """The samples as one batch, right-padded to the longest (``attention_mask`` and ``loss_mask``
-    0 on the padding; the plan's ``torch.stack`` needs equal lengths)."""
-    longest = max(len(s.input_ids) for s in samples)
-    out: dict[str, np.ndarray] = {"input_ids": np.full((len(samples), longest), pad_id, np.int64),
-           "labels": np.full((len(samples), longest), pad_id, np.int64),
-           "loss_mask": np.zeros((len(samples), longest), np.float32),
-           "attention_mask": np.zeros((len(samples), longest), np.int64)}
+    """The samples as one batch, right-padded to the longest (``primitives.io.data.collate_sft``:
+    ``attention_mask`` and ``loss_mask`` 0 on the padding; the plan's ``torch.stack`` needs equal
+    lengths); ``labels`` padded alike."""
+    from primitives.io.data import SFTSample, collate_sft
+
+    ids, attn, loss_mask = collate_sft([SFTSample(np.asarray(s.input_ids), np.asarray(s.loss_mask, np.float32))
+                                        for s in samples], pad_id)
+    labels = np.full_like(ids, pad_id)
     for i, s in enumerate(samples):
-        n = len(s.input_ids)
-        out["input_ids"][i, :n] = np.asarray(s.input_ids)
-        out["labels"][i, :n] = np.asarray(s.labels)
-        out["loss_mask"][i, :n] = np.asarray(s.loss_mask, np.float32)
-        out["attention_mask"][i, :n] = 1
-    return out
+        labels[i, :len(s.labels)] = np.asarray(s.labels)
+    return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask, "attention_mask": attn}
 
 
 def collate_batch(samples: Sequence[Sample], batch_size: int, step: int, pad_id: int = 0) -> dict:
