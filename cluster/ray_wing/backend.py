@@ -108,6 +108,8 @@ class RayBackend(Recovery):
         self.log: list = []  # Updates since the snapshot
         self.faults: list = []  # one record per recovery: role, rank, what happened, seconds
         self.snapshot_costs: list = []  # (seconds, bytes) of each snapshot taken
+        self.kept = [0, 0.0]  # bytes and seconds of results copied to the driver's node (custody.keep_here)
+
     @property
     def pad_token_id(self) -> int:
         return self.cluster.pad_token_id
@@ -183,13 +185,16 @@ class RayBackend(Recovery):
             chunks = gather(summary_calls, 0, waited)
             for _, calls in refs.branches[:-1]:  # the reference's counts: a failure there, not in the train step
                 settle(calls, 0, waited)
+            parts = self.keep([x for part in refs.parts for x in part],
+                              [c for c in summary_calls for _ in range(2)])  # each part's data and reference arrays
         except ActorFailure:
             for _, calls in phases:  # the earliest failure names its actor (the chunks stay where they are)
                 settle(calls, 0, waited)
             raise
         with_ref = bool(refs.branches)  # the reference's arrays join the rollouts where they are trained
         return [Held(s._replace(has_ref=True) if with_ref else s, part, i)
-                for part, summaries in zip(refs.parts, chunks, strict=True) for i, s in enumerate(summaries)], times
+                for part, summaries in zip(zip(parts[::2], parts[1::2]), chunks, strict=True)
+                for i, s in enumerate(summaries)], times
 
     def select(self, rows: Sequence, filters: Sequence) -> list:
         """The rows ``filters`` keep, in their order: the filters run on a reward worker, which
@@ -234,8 +239,9 @@ class RayBackend(Recovery):
         result = self.recovering(lambda: self._train_call(plan, parts, inputs["values"], algo, temperature, lr,
                                                           with_critic), again)
         if result.batch_metrics is not None and self.snapshot_every != 0:  # without snapshots nothing replays it
-            self.log.append(Update(plan, tuple(parts), tuple(v.ref for v in inputs["values"] or ()), algo, temperature,
-                                   lr, with_critic))
+            shares = list(inputs["values"] or ())
+            self.log.append(Update(plan, tuple(parts), tuple(self.keep([v.ref for v in shares], shares)), algo,
+                                   temperature, lr, with_critic))
         return result
 
     def _train_call(self, plan: BatchPlan, parts: list, values: Optional[list], algo, temperature: float,
@@ -302,7 +308,7 @@ class RayBackend(Recovery):
             out.update(self.take_snapshot())
         elif self._reference_workers_track() and self.snapshot is not None:  # they moved: their state, every step
             self.snapshot = self.snapshot._replace(
-                reference=self.recovering(lambda: snapshot_reference(self.cluster), self._move_again))
+                reference=self.recovering(lambda: snapshot_reference(self.cluster, self.keep), self._move_again))
         return out
 
     def save(self, path: str, state: TrainState) -> str:

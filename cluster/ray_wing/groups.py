@@ -279,13 +279,13 @@ def _wait_all(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float]
 def _value(c: Call, transfer_s: float):
     """The result of a call that has answered, fetched here within ``transfer_s``."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     try:
         return ray.get(c.ref, timeout=transfer_s)
     except RayActorError as e:
         raise _death(c, e) from e
-    except RayTaskError as e:
+    except (RayTaskError, ObjectLostError) as e:
         raise _raised(c, e) from e
     except GetTimeoutError as e:
         raise ActorFailure(f"{c.role} {c.rank}.{c.method}: its result did not arrive within {transfer_s:.0f}s",
@@ -296,13 +296,13 @@ def _failure(c: Call) -> Optional[ActorFailure]:
     """The failure of a call that has answered (its actor died, or its method raised); None when
     it returned a value, here or on another node (that value is not fetched)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     try:  # an error is small and kept by the caller; a large value on another node times out at once
         ray.get(c.ref, timeout=0)
     except RayActorError as e:
         return _death(c, e)
-    except RayTaskError as e:
+    except (RayTaskError, ObjectLostError) as e:
         return _raised(c, e)
     except GetTimeoutError:
         return None
@@ -310,8 +310,28 @@ def _failure(c: Call) -> Optional[ActorFailure]:
 
 
 def _raised(c: Call, error) -> ActorFailure:
+    """A call that raised, or whose result or argument was lost with the node that stored it."""
+    from ray.exceptions import ObjectLostError
+
+    if isinstance(error, ObjectLostError):
+        return lost_object(c.role, c.rank, c.method, error)
     cause = error.as_instanceof_cause() if hasattr(error, "as_instanceof_cause") else error
     return ActorFailure(f"{c.role} {c.rank} failed in {c.method}: {cause}", c.role, c.rank)
+
+
+def lost_object(role: str, rank: int, method: str, error) -> ActorFailure:
+    """The failure of ``role rank.method`` whose result, or an argument it read, was lost with the
+    node that stored it (``ray.exceptions.ObjectLostError``; inside the call when an argument was
+    lost). The node's actors are gone: the failure names the actor that made the lost object (its
+    id is inside the object's: task id = 8 unique bytes + actor id), so that actor is replaced
+    (unless it was already) and its work is done again."""
+    hex_id = getattr(error, "object_ref_hex", "") or ""
+    if not hex_id and getattr(error, "cause", None) is not None:  # raised inside a call whose argument was lost
+        hex_id = getattr(error.cause, "object_ref_hex", "") or ""
+    maker = hex_id[16:48] if len(hex_id) == 56 else ""
+    return ActorFailure(f"{role} {rank}.{method}: object {hex_id[:16] or '?'}... was lost with the node that stored "
+                        "it; the actor that made it is replaced and its work done again", role, rank, True,
+                        actor_id=maker)
 
 
 def first_death(calls: Sequence[Call]) -> Optional[ActorFailure]:

@@ -6,13 +6,15 @@ A ``Snapshot`` holds, by reference, each trainer rank's and critic rank's part o
 DeepSpeed group's state (``rl_actors.deepspeed_rank.DeepSpeedRank.snapshot``: weights and
 optimizer shards, step count, RNG; rank 0's part also the reference copy a trainer rank
 holds) and a reference worker's weights. The parts are results of calls the driver made, so
-the driver owns them: they stay in the object store when the actor that made them dies (a
-lost node loses the objects it stored; then the newest checkpoint is what is left).
+the driver owns them: they stay in the object store when the actor that made them dies, and
+they are copied to the driver's node (``cluster.ray_wing.custody``), so the loss of the node
+that made them does not take them.
 
 The ``log`` holds every update made since the snapshot (``Update``: the step's plan and its
 rollouts and value shares, all by reference), so a group restored from the snapshot is
 brought to the present by making the same updates again; with a snapshot after every step
-the log holds at most the step in progress.
+the log holds at most the step in progress. Its chunks and value shares are kept on the
+driver's node too.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure
+from cluster.ray_wing.custody import keep_here
 from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, gather
 from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, rebuild_group, replace_actor
 from cluster.ray_wing.weights import sync_weights
@@ -60,18 +63,22 @@ class Snapshot(NamedTuple):
     seconds: float  # how long taking it took
 
 
-def take_snapshot(cluster, reference_workers: bool) -> Snapshot:
+def take_snapshot(cluster, reference_workers: bool, keep: Callable) -> Snapshot:
     """Every trainer and critic rank's part (collective within each group) and, with
     ``reference_workers``, reference worker 0's state; waited for until all are in the object
-    store, only their sizes fetched."""
+    store, only their sizes fetched, then kept on the driver's node (``keep``: a lost node
+    must not take them)."""
     t0 = time.perf_counter()
     splits = [call_split(cluster.trainers, r, "snapshot") for r in range(cluster.trainers.size)]
     critic_splits = [call_split(cluster.critics, r, "snapshot") for r in range(cluster.critics.size)] \
         if cluster.critics is not None else []
     ref_split = [call_split(cluster.reference.group, 0, "snapshot")] if reference_workers else []
-    sizes = gather([s for s, _ in splits + critic_splits + ref_split], cluster.timeout_s)
-    return Snapshot(tuple(d for _, d in splits), tuple(d for _, d in critic_splits),
-                    ref_split[0][1] if ref_split else None, int(sum(sizes)), time.perf_counter() - t0)
+    every = splits + critic_splits + ref_split
+    sizes = gather([s for s, _ in every], cluster.timeout_s)
+    kept = keep([d for _, d in every], [s for s, _ in every])
+    trainers, critics = kept[:len(splits)], kept[len(splits):len(splits) + len(critic_splits)]
+    return Snapshot(tuple(trainers), tuple(critics), kept[-1] if ref_split else None, int(sum(sizes)),
+                    time.perf_counter() - t0)
 
 
 def restore_group(cluster, role: str, snapshot: Snapshot, log: Sequence[Update | SFTUpdate]) -> None:
@@ -102,12 +109,12 @@ def restore_reference_workers(cluster, snapshot: Snapshot) -> None:
     gather([call(group, r, "restore", snapshot.reference) for r in range(group.size)], cluster.timeout_s)
 
 
-def snapshot_reference(cluster) -> object:
+def snapshot_reference(cluster, keep: Callable) -> object:
     """Reference worker 0's state (every worker holds the same), by reference, once it is in
-    the object store."""
+    the object store, kept on the driver's node (``keep``)."""
     size, data = call_split(cluster.reference.group, 0, "snapshot")
     gather([size], cluster.timeout_s)
-    return data
+    return keep([data], [size])[0]
 
 
 def _single_actors_first(targets: Sequence[tuple], reference) -> list:
@@ -141,6 +148,7 @@ class Recovery:
     log: list  # Updates since the snapshot
     faults: list  # one record per recovery
     snapshot_costs: list  # (seconds, bytes) of each snapshot
+    kept: list  # [bytes, seconds] of results copied to the driver's node so far (``keep``)
 
     @property
     def restore_point(self) -> Snapshot:
@@ -204,9 +212,10 @@ class Recovery:
         before = self.snapshot
         fresh_reference = self._reference_workers_track() or (before is None and self._has_reference_workers())
         if before is None:  # nothing to recover a group from yet
-            self.snapshot = take_snapshot(self.cluster, fresh_reference)
+            self.snapshot = take_snapshot(self.cluster, fresh_reference, self.keep)
         else:  # the old snapshot and the log still hold the state: a rank that dies is recovered from them
-            self.snapshot = self.recovering(lambda: take_snapshot(self.cluster, fresh_reference), self._move_again)
+            self.snapshot = self.recovering(lambda: take_snapshot(self.cluster, fresh_reference, self.keep),
+                                            self._move_again)
         if not fresh_reference and before is not None:  # a fixed reference: its state once
             self.snapshot = self.snapshot._replace(reference=before.reference)
         self.log, self.snapshot_at = [], time.perf_counter()
@@ -232,10 +241,24 @@ class Recovery:
         else:
             restore_group(self.cluster, "trainer", self.snapshot, self.log)
 
+    def keep(self, refs: Sequence, made_by: Sequence) -> list:
+        """``refs`` with each object that lives only on another node copied to the driver's
+        (``custody.keep_here``: snapshot parts, rollout chunks, value shares must outlive a lost
+        node); the copies' bytes and seconds go to ``kept``."""
+        t0 = time.perf_counter()
+        out, copied = keep_here(refs, made_by, self.cluster.timeout_s)
+        if copied:
+            self.kept[0] += copied
+            self.kept[1] += time.perf_counter() - t0
+        return out
+
     def fault_metrics(self) -> dict:
-        """``faults/restarts/<role>`` (actors replaced or groups rebuilt so far) and
-        ``faults/seconds_lost`` (failed attempts and recoveries, so far)."""
+        """``faults/restarts/<role>`` (actors replaced or groups rebuilt so far),
+        ``faults/seconds_lost`` (failed attempts and recoveries, so far) and, once results were
+        copied to the driver's node (several nodes), ``faults/kept_mb`` and ``faults/kept_s`` so far."""
         out = {"faults/seconds_lost": sum(f["seconds"] + f["lost"] for f in self.faults)}
+        if self.kept[0]:
+            out.update({"faults/kept_mb": self.kept[0] / 2 ** 20, "faults/kept_s": self.kept[1]})
         for f in self.faults:
             key = f"faults/restarts/{f['role']}"
             out[key] = out.get(key, 0.0) + 1.0
