@@ -5,6 +5,7 @@ of a real one."""
 from __future__ import annotations
 
 import os
+import queue
 import random
 import signal
 import threading
@@ -54,6 +55,92 @@ def signal_when(cls: str, method: str, sig: int = signal.SIGKILL, timeout_s: flo
 
     threading.Thread(target=watch, daemon=True).start()
     return done
+
+
+class Nodes:
+    """A head (the driver's node) and one node per role group, each with its own raylet and object
+    store (``ray.cluster_utils.Cluster`` on this machine), as a KubeRay cluster has them: a result
+    above Ray's inline limit lives in the object store of the node whose actor made it.
+    ``groups``: name -> logical CPUs of that node, which advertises the custom resource
+    ``<name>_node`` (``cluster.pin_roles`` places trainers, critics and reference workers on
+    ``trainer_node``, generators and reward workers on ``generator_node``). ``inline_bytes``:
+    Ray's inline limit (100 KB by default); a small one stores even a tiny model's chunks in the
+    making node's object store, as a real model's are. ``remove(group)`` loses that node at once (no
+    graceful stop, as a machine that fails); ``add(group)`` starts a fresh one in its place (from
+    any thread: a monkey's too)."""
+
+    def __init__(self, groups: dict, head_cpus: int = 1, inline_bytes: Optional[int] = None):
+        import ray
+        from ray.cluster_utils import Cluster
+
+        from rl_actors.common import environ
+        from tests.conftest import ROOT
+
+        self.groups = dict(groups)
+        self._keeper: Optional[threading.Thread] = None
+        self._asks: queue.Queue = queue.Queue()
+        self._stopped = threading.Event()
+        ray.shutdown()
+        head = {"num_cpus": head_cpus, "include_dashboard": False}
+        if inline_bytes is not None:
+            head["_system_config"] = {"max_direct_call_object_size": int(inline_bytes)}
+        with environ({"PYTHONPATH": ROOT, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}):
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
+            self.nodes = {name: self._start(name) for name in self.groups}
+            self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, log_to_driver=False)
+
+    def _start(self, name: str):
+        return self.cluster.add_node(num_cpus=self.groups[name], resources={f"{name}_node": 1})
+
+    def node_id(self, name: str) -> str:
+        return self.nodes[name].node_id
+
+    def remove(self, name: str) -> None:
+        self.cluster.remove_node(self.nodes[name], allow_graceful=False)
+
+    def add(self, name: str) -> None:
+        """A fresh node for group ``name`` (from any thread). Ray starts a node's processes bound to
+        the life of the thread that starts them (``PR_SET_PDEATHSIG``): a node added from a thread
+        that then ends dies with it. So every node is added by one keeper thread that lives as long
+        as the cluster (and the node's SIGTERM hook, which only the main thread may set, is left out)."""
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, daemon=True)
+            self._keeper.start()
+        done: dict = {}
+        self._asks.put((name, done))
+        while "node" not in done and "error" not in done:
+            time.sleep(0.05)
+        if "error" in done:
+            raise done["error"]
+        self.nodes[name] = done["node"]
+        self.cluster.wait_for_nodes()
+
+    def _keep(self) -> None:
+        from unittest import mock
+
+        from rl_actors.common import environ
+        from tests.conftest import ROOT
+
+        while (ask := self._asks.get()) is not None:
+            name, done = ask
+            try:
+                with environ({"PYTHONPATH": ROOT, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}), \
+                        mock.patch("ray._private.utils.set_sigterm_handler"):
+                    done["node"] = self._start(name)
+            except Exception as error:  # handed to the asking thread
+                done["error"] = error
+        self._stopped.wait()  # the nodes it started go down with the cluster, not before
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        if self._keeper is not None:
+            self._asks.put(None)
+            self._stopped.set()
+            self._keeper.join(10)
 
 
 def our_scratch() -> list:

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from cluster.loop.protocol import ActorFailure
 from cluster.loop.train import RLRun, train
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
@@ -17,28 +18,22 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, mak
 from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig
-from rl_actors.common import environ
 from rl_actors.trainer import TrainerConfig
-from tests.conftest import ROOT
+from tests.chaos import Nodes
 
 pytestmark = pytest.mark.ray  # a simulated cluster of its own
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    import ray
-    from ray.cluster_utils import Cluster
+def nodes():
+    nodes = Nodes({"generator": 5, "trainer": 4})  # and the head, the driver's node
+    yield nodes
+    nodes.shutdown()
 
-    ray.shutdown()
-    with environ({"PYTHONPATH": ROOT}):  # the nodes' workers import this module's functions
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        gen_node = cluster.add_node(num_cpus=5, resources={"generator_node": 1})
-        trainer_node = cluster.add_node(num_cpus=4, resources={"trainer_node": 1})
-        cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield {"generator": gen_node.node_id, "trainer": trainer_node.node_id}
-    ray.shutdown()
-    cluster.shutdown()
+
+@pytest.fixture(scope="module")
+def two_nodes(nodes):
+    return {"generator": nodes.node_id("generator"), "trainer": nodes.node_id("trainer")}
 
 
 @pytest.mark.parametrize("generators", [1, 3])
@@ -106,3 +101,51 @@ def test_a_reward_worker_dying_beside_chunks_on_another_node_is_replaced(two_nod
         assert state.metrics_history[-1]["faults/restarts/reward"] == 1.0
     finally:
         shutdown_cluster(backend.cluster)
+
+
+class _Maker:
+    """Makes arrays on its node and reads those of others."""
+
+    def make(self, n: int):
+        import numpy as np
+
+        return np.arange(n, dtype=np.float32)
+
+    def total(self, x) -> float:
+        return float(x.sum())
+
+
+def test_a_result_lost_with_its_node_names_its_maker_and_a_kept_copy_survives(nodes):
+    """A spare node joins, an actor there makes three 400 KB arrays (object store, not inline), and
+    the node is lost. The driver's own read of a lost result and another node's call that reads
+    one both fail as the death of the actor that made it (its id from the object's), so recovery
+    replaces that actor rather than blaming the reader or calling it a user error; the array
+    ``keep_here`` copied to the driver's node before the loss is still there, whole."""
+    import numpy as np
+    import ray
+
+    from cluster.ray_wing.custody import keep_here
+    from cluster.ray_wing.groups import Call, actor_id
+
+    nodes.groups["spare"] = 1
+    nodes.add("spare")
+    maker = ray.remote(_Maker).options(resources={"spare_node": 0.1}, max_restarts=0).remote()
+    reader = ray.remote(_Maker).options(resources={"generator_node": 0.01}, max_restarts=0).remote()
+    made = [Call(maker.make.remote(100_000), "generator", 0, "make", actor_id(maker)) for _ in range(3)]
+    ray.wait([c.ref for c in made], num_returns=3, timeout=120, fetch_local=False)  # done, on the spare node alone
+    kept, copied = keep_here([made[0].ref, None], [made[0], made[0]], 60)
+    assert kept[1] is None and kept[0] != made[0].ref and copied >= 400_000
+    same, nothing = keep_here([kept[0]], [made[0]], 60)
+    assert same == [kept[0]] and nothing == 0  # a copy on the driver's node is not copied again
+
+    nodes.remove("spare")
+    with pytest.raises(ActorFailure) as own:
+        gather([made[1]], 60)
+    assert own.value.died and own.value.actor_id == actor_id(maker) and "lost with the node" in str(own.value)
+    read = Call(reader.total.remote(made[2].ref), "reward", 0, "total", actor_id(reader))
+    with pytest.raises(ActorFailure) as other:
+        gather([read], 60)
+    assert other.value.died and other.value.replaceable and other.value.actor_id == actor_id(maker)
+    assert other.value.role == "reward" and "lost with the node" in str(other.value)
+    assert np.array_equal(ray.get(kept[0]), np.arange(100_000, dtype=np.float32))
+    ray.kill(reader)
