@@ -26,6 +26,7 @@ from primitives.model.generation import generate_rollouts
 from primitives.model.logprobs import rollout_logprobs
 from primitives.types import Conversation, Generation, Rollout, RolloutBatch
 from primitives.types import GenerationConfig as _GenerationConfig
+from rl_primitives.ref_cache import ReferenceLogprobCache
 
 Batch = RolloutBatch  # the seeds' Batch(rollouts, batch_metadata): rollouts without padded arrays
 
@@ -186,7 +187,8 @@ def create_batch_rollouts(model, tokenizer, prompts: Sequence, gen_config: _Gene
     """The seeds' ``create_batch_rollouts``: ``gen_config.n`` rollouts of each prompt (each
     prompt its own index, so its own group and uids ``e{epoch}/i{k}/s{j}``), generated
     ``batch_size`` prompts at a time; reference logprobs of the same tokens at the sampling
-    temperature when ``ref_model`` is given; scored by ``reward_fn`` (``aggregate_fn`` for a
+    temperature when ``ref_model`` is given (a model, or a ``ReferenceLogprobCache`` of one: completions
+    seen before skip it); scored by ``reward_fn`` (``aggregate_fn`` for a
     vector). The batch's metadata records the sampling temperature and budget
     (``training_step`` needs them). Ours: ``primitives.model.generation.generate_rollouts`` +
     ``rollout_logprobs`` + ``score_rollouts`` (or, for training, ``cluster.loop.train.train``)."""
@@ -200,8 +202,11 @@ def create_batch_rollouts(model, tokenizer, prompts: Sequence, gen_config: _Gene
     for start in range(0, len(items), batch_size):
         rollouts += generate_rollouts(model, tokenizer, items[start:start + batch_size], gen_config)
     if ref_model is not None:
-        with torch.no_grad():
-            refs = rollout_logprobs(ref_model, rollouts, tokenizer.pad_token_id, gen_config.temperature)
+        if isinstance(ref_model, ReferenceLogprobCache):  # completions seen before skip the reference
+            refs = ref_model(rollouts, gen_config.temperature)
+        else:
+            with torch.no_grad():
+                refs = rollout_logprobs(ref_model, rollouts, tokenizer.pad_token_id, gen_config.temperature)
         rollouts = [r._replace(ref_logprobs=lp) for r, lp in zip(rollouts, refs)]
     if reward_fn is not None:
         rollouts = score_rollouts(rollouts, reward_fn, aggregate_fn)
