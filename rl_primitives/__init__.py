@@ -22,6 +22,7 @@ from primitives.env.tools import ToolCall, ToolConfig, ToolResult, safe_calculat
 from primitives.io.data import PromptItem, make_prompt_source, prompt_source_from_loader
 from primitives.io.loggers import update_ema_metrics
 from primitives.maths.algorithms import dapo, get_algorithm, grpo, online_dpo, piecewise_schedule, reinforce
+from primitives.maths.filters import top_bottom_pairs
 from primitives.maths.kl import (
     create_confidence_masked_kl,
     create_ema_updater,
@@ -104,6 +105,12 @@ from rl_primitives.seed_maths import (
     get_algorithm_config,
     normalize_rewards,
 )
+from rl_primitives.seed_models import (
+    compute_logprobs_for_tokens,
+    compute_ppo_advantages,
+    parse_thinking,
+    update_reference_model,
+)
 from rl_primitives.seed_tools import (
     apply_chat_template,
     apply_reward_shaping,
@@ -128,20 +135,21 @@ __all__ = [
     "TrainingStats", "aggregate_vector_rewards", "apply_chat_template", "apply_reward_shaping", "batch_generate",
     "cached_ref_logprobs", "collate_batch", "compute_advantages", "compute_batch_kl", "compute_batch_rewards",
     "compute_dapo_loss", "compute_forward_kl", "compute_grpo_advantages", "compute_grpo_loss",
-    "compute_per_token_kl", "compute_policy_gradient_loss", "compute_ppo_loss", "compute_reinforce_loss",
-    "compute_reverse_kl", "compute_reward", "compute_reward_model_score", "compute_scalar_reward",
-    "compute_vector_reward", "create_adaptive_kl", "create_algorithm_config", "create_batch_rollouts",
-    "create_confidence_masked_kl", "create_dapo_config", "create_ema_updater", "create_grpo_config",
-    "create_kl_schedule", "create_multiturn_rollout", "create_periodic_updater", "create_ppo_config",
-    "create_ref_update_fn", "create_reference_model", "create_rm_reward_fn", "create_rollout", "create_rollouts",
-    "create_truncated_kl", "dapo", "execute_and_track_tools", "execute_tools", "extract_tool_calls",
-    "format_prompt", "generate", "generate_rollout_batches", "generate_with_logprobs", "get_algorithm",
-    "get_algorithm_config", "get_reference_logprobs", "grpo", "inspect_rollout", "lexicographic_aggregator",
-    "load_checkpoint", "load_model", "load_reward_model", "load_tokenizer", "log_to_console", "log_to_wandb",
-    "make_prompt_source", "max_aggregator", "mean_aggregator", "min_aggregator", "min_threshold_aggregator",
-    "normalize_rewards", "online_dpo", "parse_tool_calls", "piecewise_schedule", "plot_training_curves",
+    "compute_logprobs_for_tokens", "compute_per_token_kl", "compute_policy_gradient_loss", "compute_ppo_advantages",
+    "compute_ppo_loss", "compute_reinforce_loss", "compute_reverse_kl", "compute_reward",
+    "compute_reward_model_score", "compute_scalar_reward", "compute_vector_reward", "create_adaptive_kl",
+    "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_dapo_config",
+    "create_ema_updater", "create_grpo_config", "create_kl_schedule", "create_multiturn_rollout",
+    "create_periodic_updater", "create_ppo_config", "create_ref_update_fn", "create_reference_model",
+    "create_rm_reward_fn", "create_rollout", "create_rollouts", "create_truncated_kl", "dapo",
+    "execute_and_track_tools", "execute_tools", "extract_tool_calls", "format_prompt", "generate",
+    "generate_rollout_batches", "generate_with_logprobs", "get_algorithm", "get_algorithm_config",
+    "get_reference_logprobs", "grpo", "inspect_rollout", "lexicographic_aggregator", "load_checkpoint",
+    "load_model", "load_reward_model", "load_tokenizer", "log_to_console", "log_to_wandb", "make_prompt_source",
+    "max_aggregator", "mean_aggregator", "min_aggregator", "min_threshold_aggregator", "normalize_rewards",
+    "online_dpo", "parse_thinking", "parse_tool_calls", "piecewise_schedule", "plot_training_curves",
     "prepare_grpo_batch", "prepare_sft_batch", "prompt_source_from_loader", "quick_start_training", "reinforce",
     "run_rl_training", "run_sft_training", "safe_calculate", "save_checkpoint", "sync_weights_to_engines",
-    "track_tool_calls", "track_tool_stats", "train", "training_iteration", "training_step", "update_ema_metrics",
-    "validate_batch", "weighted_sum_aggregator",
+    "top_bottom_pairs", "track_tool_calls", "track_tool_stats", "train", "training_iteration", "training_step",
+    "update_ema_metrics", "update_reference_model", "validate_batch", "weighted_sum_aggregator",
 ]
