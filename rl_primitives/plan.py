@@ -314,6 +314,17 @@ def nll_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
     return per_row.mean()
 
 
+def grpo_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+              advantages: torch.Tensor) -> torch.Tensor:
+    """The plan's RL loss (its ``grpo_loss``): a plain on-policy policy gradient, each row's mean
+    masked logprob times its advantage, averaged over rows, from logits the model computed (so the
+    gradient reaches it; not the seeds' float-built loss, README 1). No clipping and no importance
+    weight: for updates on an older policy's samples use the jobs' loop (``cluster.loop.train``)."""
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    per_row = (logp * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1.0)
+    return -(per_row * advantages.to(per_row.dtype)).mean()
+
+
 async def run_sft_training(backend: PlanBackend, samples: Sequence[Sample], config: TrainingConfig) -> list:
     """The plan's SFT loop as printed: each step ``collate_batch``, ``forward_backward``,
     ``optim_step``, both awaited; a line every ``log_every`` steps and a checkpoint every

@@ -84,3 +84,19 @@ def test_parse_thinking_in_text_and_by_its_token(tokenizer):
 
     assert rp.parse_thinking([0, 1, 2, 3], Words()) == ("plan", "42")
     assert rp.parse_thinking([3], Words()) == ("", "42")
+
+
+def test_the_plans_grpo_loss_hand_worked():
+    """Row 0: logits (0, 0) then (0, ln 3), labels 0 then 1: logprobs -ln 2 and ln 3/4, mean -0.4904,
+    advantage 2. Row 1: (0, 0), label 1, its second token masked: -ln 2, advantage -1. The loss is
+    minus the mean of the two products; its gradient reaches the logits."""
+    import math
+
+    logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)]], [[0.0, 0.0], [5.0, -5.0]]], requires_grad=True)
+    labels, mask = torch.tensor([[0, 1], [1, 0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    row0 = (-math.log(2.0) + math.log(0.75)) / 2
+    want = -((row0 * 2.0) + (-math.log(2.0) * -1.0)) / 2
+    loss = rp.grpo_loss(logits, labels, mask, torch.tensor([2.0, -1.0]))
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    loss.backward()
+    assert logits.grad[1, 1].abs().sum() == 0 and logits.grad[0].abs().sum() > 0  # the masked token has no say
