@@ -92,13 +92,13 @@ def model_dir(args, scratch: str) -> tuple:
     return os.path.abspath(args.model), True
 
 
-def trainer_rank(path: str, lr: float, lora: LoraConfig = LoraConfig()):
+def trainer_rank(path: str, lr: float, lora: LoraConfig = LoraConfig(), micro_batch_size: int = 16):
     """A 1-rank ZeRO-2 trainer group on this process's device, hosting its generator; with LoRA it
     also holds the reference (its module with the adapters off)."""
     from rl_actors.trainer import TrainerConfig, TrainerWorker
     from rl_actors.weight_sync import free_port
 
-    cfg = TrainerConfig(zero_stage=2, lr=lr, micro_batch_size=16, max_grad_norm=1.0)
+    cfg = TrainerConfig(zero_stage=2, lr=lr, micro_batch_size=micro_batch_size, max_grad_norm=1.0)
     trainer = TrainerWorker(ModelConfig(path, lora=lora), 0, 1, cfg, seed=0, num_threads=torch.get_num_threads(),
                             host_generator=True, reference=lora.enabled)
     trainer.setup("127.0.0.1", free_port("127.0.0.1"))

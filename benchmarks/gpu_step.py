@@ -1,0 +1,235 @@
+"""One RL step, ours against a plain PyTorch/HF loop on the same model and the same tokens, phase by
+phase, with the machine's floor beside each. Needs neither Ray nor vLLM (it runs on a lent GPU
+machine as it is; on the CPU it is CI's smoke test).
+
+Run:  python benchmarks/gpu_step.py [--model tiny|smollm2|DIR] [--hidden 1536 --layers 28] [--write FILE]
+
+In one process, on this machine's device (CUDA when there is one; bf16 there, fp32 on the CPU):
+
+* **generate**: our trainer rank hosting its generator (``rl_actors.trainer.TrainerWorker.generate``:
+  the project's sampler, logprobs included) against HF ``model.generate`` of the same prompts, as
+  many samples, the same budget and temperature (no logprobs: the least a plain loop needs). Seconds
+  per generated token, since the two samplers stop at different tokens.
+* **train**: our 1-rank DeepSpeed ZeRO-2 ``train_step`` against a plain loop on a second copy of the
+  model: micro-batches of the same rows, logprobs of the completion tokens, the PPO-clip GRPO loss
+  (seq-mean-token-mean), backward, the gradient clipped, AdamW. Both train on the same ``Batch``
+  (the rollouts generated above), so their losses and gradient norms must agree (printed: a
+  check that the comparison is of the same work).
+* **floor**: the step's FLOPs (``6 N`` per trained token, ``2 N`` per generated or prompt token,
+  N the parameters of the matmuls) over the matmul rate measured here, and for decoding also the
+  weights read once per decode step over the measured memory bandwidth.
+
+Printed: seconds (median of ``--repeats``), ours/plain and ours/floor. ``--write`` appends the dated
+table to a markdown file (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import publish  # noqa: E402
+from gpu_check import model_dir, trainer_rank  # noqa: E402
+
+from primitives.env.rewards import score_rollouts  # noqa: E402
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
+from primitives.maths.algorithms import grpo  # noqa: E402
+from primitives.maths.batching import make_batch  # noqa: E402
+from primitives.model.prompts import encode_prompts  # noqa: E402
+from primitives.padding import position_ids_from_mask  # noqa: E402
+from primitives.types import GenerationConfig  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny (a random Qwen2 body built here), smollm2 or an HF directory")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size of a tiny model")
+    p.add_argument("--layers", type=int, default=3, help="layers of a tiny model")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward pass, both loops")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
+    p.add_argument("--write", default="", help="append the dated table to this markdown file")
+    return p.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> tuple:
+    """``(median seconds, last result)`` of ``repeats`` calls of ``fn``."""
+    times, out = [], None
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def machine_rates(device: torch.device, dtype: torch.dtype) -> tuple:
+    """``(matmul FLOP/s, memory bytes/s)`` measured here: the best of a few square matmuls, and a
+    large tensor copied (read + write)."""
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = min(_timed(lambda: a @ b, device, 1)[0] for _ in range(5))
+    big = torch.empty(64 * 2 ** 20 // 4, device=device, dtype=torch.float32)
+    copy = min(_timed(lambda: big.clone(), device, 1)[0] for _ in range(5))
+    return 2 * n ** 3 / best, 2 * big.numel() * 4 / copy
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in a matmul per token: every Linear weight, and the output
+    embedding (the input embedding is a lookup)."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    counted = head is not None and any(m is head for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return linear + (0 if counted or head is None else head.weight.numel())
+
+
+def plain_generate(model, tokenizer, items, gen: GenerationConfig, device: torch.device) -> int:
+    """HF ``generate`` of every prompt ``gen.n`` times (left-padded together); returns the tokens
+    generated (each row up to and with its first end-of-sequence token)."""
+    ids = encode_prompts(tokenizer, [it.prompt for it in items])
+    width, pad = max(len(x) for x in ids), tokenizer.pad_token_id
+    rows = [x for x in ids for _ in range(gen.n)]
+    input_ids = torch.tensor(np.stack([np.concatenate([np.full(width - len(x), pad, np.int64), x]) for x in rows]),
+                             device=device)
+    mask = torch.tensor(np.stack([np.r_[np.zeros(width - len(x), np.int64), np.ones(len(x), np.int64)] for x in rows]),
+                        device=device)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=gen.temperature,
+                             top_k=0, top_p=1.0, max_new_tokens=gen.max_new_tokens, pad_token_id=pad)
+    new = out[:, width:]
+    ended = new == tokenizer.eos_token_id if tokenizer.eos_token_id is not None else torch.zeros_like(new, dtype=bool)
+    lengths = torch.where(ended.any(-1), ended.int().argmax(-1) + 1, torch.full_like(ended[:, 0], new.shape[1],
+                                                                                      dtype=torch.long))
+    return int(lengths.sum())
+
+
+def plain_train_step(model, opt, batch, algo, temperature: float, micro_batch: int, max_grad_norm: float) -> dict:
+    """One update as a plain loop writes it: per micro-batch, logprobs of the completion tokens at
+    the sampling temperature, the clipped surrogate with the step's advantages, each row's token mean
+    summed over rows / B, backward; then the gradient clipped and AdamW."""
+    device = next(model.parameters()).device
+    P, B = batch.prompt_len, len(batch)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in range(0, B, micro_batch):
+        ids = torch.from_numpy(batch.input_ids[s:s + micro_batch]).to(device)
+        am = torch.from_numpy(batch.attention_mask[s:s + micro_batch]).to(device)
+        mask = torch.from_numpy(batch.loss_mask[s:s + micro_batch]).to(device)
+        adv = torch.from_numpy(batch.advantages[s:s + micro_batch]).to(device)
+        out = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), use_cache=False)
+        logits = out.logits[:, P - 1:-1].float() / temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        surrogate = torch.min(ratio * adv, ratio.clamp(1 - algo.clip_eps_low, 1 + algo.clip_eps_high) * adv)
+        per_row = -(surrogate * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        loss = per_row.sum() / B
+        loss.backward()
+        total += float(loss.detach())
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    opt.step()
+    return {"loss/policy": total, "grad_norm": norm}
+
+
+def step(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    scratch = tempfile.mkdtemp(prefix="gpu_step_")
+    path, _ = model_dir(args, scratch)
+    trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch)
+    device, bf16 = trainer.ds.device, trainer.info()["bf16"]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    tokenizer, pad = trainer.tokenizer, trainer.tokenizer.pad_token_id
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    loaded = plain.load_state_dict({k: torch.from_numpy(v) for k, v in trainer.full_state().items()}, strict=False)
+    if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:  # only a tied head may be missing
+        raise RuntimeError(f"the plain copy did not take the trainer's weights: {loaded}")
+    n_matmul = matmul_params(plain)
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0))[0]
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.group)
+    flops, bandwidth = machine_rates(device, dtype)
+
+    ours_gen_s, rollouts = _timed(lambda: trainer.generate(items, gen), device, args.repeats)
+    ours_tokens = sum(r.num_tokens for r in rollouts)
+    plain.eval()
+    plain_gen_s, plain_tokens = _timed(lambda: plain_generate(plain, tokenizer, items, gen, device), device,
+                                       args.repeats)
+    prompt_tokens = sum(len(r.prompt_ids) for r in rollouts)
+    decode_floor = max(2 * n_matmul * (prompt_tokens + ours_tokens) / flops,
+                       args.max_new_tokens * n_matmul * (2 if bf16 else 4) / bandwidth)
+
+    # a reward that varies with the sampled tokens, so that every group has spread and the step a gradient
+    rollouts = score_rollouts(rollouts, lambda r: float(int(r.completion_ids.sum()) % 3))
+    algo = grpo(kl_coef=0.0, is_level="off")
+    batch = make_batch(rollouts, algo, pad, budget=args.max_new_tokens)
+    trained_tokens = int(batch.attention_mask.sum())
+    plain.train()
+    opt = torch.optim.AdamW(plain.parameters(), lr=args.lr, weight_decay=0.0)
+    # the first update of each, from the same weights: their loss and gradient norm must agree
+    ours_first = trainer.train_step(batch, algo, 1.0)[0]
+    plain_first = plain_train_step(plain, opt, batch, algo, 1.0, args.micro_batch, trainer.config.max_grad_norm)
+    ours_train_s, _ = _timed(lambda: trainer.train_step(batch, algo, 1.0), device, args.repeats)
+    plain_train_s, _ = _timed(lambda: plain_train_step(plain, opt, batch, algo, 1.0, args.micro_batch,
+                                                       trainer.config.max_grad_norm), device, args.repeats)
+    train_floor = 6 * n_matmul * trained_tokens / flops
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+        "model": f"{args.model} ({n_matmul / 1e6:.1f}M matmul parameters)",
+        "rollouts": len(rollouts), "micro_batch": args.micro_batch, "repeats": args.repeats,
+        "matmul_tflops": flops / 1e12, "memory_gb_s": bandwidth / 1e9,
+        "generate ours s": ours_gen_s, "generate ours tokens": ours_tokens,
+        "generate plain s": plain_gen_s, "generate plain tokens": plain_tokens,
+        "generate ours/plain (s per token)": (ours_gen_s / max(ours_tokens, 1)) / (plain_gen_s / max(plain_tokens, 1)),
+        "generate floor s": decode_floor, "generate ours/floor": ours_gen_s / decode_floor,
+        "train ours s": ours_train_s, "train plain s": plain_train_s, "train ours/plain": ours_train_s / plain_train_s,
+        "train floor s": train_floor, "train ours/floor": ours_train_s / train_floor,
+        "trained tokens": trained_tokens,
+        "first update loss ours": ours_first["loss/policy"],
+        "first update loss plain": plain_first["loss/policy"],
+        "first update grad_norm ours": ours_first["grad_norm"],
+        "first update grad_norm plain": plain_first["grad_norm"],
+    }
+
+
+def report(fig: dict) -> str:
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    head = (f"### One step, ours against a plain loop ({fig['date']}, {fig['device']}, torch {fig['torch']}, "
+            f"{fig['dtype']})\n\n`python benchmarks/gpu_step.py`: {fig['model']}, {fig['rollouts']} rollouts, "
+            f"micro-batch {fig['micro_batch']}, medians of {fig['repeats']}; the matmul rate and memory bandwidth "
+            f"measured in the same run.\n\n")
+    skip = {"date", "device", "torch", "dtype", "model", "rollouts", "micro_batch", "repeats"}
+    rows = [f"| {k} | {fmt(v)} |" for k, v in fig.items() if k not in skip]
+    return head + "| figure | value |\n|---|---|\n" + "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    fig = step(args)
+    publish(report(fig), args.write)
+    return fig
+
+
+if __name__ == "__main__":
+    main()
