@@ -88,15 +88,19 @@ def collect(backend: Backend, items: Sequence, gen: GenerationConfig, with_ref: 
     return backend.rollouts(held), times
 
 
+SELECT_ATTEMPTS = 8  # tries of the filters on the same rows (each after a recovery) before the failure is raised
+
+
 def select(backend: Backend, rows: Sequence, filters: Sequence) -> list:
     """The rows ``filters`` keep (``backend.select``). The rollouts stay where they were scored,
     so a replaceable actor that dies while the filters run is replaced and the filters run
     again on the same rows: nothing is generated twice."""
-    while True:
+    for _ in range(SELECT_ATTEMPTS):
         try:
             return backend.select(rows, filters)
         except ActorFailure as failure:
             backend.recover(failure, since=backend.restarts)
+    return backend.select(rows, filters)  # the last try: a failure now is raised (nothing left a replacement mends)
 
 
 def fresh_rollouts(backend: Backend, coll: Collection, gen: GenerationConfig, version: int, max_staleness: int,

@@ -231,17 +231,24 @@ class RayBackend(Recovery):
         both groups are restored to the state before the step (``recover``), the value shares
         are computed again and the step is made again with the same rollouts."""
         parts, inputs = [tuple(p) for p in parts], {"values": values}
+        kept: dict = {"shares": ()}  # the value shares the log replays
 
         def again(role: Optional[str]) -> None:  # the value shares of a dead critic are lost: computed again
             if values is not None:
                 inputs["values"] = self.values(plan, parts)
 
-        result = self.recovering(lambda: self._train_call(plan, parts, inputs["values"], algo, temperature, lr,
-                                                          with_critic), again)
-        if result.batch_metrics is not None and self.snapshot_every != 0:  # without snapshots nothing replays it
-            shares = list(inputs["values"] or ())
-            self.log.append(Update(plan, tuple(parts), tuple(self.keep([v.ref for v in shares], shares)), algo,
-                                   temperature, lr, with_critic))
+        logged = self.snapshot_every != 0  # without snapshots nothing replays the step
+
+        def step() -> StepResult:
+            result = self._train_call(plan, parts, inputs["values"], algo, temperature, lr, with_critic)
+            if logged and result.batch_metrics is not None:  # the shares the log replays, kept off the critic's node
+                shares = list(inputs["values"] or ())  # (a loss here: both groups restored and the step made again)
+                kept["shares"] = tuple(self.keep([v.ref for v in shares], shares))
+            return result
+
+        result = self.recovering(step, again)
+        if logged and result.batch_metrics is not None:
+            self.log.append(Update(plan, tuple(parts), kept["shares"], algo, temperature, lr, with_critic))
         return result
 
     def _train_call(self, plan: BatchPlan, parts: list, values: Optional[list], algo, temperature: float,

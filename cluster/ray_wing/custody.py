@@ -10,46 +10,72 @@ a rebuilt group replays them), and the critic's value shares in that log.
 ``keep_here`` copies each such object into the driver's node: the driver fetches it and puts it
 again, so the copy is the driver's own, held where the driver runs - the head node under
 ``ray job submit`` and KubeRay, the one node whose loss ends the cluster anyway (it holds Ray's
-control store). The cost is one transfer per object, and room in the head's object store for
-one snapshot and a step's rollouts (``faults/kept_mb``). On one node nothing is copied.
+control store). The cost is one transfer per object (``faults/kept_mb``, ``faults/kept_s``), and
+room in the head's object store for two snapshots (the last, and the next while it is taken) and
+the rollouts of the updates since the last snapshot, plus one batch of up to ``BATCH_BYTES`` in
+the driver's own memory while it is copied. On one node nothing is copied.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from cluster.ray_wing.groups import Call, lost_object
+from cluster.loop.protocol import ActorFailure
+from cluster.ray_wing.groups import TRANSFER_S, Call, lost_object
+
+BATCH_BYTES = 256 * 2 ** 20  # fetched together up to this many bytes: overlapping transfers, bounded driver memory
+
+
+def _stays(entry: Optional[dict], here: str) -> bool:
+    """Whether an object may stay where it is: stored on the driver's node alone, or inline (kept
+    with the driver: no node holds it and it was never spilled). An object whose location Ray could
+    not tell (no entry) or that was spilled to another node's disk is copied."""
+    if entry is None or entry.get("did_spill"):
+        return False
+    nodes = entry.get("node_ids") or []
+    return nodes == [here] or not nodes
 
 
 def keep_here(refs: Sequence, made_by: Sequence[Call], timeout_s: float) -> tuple:
-    """``(refs, bytes copied)``: each ref (None stays None) whose object is stored on a node other
-    than the driver's alone is replaced by a copy the driver puts on its own node; one stored
-    only here (or inline, with the driver) is kept as it is. ``made_by[i]``: the call whose result
-    ``refs[i]`` is, named when the object was lost already (``lost_object``: its maker is then
-    replaced and its work done again)."""
+    """``(refs, bytes copied)``: each ref (None stays None) whose object may be lost with another
+    node is replaced by a copy the driver puts on its own node; one stored only here (or inline,
+    with the driver) is kept as it is. Fetched in batches of up to ``BATCH_BYTES`` (the transfers
+    overlap; one at a time, a small one now and then waited ~1 s), each batch put and let go before
+    the next, so the driver holds at most one batch besides the store's copies. ``made_by[i]``: the
+    call whose result ``refs[i]`` is, named when the object was lost already (``lost_object``: its
+    maker is replaced and its work done again) or its transfer took longer than the bound (stuck)."""
     import ray
-    from ray.exceptions import ObjectLostError
+    from ray.exceptions import GetTimeoutError, ObjectLostError
 
     real = [r for r in refs if r is not None]
     if not real:
         return list(refs), 0
+    bound = max(timeout_s, TRANSFER_S)
     here = ray.get_runtime_context().get_node_id()
-    where = ray.experimental.get_object_locations(real, timeout_ms=int(timeout_s * 1000))
-
-    def elsewhere(ref) -> bool:  # stored on another node (with a copy here or not); [] is inline, with the driver
-        nodes = (where.get(ref) or {}).get("node_ids") or []
-        return bool(nodes) and nodes != [here]
-
-    far = [i for i, ref in enumerate(refs) if ref is not None and elsewhere(ref)]
+    try:
+        where = ray.experimental.get_object_locations(real, timeout_ms=int(bound * 1000))
+    except GetTimeoutError as error:
+        raise ActorFailure(f"{made_by[0].role} {made_by[0].rank}.{made_by[0].method}: where its results are was not "
+                           f"known within {bound:.0f}s", made_by[0].role, made_by[0].rank, stuck=True) from error
+    far = [i for i, ref in enumerate(refs) if ref is not None and not _stays(where.get(ref), here)]
     out: list[Optional[object]] = list(refs)
-    if not far:
-        return out, 0
-    try:  # fetched together: the transfers overlap (one at a time, a small one now and then waited ~1 s)
-        values = ray.get([refs[i] for i in far], timeout=timeout_s)
-    except ObjectLostError as error:
-        lost = getattr(error, "object_ref_hex", "")
-        call = next((made_by[i] for i in far if refs[i].hex() == lost), made_by[far[0]])
-        raise lost_object(call.role, call.rank, call.method, error) from error
-    for i, value in zip(far, values, strict=True):
-        out[i] = ray.put(value)
-    copied = sum(int((where.get(refs[i]) or {}).get("object_size") or 0) for i in far)
+    copied, batch, size = 0, [], 0
+    for n, i in enumerate(far):
+        batch.append(i)
+        size += int((where.get(refs[i]) or {}).get("object_size") or 0)
+        if size < BATCH_BYTES and n + 1 < len(far):
+            continue
+        try:
+            values = ray.get([refs[k] for k in batch], timeout=bound)
+        except ObjectLostError as error:
+            lost = getattr(error, "object_ref_hex", "")
+            call = next((made_by[k] for k in batch if refs[k].hex() == lost), made_by[batch[0]])
+            raise lost_object(call.role, call.rank, call.method, error) from error
+        except GetTimeoutError as error:
+            call = made_by[batch[0]]
+            raise ActorFailure(f"{call.role} {call.rank}.{call.method}: its result did not reach the driver's node "
+                               f"within {bound:.0f}s", call.role, call.rank, stuck=True) from error
+        for k, value in zip(batch, values, strict=True):
+            out[k] = ray.put(value)
+        del values
+        copied, batch, size = copied + size, [], 0
     return out, copied

@@ -324,14 +324,23 @@ def lost_object(role: str, rank: int, method: str, error) -> ActorFailure:
     node that stored it (``ray.exceptions.ObjectLostError``; inside the call when an argument was
     lost). The node's actors are gone: the failure names the actor that made the lost object (its
     id is inside the object's: task id = 8 unique bytes + actor id), so that actor is replaced
-    (unless it was already) and its work is done again."""
+    (unless it was already) and its work is done again. A fetch that timed out is a slow call
+    (stuck), not a loss; an object freed or miscounted, or one whose maker cannot be told, is a
+    fault of the run's bookkeeping that no replacement mends (final)."""
+    from ray.exceptions import ObjectFetchTimedOutError, ObjectFreedError, ReferenceCountingAssertionError
+
     hex_id = getattr(error, "object_ref_hex", "") or ""
     if not hex_id and getattr(error, "cause", None) is not None:  # raised inside a call whose argument was lost
         hex_id = getattr(error.cause, "object_ref_hex", "") or ""
+    where = f"{role} {rank}.{method}: object {hex_id[:16] or '?'}..."
+    if isinstance(error, ObjectFetchTimedOutError):
+        return ActorFailure(f"{where} was not fetched in time from the node that stores it", role, rank, stuck=True)
     maker = hex_id[16:48] if len(hex_id) == 56 else ""
-    return ActorFailure(f"{role} {rank}.{method}: object {hex_id[:16] or '?'}... was lost with the node that stored "
-                        "it; the actor that made it is replaced and its work done again", role, rank, True,
-                        actor_id=maker)
+    if isinstance(error, (ObjectFreedError, ReferenceCountingAssertionError)) or not maker:
+        return ActorFailure(f"{where} is gone and cannot be made again ({type(error).__name__})", role, rank, True,
+                            final=True)
+    return ActorFailure(f"{where} was lost with the node that stored it; the actor that made it is replaced and its "
+                        "work done again", role, rank, True, actor_id=maker)
 
 
 def first_death(calls: Sequence[Call]) -> Optional[ActorFailure]:

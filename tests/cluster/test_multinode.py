@@ -116,11 +116,12 @@ class _Maker:
 
 
 def test_a_result_lost_with_its_node_names_its_maker_and_a_kept_copy_survives(nodes):
-    """A spare node joins, an actor there makes three 400 KB arrays (object store, not inline), and
-    the node is lost. The driver's own read of a lost result and another node's call that reads
-    one both fail as the death of the actor that made it (its id from the object's), so recovery
-    replaces that actor rather than blaming the reader or calling it a user error; the array
-    ``keep_here`` copied to the driver's node before the loss is still there, whole."""
+    """A spare node joins, an actor there makes four 400 KB arrays (object store, not inline), and
+    the node is lost. The driver's own read of a lost result, another node's call that reads one,
+    and a copy started too late all fail as the death of the actor that made it (its id from the
+    object's), so recovery replaces that actor rather than blaming the reader or calling it a user
+    error; the array ``keep_here`` copied to the driver's node before the loss is still there,
+    whole, and an object stored on the driver's node alone is not copied."""
     import numpy as np
     import ray
 
@@ -131,12 +132,14 @@ def test_a_result_lost_with_its_node_names_its_maker_and_a_kept_copy_survives(no
     nodes.add("spare")
     maker = ray.remote(_Maker).options(resources={"spare_node": 0.1}, max_restarts=0).remote()
     reader = ray.remote(_Maker).options(resources={"generator_node": 0.01}, max_restarts=0).remote()
-    made = [Call(maker.make.remote(100_000), "generator", 0, "make", actor_id(maker)) for _ in range(3)]
-    ray.wait([c.ref for c in made], num_returns=3, timeout=120, fetch_local=False)  # done, on the spare node alone
+    made = [Call(maker.make.remote(100_000), "generator", 0, "make", actor_id(maker)) for _ in range(4)]
+    ray.wait([c.ref for c in made], num_returns=4, timeout=120, fetch_local=False)  # done, on the spare node alone
     kept, copied = keep_here([made[0].ref, None], [made[0], made[0]], 60)
     assert kept[1] is None and kept[0] != made[0].ref and copied >= 400_000
     same, nothing = keep_here([kept[0]], [made[0]], 60)
     assert same == [kept[0]] and nothing == 0  # a copy on the driver's node is not copied again
+    own = ray.put(np.ones(100_000, np.float32))  # the driver's own (as on one node): stays
+    assert keep_here([own], [made[0]], 60) == ([own], 0)
 
     nodes.remove("spare")
     with pytest.raises(ActorFailure) as own:
@@ -147,5 +150,8 @@ def test_a_result_lost_with_its_node_names_its_maker_and_a_kept_copy_survives(no
         gather([read], 60)
     assert other.value.died and other.value.replaceable and other.value.actor_id == actor_id(maker)
     assert other.value.role == "reward" and "lost with the node" in str(other.value)
+    with pytest.raises(ActorFailure) as copying:  # too late to keep one: its maker is named
+        keep_here([made[3].ref], [made[3]], 60)
+    assert copying.value.died and copying.value.actor_id == actor_id(maker)
     assert np.array_equal(ray.get(kept[0]), np.arange(100_000, dtype=np.float32))
     ray.kill(reader)

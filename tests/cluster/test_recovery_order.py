@@ -90,3 +90,24 @@ def test_recoveries_that_keep_failing_stop_at_the_bound_and_each_is_recorded(mon
     failed = [f for f in backend.faults if "failed" in f]
     assert failed and all(f["role"] == "trainer" for f in failed)
     assert len(backend.faults) == 5  # every attempt that ran, failed or not, up to max_actor_restarts
+
+
+def test_filters_failing_on_the_same_rows_with_nothing_to_replace_stop_at_a_bound():
+    """A lost object whose maker was already replaced: each recovery has nothing to do and the
+    filters fail again on the same rows. ``select`` raises after its bound instead of looping."""
+    from cluster.loop.train import SELECT_ATTEMPTS, select
+
+    class Backend:
+        restarts, calls, recovered = 0, 0, 0
+
+        def select(self, rows, filters):
+            self.calls += 1
+            raise ActorFailure("reward 0.select: object lost", "reward", 0, died=True, actor_id="gone")
+
+        def recover(self, failure, since):
+            self.recovered += 1  # the maker is not in the cluster any more: nothing replaced
+
+    backend = Backend()
+    with pytest.raises(ActorFailure, match="object lost"):
+        select(backend, ["row"], [lambda rows: rows])
+    assert backend.calls == SELECT_ATTEMPTS + 1 and backend.recovered == SELECT_ATTEMPTS
