@@ -1,7 +1,9 @@
 """Reference logprobs kept for completions seen before (seeds/003's ``cached_ref_logprobs``), done
 so that a cached value is the value the reference would give now: keyed by the prompt's and the
 completion's token ids, held for one sampling temperature (reference logprobs must be of the
-sampling temperature's softmax), emptied when the reference moves (``invalidate``), in an object
+sampling temperature's softmax), emptied when the reference moves (its weights changed in place -
+an EMA or periodic update, ``update_reference_model``, an optimizer step - are seen from their
+tensors' version counters; ``invalidate()`` for any other change), in an object
 the caller holds and passes (not a module-level dict: seeds README error 9), bounded in size.
 
 Worth it when the same completions come back: short answers (a number, a label) repeat within a
@@ -31,7 +33,13 @@ class ReferenceLogprobCache:
         self.ref_model, self.pad_token_id, self.temperature = ref_model, pad_token_id, float(temperature)
         self.max_entries = max_entries
         self.entries: OrderedDict = OrderedDict()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.invalidations = 0
+        self.seen = self._weights()
+
+    def _weights(self) -> tuple:
+        """Which tensors the reference holds and how often each was changed in place."""
+        params = getattr(self.ref_model, "parameters", None)
+        return tuple((id(p), p._version) for p in params()) if params is not None else ()
 
     @staticmethod
     def key(rollout) -> tuple:
@@ -44,6 +52,10 @@ class ReferenceLogprobCache:
             raise ValueError(f"ReferenceLogprobCache holds logprobs at temperature {self.temperature}, asked for "
                              f"{temperature}: reference logprobs are of the sampling temperature's softmax; make a "
                              "cache per temperature")
+        weights = self._weights()
+        if weights != self.seen:  # the reference moved since the entries were computed
+            self.invalidate()
+            self.seen = weights
         keys = [self.key(r) for r in rollouts]
         todo = {k: r for k, r in zip(keys, rollouts) if k not in self.entries}
         if todo:
@@ -62,8 +74,9 @@ class ReferenceLogprobCache:
         return out
 
     def invalidate(self) -> None:
-        """The reference moved (an EMA or periodic update, new weights loaded): nothing cached holds."""
+        """The reference moved: nothing cached holds (done by itself when its weights change in place)."""
         self.entries.clear()
+        self.invalidations += 1
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -75,5 +88,5 @@ def cached_ref_logprobs(*args, **kwargs):
     raise TypeError("cached_ref_logprobs(ref_model, prompt, token_ids) caches in a hidden module-level dict, "
                     "without the sampling temperature and without being emptied when the reference moves (seeds "
                     "README errors 9 and 3); use cache = ReferenceLogprobCache(ref_model, tokenizer.pad_token_id, "
-                    "gen_config.temperature) and create_batch_rollouts(..., ref_model=cache) (cache.invalidate() "
-                    "after the reference moves)")
+                    "gen_config.temperature) and create_batch_rollouts(..., ref_model=cache), which empties itself "
+                    "when the reference's weights change")

@@ -35,9 +35,11 @@ def _as_rows(logprobs, ref_logprobs, valid_mask) -> tuple:
     return logp.float(), ref.float(), mask.float(), one
 
 
-def _kl(direction: Callable, logprobs, ref_logprobs, valid_mask, kl_fn: Optional[Callable]):
+def _kl(direction: Callable, logprobs, ref_logprobs, valid_mask, kl_fn: Optional[Callable], swap: bool = False):
     if kl_fn is not None:  # the user's own computation, called as each seed document calls it
-        return kl_fn(logprobs, ref_logprobs) if valid_mask is None else kl_fn(logprobs, ref_logprobs, valid_mask)
+        if valid_mask is None:  # seeds/000: kl_fn(p, q) = KL(p || q), so the reverse direction swaps them
+            return kl_fn(ref_logprobs, logprobs) if swap else kl_fn(logprobs, ref_logprobs)
+        return kl_fn(logprobs, ref_logprobs, valid_mask)  # seeds/001: the same order, kl_fn knows its direction
     logp, ref, mask, one = _as_rows(logprobs, ref_logprobs, valid_mask)
     out = direction(logp, ref, mask)
     return float(out[0]) if one else out
@@ -54,12 +56,15 @@ def compute_forward_kl(logprobs, ref_logprobs, valid_mask=None, kl_fn: Optional[
 
 
 def compute_reverse_kl(logprobs, ref_logprobs, valid_mask=None, kl_fn: Optional[Callable] = None):
-    """The seeds' "reverse" KL, KL(ref || policy), of each sequence from samples of the policy,
-    by importance weighting: with ``rho = ref / policy`` per token, ``E_pi[rho log rho - rho + 1]``
-    (``primitives.maths.kl.sequence_forward_kl``), summed over the masked tokens. Not the forward
-    KL with its arguments swapped: the tokens were sampled from the policy, not the reference.
-    Shapes and ``kl_fn`` as ``compute_forward_kl``."""
-    return _kl(sequence_forward_kl, logprobs, ref_logprobs, valid_mask, kl_fn)
+    """The seeds' "reverse" direction, KL(ref || policy), estimated on tokens the policy sampled by
+    importance weighting: with ``rho = ref / policy`` per token, ``rho log rho - rho + 1``
+    (``primitives.maths.kl.sequence_forward_kl``), summed over the masked tokens - the per-token
+    divergences along the policy's own prefixes (the whole sequence's KL(ref || policy) would need
+    prefixes sampled from the reference). Not the forward KL with its arguments swapped: the tokens
+    were sampled from the policy. Shapes as ``compute_forward_kl``; ``kl_fn`` is called as each seed
+    calls it: seeds/000's ``kl_fn(ref_logprobs, logprobs)`` (lists), seeds/001's
+    ``kl_fn(policy_logprobs, ref_logprobs, valid_mask)``."""
+    return _kl(sequence_forward_kl, logprobs, ref_logprobs, valid_mask, kl_fn, swap=True)
 
 
 def compute_batch_kl(batch, kl_fn: Optional[Callable] = None) -> list:

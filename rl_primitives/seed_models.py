@@ -62,6 +62,9 @@ def compute_ppo_advantages(batch, value_fn: Callable, gamma: float = 0.99, gae_l
             returns.append(float(r.reward))
             continue
         mask = torch.as_tensor(np.asarray(r.loss_mask, np.float32))[None]
+        if not bool(mask.any()):
+            raise ValueError(f"compute_ppo_advantages: rollout {r.uid} has no policy token (its loss mask is all 0): "
+                             "nothing to give an advantage to")
         values = torch.as_tensor(np.asarray(value, np.float32))[None]
         if values.shape != mask.shape:
             raise ValueError(f"compute_ppo_advantages: value_fn gave {values.shape[1]} values for rollout {r.uid}'s "

@@ -108,9 +108,10 @@ def format_prompt(prompt: str, tokenizer, use_chat_template: bool = False, syste
     if template_fn is not None:
         return template_fn(prompt, tokenizer, use_chat_template, system_prompt, enable_thinking)
     if not use_chat_template:
-        if system_prompt:
-            raise ValueError("format_prompt(system_prompt=..., use_chat_template=False): a system prompt needs the "
-                             "chat template; pass use_chat_template=True")
+        if system_prompt or enable_thinking:
+            given = "system_prompt=..." if system_prompt else "enable_thinking=True"
+            raise ValueError(f"format_prompt({given}, use_chat_template=False): it is a switch of the chat template; "
+                             "pass use_chat_template=True")
         return render_prompt(tokenizer, prompt)
     turns = ((Message("system", system_prompt),) if system_prompt else ()) + (Message("user", prompt),)
     return render_prompt(tokenizer, Conversation(turns), template_kwargs={"enable_thinking": enable_thinking})

@@ -70,3 +70,21 @@ def test_create_batch_rollouts_with_a_cache_gives_the_references_values(tiny_mod
 def test_the_seeds_module_level_cache_is_refused():
     with pytest.raises(TypeError, match="ReferenceLogprobCache"):
         rp.cached_ref_logprobs(None, "prompt", [1, 2])
+
+
+def test_the_cache_empties_itself_when_the_reference_moves(tiny_model, tokenizer):
+    """An EMA move of the reference (``update_reference_model``, in place) is seen without
+    ``invalidate()``: the next call scores again and gives the moved reference's values."""
+    ref, policy = rp.create_reference_model(tiny_model), rp.create_reference_model(tiny_model)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(0.5)
+    row = _rollout([5, 6, 7], [8, 9], 0)
+    cache = rp.ReferenceLogprobCache(ref, tokenizer.pad_token_id, 1.0)
+    before = cache([row], 1.0)[0]
+    assert cache([row], 1.0)[0] is before and cache.misses == 1
+    rp.update_reference_model(ref, policy, rp.create_ref_update_fn("ema", decay=0.5), step=1)
+    after = cache([row], 1.0)[0]
+    assert cache.invalidations == 1 and cache.misses == 2
+    np.testing.assert_allclose(after, rollout_logprobs(ref, [row], tokenizer.pad_token_id, 1.0)[0], atol=1e-6)
+    assert not np.allclose(after, before)

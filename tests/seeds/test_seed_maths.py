@@ -36,10 +36,15 @@ def test_kl_of_a_padded_batch_per_sequence():
 
 
 def test_a_kl_fn_is_called_as_each_seed_calls_it():
+    """seeds/000 (lists): kl_fn(p, q) is KL(p || q), so the reverse direction passes (ref, policy);
+    seeds/001 (with a mask): always (policy, ref, mask)."""
     seen = []
-    assert rp.compute_forward_kl(LP, REF, kl_fn=lambda a, b: seen.append(2) or 7.0) == 7.0
-    assert rp.compute_reverse_kl(LP, REF, [1, 1], kl_fn=lambda a, b, m: seen.append(3) or 8.0) == 8.0
-    assert seen == [2, 3]
+    first = lambda a, b: seen.append((a[0], b[0])) or 7.0  # noqa: E731
+    assert rp.compute_forward_kl(LP, REF, kl_fn=first) == 7.0
+    assert rp.compute_reverse_kl(LP, REF, kl_fn=first) == 7.0
+    assert seen == [(LP[0], REF[0]), (REF[0], LP[0])]
+    assert rp.compute_reverse_kl(LP, REF, [1, 1], kl_fn=lambda a, b, m: seen.append((a[0], b[0], m)) or 8.0) == 8.0
+    assert seen[-1] == (LP[0], REF[0], [1, 1])
 
 
 def test_kl_of_different_tokens_is_refused():
@@ -98,7 +103,8 @@ def test_algorithm_config_makers():
 
 
 def test_grpo_without_normalisation_centres_the_group_without_its_std():
-    """rewards 1, 0, 0, 0 in one group: GRPO divides by the std (0.433), the centred form does not."""
+    """rewards 1, 0, 0, 0 in one group: GRPO divides by the (unbiased) std, 0.5; the centred form
+    does not."""
     rewards, groups = torch.tensor([1.0, 0.0, 0.0, 0.0]), ["g"] * 4
     assert torch.allclose(adv.dr_grpo_advantages(rewards, groups), torch.tensor([0.75, -0.25, -0.25, -0.25]))
 

@@ -74,6 +74,8 @@ def test_chat_template_and_format_prompt_give_the_templates_exact_text(tokenizer
     assert rp.format_prompt("2+3?", tokenizer) == "2+3?"
     with pytest.raises(ValueError, match="use_chat_template=True"):
         rp.format_prompt("2+3?", tokenizer, system_prompt="S")
+    with pytest.raises(ValueError, match="enable_thinking=True, use_chat_template=False"):
+        rp.format_prompt("2+3?", tokenizer, enable_thinking=True)
 
 
 def test_batch_rewards_and_shaping():
