@@ -17,7 +17,11 @@ In one process, on this machine's device (CUDA when there is one; bf16 there, fp
   check that the comparison is of the same work).
 * **floor**: the step's FLOPs (``6 N`` per trained token, ``2 N`` per generated or prompt token,
   N the parameters of the matmuls) over the matmul rate measured here, and for decoding also the
-  weights read once per decode step over the measured memory bandwidth.
+  weights read once per decode step (as many steps as the longest completion of that run) over the
+  measured memory bandwidth, whichever is more.
+
+The plain loop keeps fp32 weights and Adam state, as DeepSpeed does (on a GPU its passes run under
+bf16 autocast; HF ``generate`` runs on a bf16 copy).
 
 Printed: seconds (median of ``--repeats``), ours/plain and ours/floor. ``--write`` appends the dated
 table to a markdown file (docs/benchmarks.md).
@@ -25,6 +29,7 @@ table to a markdown file (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import statistics
@@ -70,16 +75,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, repeats: int) -> tuple:
-    """``(median seconds, last result)`` of ``repeats`` calls of ``fn``."""
-    times, out = [], None
+def _runs(fn, device: torch.device, repeats: int) -> list:
+    """``(seconds, result)`` of each of ``repeats`` calls of ``fn``."""
+    out = []
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        out = fn()
+        result = fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        out.append((time.perf_counter() - t0, result))
+    return out
+
+
+def _timed(fn, device: torch.device, repeats: int) -> tuple:
+    """``(median seconds, last result)`` of ``repeats`` calls of ``fn``."""
+    runs = _runs(fn, device, repeats)
+    return statistics.median(t for t, _ in runs), runs[-1][1]
 
 
 def machine_rates(device: torch.device, dtype: torch.dtype) -> tuple:
@@ -122,10 +133,12 @@ def plain_generate(model, tokenizer, items, gen: GenerationConfig, device: torch
     return int(lengths.sum())
 
 
-def plain_train_step(model, opt, batch, algo, temperature: float, micro_batch: int, max_grad_norm: float) -> dict:
+def plain_train_step(model, opt, batch, algo, temperature: float, micro_batch: int, max_grad_norm: float,
+                     bf16: bool = False) -> dict:
     """One update as a plain loop writes it: per micro-batch, logprobs of the completion tokens at
     the sampling temperature, the clipped surrogate with the step's advantages, each row's token mean
-    summed over rows / B, backward; then the gradient clipped and AdamW."""
+    summed over rows / B, backward; then the gradient clipped and AdamW. The weights and Adam state
+    stay fp32; with ``bf16`` the passes run under autocast (as DeepSpeed's bf16 does in spirit)."""
     device = next(model.parameters()).device
     P, B = batch.prompt_len, len(batch)
     opt.zero_grad(set_to_none=True)
@@ -135,7 +148,8 @@ def plain_train_step(model, opt, batch, algo, temperature: float, micro_batch: i
         am = torch.from_numpy(batch.attention_mask[s:s + micro_batch]).to(device)
         mask = torch.from_numpy(batch.loss_mask[s:s + micro_batch]).to(device)
         adv = torch.from_numpy(batch.advantages[s:s + micro_batch]).to(device)
-        out = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), use_cache=False)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), use_cache=False)
         logits = out.logits[:, P - 1:-1].float() / temperature
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())
@@ -158,7 +172,8 @@ def step(args) -> dict:
     device, bf16 = trainer.ds.device, trainer.info()["bf16"]
     dtype = torch.bfloat16 if bf16 else torch.float32
     tokenizer, pad = trainer.tokenizer, trainer.tokenizer.pad_token_id
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    # fp32 weights and Adam state as DeepSpeed keeps them; on a GPU the passes run under bf16 autocast
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     loaded = plain.load_state_dict({k: torch.from_numpy(v) for k, v in trainer.full_state().items()}, strict=False)
     if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:  # only a tied head may be missing
         raise RuntimeError(f"the plain copy did not take the trainer's weights: {loaded}")
@@ -167,14 +182,18 @@ def step(args) -> dict:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.group)
     flops, bandwidth = machine_rates(device, dtype)
 
-    ours_gen_s, rollouts = _timed(lambda: trainer.generate(items, gen), device, args.repeats)
-    ours_tokens = sum(r.num_tokens for r in rollouts)
-    plain.eval()
-    plain_gen_s, plain_tokens = _timed(lambda: plain_generate(plain, tokenizer, items, gen, device), device,
-                                       args.repeats)
-    prompt_tokens = sum(len(r.prompt_ids) for r in rollouts)
-    decode_floor = max(2 * n_matmul * (prompt_tokens + ours_tokens) / flops,
-                       args.max_new_tokens * n_matmul * (2 if bf16 else 4) / bandwidth)
+    def decode_floor(rollouts) -> float:  # compute, or the weights read once per decode step, whichever is more
+        tokens = sum(len(r.prompt_ids) + r.num_tokens for r in rollouts)
+        steps = max(r.num_tokens for r in rollouts)
+        return max(2 * n_matmul * tokens / flops, steps * n_matmul * (2 if bf16 else 4) / bandwidth)
+
+    ours = _runs(lambda: trainer.generate(items, gen), device, args.repeats)
+    rollouts = ours[-1][1]
+    # HF generate on the weights in the run's dtype (a bf16 copy on a GPU)
+    gen_model = (plain if dtype == torch.float32 else copy.deepcopy(plain).to(dtype)).eval()
+    plain_runs = _runs(lambda: plain_generate(gen_model, tokenizer, items, gen, device), device, args.repeats)
+    ours_per_token = statistics.median(t / max(sum(r.num_tokens for r in out), 1) for t, out in ours)
+    plain_per_token = statistics.median(t / max(n, 1) for t, n in plain_runs)
 
     # a reward that varies with the sampled tokens, so that every group has spread and the step a gradient
     rollouts = score_rollouts(rollouts, lambda r: float(int(r.completion_ids.sum()) % 3))
@@ -185,10 +204,11 @@ def step(args) -> dict:
     opt = torch.optim.AdamW(plain.parameters(), lr=args.lr, weight_decay=0.0)
     # the first update of each, from the same weights: their loss and gradient norm must agree
     ours_first = trainer.train_step(batch, algo, 1.0)[0]
-    plain_first = plain_train_step(plain, opt, batch, algo, 1.0, args.micro_batch, trainer.config.max_grad_norm)
+    plain_step = lambda: plain_train_step(plain, opt, batch, algo, 1.0, args.micro_batch,  # noqa: E731
+                                          trainer.config.max_grad_norm, bf16)
+    plain_first = plain_step()
     ours_train_s, _ = _timed(lambda: trainer.train_step(batch, algo, 1.0), device, args.repeats)
-    plain_train_s, _ = _timed(lambda: plain_train_step(plain, opt, batch, algo, 1.0, args.micro_batch,
-                                                       trainer.config.max_grad_norm), device, args.repeats)
+    plain_train_s, _ = _timed(plain_step, device, args.repeats)
     train_floor = 6 * n_matmul * trained_tokens / flops
     return {
         "date": datetime.date.today().isoformat(),
@@ -197,10 +217,12 @@ def step(args) -> dict:
         "model": f"{args.model} ({n_matmul / 1e6:.1f}M matmul parameters)",
         "rollouts": len(rollouts), "micro_batch": args.micro_batch, "repeats": args.repeats,
         "matmul_tflops": flops / 1e12, "memory_gb_s": bandwidth / 1e9,
-        "generate ours s": ours_gen_s, "generate ours tokens": ours_tokens,
-        "generate plain s": plain_gen_s, "generate plain tokens": plain_tokens,
-        "generate ours/plain (s per token)": (ours_gen_s / max(ours_tokens, 1)) / (plain_gen_s / max(plain_tokens, 1)),
-        "generate floor s": decode_floor, "generate ours/floor": ours_gen_s / decode_floor,
+        "generate ours s": statistics.median(t for t, _ in ours),
+        "generate ours tokens": sum(r.num_tokens for r in rollouts),
+        "generate plain s": statistics.median(t for t, _ in plain_runs), "generate plain tokens": plain_runs[-1][1],
+        "generate ours/plain (s per token)": ours_per_token / plain_per_token,
+        "generate floor s": decode_floor(rollouts),
+        "generate ours/floor": statistics.median(t / decode_floor(out) for t, out in ours),
         "train ours s": ours_train_s, "train plain s": plain_train_s, "train ours/plain": ours_train_s / plain_train_s,
         "train floor s": train_floor, "train ours/floor": ours_train_s / train_floor,
         "trained tokens": trained_tokens,
