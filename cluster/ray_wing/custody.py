@@ -25,14 +25,22 @@ from cluster.ray_wing.groups import TRANSFER_S, Call, lost_object
 BATCH_BYTES = 256 * 2 ** 20  # fetched together up to this many bytes: overlapping transfers, bounded driver memory
 
 
+# Ray's default inline limit (max_direct_call_object_size): smaller results live with the driver
+INLINE_BYTES = 100 * 1024
+
+
 def _stays(entry: Optional[dict], here: str) -> bool:
     """Whether an object may stay where it is: stored on the driver's node alone, or inline (kept
-    with the driver: no node holds it and it was never spilled). An object whose location Ray could
-    not tell (no entry) or that was spilled to another node's disk is copied."""
+    with the driver: no node holds it, it was never spilled, and it is small enough to be inline).
+    An object whose location Ray could not tell, that was spilled, or that no node holds although
+    it is too large to be inline (its node was lost: the copy then names its maker) is copied."""
     if entry is None or entry.get("did_spill"):
         return False
     nodes = entry.get("node_ids") or []
-    return nodes == [here] or not nodes
+    if nodes:
+        return nodes == [here]
+    size = entry.get("object_size")
+    return size is not None and size <= INLINE_BYTES
 
 
 def keep_here(refs: Sequence, made_by: Sequence[Call], timeout_s: float) -> tuple:

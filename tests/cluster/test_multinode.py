@@ -142,6 +142,9 @@ def test_a_result_lost_with_its_node_names_its_maker_and_a_kept_copy_survives(no
     assert keep_here([own], [made[0]], 60) == ([own], 0)
 
     nodes.remove("spare")
+    with pytest.raises(ActorFailure) as copying:  # too late to keep one: its maker is named
+        keep_here([made[3].ref], [made[3]], 60)
+    assert copying.value.died and copying.value.actor_id == actor_id(maker)
     with pytest.raises(ActorFailure) as own:
         gather([made[1]], 60)
     assert own.value.died and own.value.actor_id == actor_id(maker) and "lost with the node" in str(own.value)
@@ -150,8 +153,5 @@ def test_a_result_lost_with_its_node_names_its_maker_and_a_kept_copy_survives(no
         gather([read], 60)
     assert other.value.died and other.value.replaceable and other.value.actor_id == actor_id(maker)
     assert other.value.role == "reward" and "lost with the node" in str(other.value)
-    with pytest.raises(ActorFailure) as copying:  # too late to keep one: its maker is named
-        keep_here([made[3].ref], [made[3]], 60)
-    assert copying.value.died and copying.value.actor_id == actor_id(maker)
     assert np.array_equal(ray.get(kept[0]), np.arange(100_000, dtype=np.float32))
     ray.kill(reader)
