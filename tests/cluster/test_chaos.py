@@ -136,6 +136,21 @@ def _assert_undisturbed(out: str, calm_out: str, what) -> None:
     assert diff <= 1e-5, f"final weights differ by {diff} after {what}"
 
 
+def _run_with_monkey(config: str, out: str, monkey_args: tuple) -> tuple:
+    """``(summary, killed)`` of the job at ``config`` written to ``out`` while ``monkey(out, roles,
+    every, rng, stop, killed, started, nodes[, first])`` (``monkey_args`` from ``roles`` on) acts."""
+    roles, every, rng, *rest = monkey_args
+    stop, killed = threading.Event(), []
+    thread = threading.Thread(target=monkey, args=(out, roles, every, rng, stop, killed, *rest), daemon=True)
+    thread.start()
+    try:
+        summary = run_job(["rl", config, "--logging.out", out])
+    finally:
+        stop.set()
+        thread.join(5)
+    return summary, killed
+
+
 @pytest.mark.slow
 def test_chaos_run_ends_with_the_undisturbed_weights(calm, three_nodes, tmp_path):
     config, calm_out, started = calm
@@ -145,15 +160,8 @@ def test_chaos_run_ends_with_the_undisturbed_weights(calm, three_nodes, tmp_path
     roles = list(ROLE_CLASSES)
     rng.shuffle(roles)
     roles.insert(2, "node:generator")  # the generator and the reward worker at once, and their chunks
-    out, stop, killed = str(tmp_path / "chaos"), threading.Event(), []
-    thread = threading.Thread(target=monkey, args=(out, list(roles), 2, rng, stop, killed, started, three_nodes),
-                              daemon=True)
-    thread.start()
-    try:
-        summary = run_job(["rl", config, "--logging.out", out])
-    finally:
-        stop.set()
-        thread.join(5)
+    out = str(tmp_path / "chaos")
+    summary, killed = _run_with_monkey(config, out, (list(roles), 2, rng, started, three_nodes))
 
     print("killed (role, pid, steps logged):", killed)
     print("recoveries:", summary["faults"]["recoveries"])
@@ -173,15 +181,8 @@ def test_losing_the_trainer_node(calm, three_nodes, tmp_path):
     objects they made (the snapshot parts are kept on the head); a fresh node joins. The groups are
     rebuilt there from the snapshot and the updates since, and the run ends as the calm one did."""
     config, calm_out, _ = calm
-    out, stop, killed = str(tmp_path / "lost"), threading.Event(), []
-    thread = threading.Thread(target=monkey, args=(out, ["node:trainer"], 1, random.Random(33), stop, killed, 0.0,
-                                                   three_nodes, 5), daemon=True)
-    thread.start()
-    try:
-        summary = run_job(["rl", config, "--logging.out", out])
-    finally:
-        stop.set()
-        thread.join(5)
+    out = str(tmp_path / "lost")
+    summary, killed = _run_with_monkey(config, out, (["node:trainer"], 1, random.Random(33), 0.0, three_nodes, 5))
     print("recoveries:", summary["faults"]["recoveries"])
     assert [role for role, _, _ in killed] == ["node:trainer"] and killed[0][2] < STEPS, killed
     assert {"trainer", "critic", "reference"} <= set(summary["faults"]["restarts"]), summary["faults"]
