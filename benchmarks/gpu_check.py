@@ -60,19 +60,25 @@ from primitives.model.training import train_on_batch  # noqa: E402
 from primitives.types import GenerationConfig, LoraConfig, ModelConfig  # noqa: E402
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags both GPU benchmarks take: the model and its shape, and the step's rollouts."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (built here), smollm2 (the embedded one) or an HF directory")
     p.add_argument("--hidden", type=int, default=128, help="hidden size of a tiny model")
     p.add_argument("--layers", type=int, default=3, help="layers of a tiny model")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--write", default="", help="append the dated table to this markdown file")
+    return p
+
+
+def parse(argv=None):
+    p = step_parser(__doc__)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--is-cap", type=float, default=2.0, help="the truncated importance weight's cap")
-    p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
-    p.add_argument("--write", default="", help="append the dated table to this markdown file")
     return p.parse_args(argv)
 
 

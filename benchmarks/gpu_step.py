@@ -28,7 +28,6 @@ table to a markdown file (docs/benchmarks.md).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import os
@@ -44,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import publish  # noqa: E402
-from gpu_check import model_dir, trainer_rank  # noqa: E402
+from gpu_check import model_dir, step_parser, trainer_rank  # noqa: E402
 
 from primitives.env.rewards import score_rollouts  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
@@ -56,17 +55,9 @@ from primitives.types import GenerationConfig  # noqa: E402
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny (a random Qwen2 body built here), smollm2 or an HF directory")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size of a tiny model")
-    p.add_argument("--layers", type=int, default=3, help="layers of a tiny model")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=4, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p = step_parser(__doc__)
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward pass, both loops")
-    p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
-    p.add_argument("--write", default="", help="append the dated table to this markdown file")
     return p.parse_args(argv)
 
 
