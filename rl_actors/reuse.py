@@ -66,12 +66,20 @@ def remember_group_registry() -> None:
 
 def forget_group_registry() -> None:
     """Put DeepSpeed's registry of process groups back as ``remember_group_registry`` found it: the
-    groups of a destroyed process group are not valid in the next."""
+    groups of a destroyed process group are not valid in the next. ZeRO-3's counters of parameters
+    and modules start at 0 again too: every rank checks that its peers number their modules alike,
+    and a new process numbers from 0, so a kept rank beside a new one must as well."""
     if _GROUP_REGISTRY:
         from deepspeed.utils import groups
 
         for name, value in _GROUP_REGISTRY.items():
             setattr(groups, name, copy.copy(value))
+    zero3 = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if zero3 is not None:
+        zero3.Init.param_id = 0
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:  # its module counter is the mutable default of the method that numbers them
+        offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
 
 
 def peak_rss_mb() -> float:

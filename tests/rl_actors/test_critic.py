@@ -20,16 +20,17 @@ from primitives.model.value import (
 from primitives.types import ModelConfig
 from rl_actors.critic import CriticWorker, concat_value_shares
 from rl_actors.trainer import TrainerConfig
+from tests.actors import done, start_ranks
 from tests.conftest import scored_rollouts
 
 LR = 1e-3
 HEAD_STD = 0.05  # a random head, so initial values are not all zero
 
 
-def _critic_group(ray, path, stage, world=2):
-    remote = ray.remote(num_cpus=1)(CriticWorker)
+def _critic_group(ray, path, stage, world=2, fresh=False):
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0)  # several micro-batches
-    actors = [remote.remote(ModelConfig(path), r, world, cfg, 0, head_init_std=HEAD_STD) for r in range(world)]
+    actors = start_ranks(ray, CriticWorker, [((ModelConfig(path), r, world, cfg, 0), {"head_init_std": HEAD_STD})
+                                             for r in range(world)], fresh=fresh)
     addr = ray.get(actors[0].endpoint.remote())
     infos = ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
     assert [i["role"] for i in infos] == ["critic"] * world and infos[0]["zero_stage"] == stage
@@ -37,8 +38,7 @@ def _critic_group(ray, path, stage, world=2):
 
 
 def _kill(ray, actors):
-    for a in actors:
-        ray.kill(a)
+    done(ray, actors)  # kept for the next test (tests.actors)
 
 
 def _group_values(ray, actors, rollouts):
@@ -162,7 +162,7 @@ def test_save_then_load_resumes_exactly(ray_local, tiny_model_path, tmp_path, st
         cont_values = _group_values(ray_local, actors, rollouts)
     finally:
         _kill(ray_local, actors)
-    fresh = _critic_group(ray_local, tiny_model_path, stage)
+    fresh = _critic_group(ray_local, tiny_model_path, stage, fresh=True)  # new processes
     try:
         meta = ray_local.get([a.load_checkpoint.remote(path) for a in fresh], timeout=300)
         loaded = _group_values(ray_local, fresh, rollouts)
@@ -184,12 +184,12 @@ def test_bad_batches_are_refused_before_any_collective(ray_local, tiny_model_pat
     are not refused: every rank pads to the same passes, tests/rl_actors/test_uneven_shards.py.)"""
     algo = ppo(kl_coef=0.0)
     batch = _batch(tiny_model_path, algo)[2]
-    remote = ray_local.remote(num_cpus=1)(CriticWorker)
-    actor = remote.remote(ModelConfig(tiny_model_path), 0, 2, TrainerConfig(zero_stage=3, micro_batch_size=3))
+    actor, = start_ranks(ray_local, CriticWorker,
+                         [((ModelConfig(tiny_model_path), 0, 2, TrainerConfig(zero_stage=3, micro_batch_size=3)), {})])
     try:
         with pytest.raises(ValueError, match="needs batch.values and batch.returns"):
             ray_local.get(actor.value_step.remote(batch._replace(returns=None), algo), timeout=120)
     finally:
-        ray_local.kill(actor)
+        _kill(ray_local, [actor])
     with pytest.raises(FileNotFoundError, match="init must be 'policy' or a reward model directory"):
         CriticWorker(ModelConfig(tiny_model_path), 0, 1, init="/no/such/reward_model")

@@ -17,24 +17,24 @@ from primitives.model.lora import adapter_names, merged_state, with_lora
 from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import LoraConfig, ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
+from tests.actors import done, start_ranks
 from tests.conftest import scored_rollouts
 
 LR, EPS = 1e-2, 1e-6  # a large lr: the adapters' first steps must move the logprobs measurably
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 
 
-def _group(ray, path, stage, world, lora=LORA, mbs=3, **kwargs):
-    remote = ray.remote(num_cpus=1)(TrainerWorker)
+def _group(ray, path, stage, world, lora=LORA, mbs=3, fresh=False, **kwargs):
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=mbs, max_grad_norm=1.0, adam_eps=EPS)
-    actors = [remote.remote(ModelConfig(path, lora=lora), r, world, cfg, 0, **kwargs) for r in range(world)]
+    actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path, lora=lora), r, world, cfg, 0), kwargs)
+                                              for r in range(world)], fresh=fresh)
     addr = ray.get(actors[0].endpoint.remote())
     ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
     return actors
 
 
 def _kill(ray, actors):
-    for a in actors:
-        ray.kill(a)
+    done(ray, actors)  # kept for the next test (tests.actors)
 
 
 def _batch(path, kl=False):
@@ -240,7 +240,7 @@ def test_a_rebuilt_group_restores_adapters_optimizer_and_reference_from_a_snapsh
     # a part that held the frozen base would be larger than the base itself
     frozen_bytes = sum(v.nbytes for k, v in continuous.items() if ".lora_" not in k)
     assert sizes[0][0] < 0.5 * frozen_bytes
-    actors = _group(ray_local, tiny_model_path, 2, 2, reference=True, ref_update_fn=ema)
+    actors = _group(ray_local, tiny_model_path, 2, 2, reference=True, ref_update_fn=ema, fresh=True)  # new processes
     try:
         ray_local.get([a.restore.remote(*parts) for a in actors], timeout=300)
         assert ray_local.get(actors[1].reference_checksums.remote()) == reference

@@ -44,11 +44,13 @@ def batch(seed: int):
 def three_steps(worker: TrainerWorker) -> tuple:
     worker.setup("127.0.0.1", free_port("127.0.0.1"))
     losses = [worker.sft_step(*batch(s))["loss/sft"] for s in range(3)]
-    return losses, {k: v.detach().clone() for k, v in worker.module.state_dict().items()}
+    numbers = ([getattr(m, "ds_id", -1) for m in worker.module.modules()],
+               [getattr(p, "ds_id", -1) for p in worker.module.parameters()])  # ZeRO-3's, else -1
+    return losses, {k: v.detach().clone() for k, v in worker.module.state_dict().items()}, numbers
 
 
 @pytest.mark.slow  # DeepSpeed's import and six engines: 15 s, more than the fast tier's tests take
-@pytest.mark.parametrize("stages", [(2, 2), (2, 3)], ids=["zero2-zero2", "zero2-zero3"])
+@pytest.mark.parametrize("stages", [(2, 2), (2, 3), (3, 3)], ids=["zero2-zero2", "zero2-zero3", "zero3-zero3"])
 def test_a_released_trainer_rank_trains_as_a_new_one(tiny_model_path, stages):
     model = ModelConfig(tiny_model_path)
     new = TrainerWorker(model, 0, 1, TrainerConfig(zero_stage=stages[1], lr=1e-2), seed=0)
@@ -64,6 +66,10 @@ def test_a_released_trainer_rank_trains_as_a_new_one(tiny_model_path, stages):
     assert kept[0] == fresh[0] and len(set(kept[0])) == 3  # the losses of every step, exactly (and they move)
     assert all(torch.equal(kept[1][k], fresh[1][k]) for k in fresh[1])
     assert before[0][0] == fresh[0][0]  # the same first step whatever ZeRO stage
+    # ZeRO-3 numbers parameters and modules per process, and its ranks check that they agree: a kept
+    # rank numbers from 0 as a new one does, after a ZeRO-3 job of its own too (a group of kept and
+    # new ranks failed "Detected a disagreement on list contents between rank0 and rank1")
+    assert kept[2] == fresh[2] and (stages[1] != 3 or max(kept[2][0]) > 0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")

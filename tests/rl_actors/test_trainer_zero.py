@@ -10,6 +10,7 @@ from primitives.maths.batching import make_batch
 from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
+from tests.actors import done, start_ranks
 from tests.conftest import scored_rollouts
 
 LR = 1e-3
@@ -39,10 +40,9 @@ def _compare_weights(got, expected, what):
 
 
 def _trainer_group(ray, path, stage, world=2):
-    remote = ray.remote(num_cpus=1)(TrainerWorker)
     # micro-batches of 3: several per rank
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)
-    actors = [remote.remote(ModelConfig(path), r, world, cfg, 0) for r in range(world)]
+    actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path), r, world, cfg, 0), {}) for r in range(world)])
     addr = ray.get(actors[0].endpoint.remote())
     ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
     return actors
@@ -61,8 +61,7 @@ def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage):
         stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
         states = ray_local.get([a.full_state.remote() for a in actors], timeout=300)
     finally:
-        for a in actors:
-            ray_local.kill(a)
+        done(ray_local, actors)
     sharded_loss = sum(s["loss/policy"] for s in stats)  # each rank's share of the global loss
     assert sharded_loss == pytest.approx(ref_loss, abs=1e-6)
     assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # the reduced gradient is the global one
@@ -93,8 +92,7 @@ def test_grpo_with_kl_and_three_ranks(ray_local, tiny_model_path):
         stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
         state = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
     finally:
-        for a in actors:
-            ray_local.kill(a)
+        done(ray_local, actors)
     assert sum(s["loss/policy"] for s in stats) == pytest.approx(ref_loss, abs=1e-6)
     assert sum(s["loss/kl"] for s in stats) > 0
     assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
@@ -110,16 +108,14 @@ def _logged(ray, path, batch, algo, world):
     """What the driver logs for ``batch`` on a ``world``-rank trainer group (its merge function)."""
     from primitives.maths.metrics import merge_rank_updates
 
-    remote = ray.remote(num_cpus=1)(TrainerWorker)
     cfg = TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=3, max_grad_norm=1.0)
-    actors = [remote.remote(ModelConfig(path), r, world, cfg, 0) for r in range(world)]
+    actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path), r, world, cfg, 0), {}) for r in range(world)])
     try:
         addr = ray.get(actors[0].endpoint.remote())
         ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
         per_rank = ray.get([a.train_step.remote(batch, algo, 0.7) for a in actors], timeout=300)
     finally:
-        for a in actors:
-            ray.kill(a)
+        done(ray, actors)
     return merge_rank_updates(per_rank)
 
 

@@ -18,6 +18,7 @@ from primitives.types import ModelConfig
 from rl_actors.critic import CriticWorker, concat_value_shares
 from rl_actors.deepspeed_rank import largest_shard, passes
 from rl_actors.trainer import TrainerConfig, TrainerWorker
+from tests.actors import done, start_ranks
 from tests.conftest import scored_rollouts
 
 LR = 1e-3
@@ -40,9 +41,8 @@ def test_passes_are_the_largest_shards_count():
 
 
 def _group(ray, cls, path, stage, world=2, **kwargs):
-    remote = ray.remote(num_cpus=1)(cls)
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=MICRO, max_grad_norm=1.0)
-    actors = [remote.remote(ModelConfig(path), r, world, cfg, 0, **kwargs) for r in range(world)]
+    actors = start_ranks(ray, cls, [((ModelConfig(path), r, world, cfg, 0), kwargs) for r in range(world)])
     addr = ray.get(actors[0].endpoint.remote())
     ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
     return actors
@@ -53,8 +53,7 @@ def _all(ray, actors, method, *args):
 
 
 def _kill(ray, actors):
-    for a in actors:
-        ray.kill(a)
+    done(ray, actors)  # kept for the next test (tests.actors)
 
 
 def _max_diff(got: dict, expected: dict) -> float:
@@ -175,9 +174,9 @@ def test_three_online_dpo_pairs_on_two_ranks_stay_whole(ray_local, tiny_model_pa
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     ref = train_on_batch(model, opt, batch, algo, 1.0, max_grad_norm=1.0, micro_batch_size=3)[0]
     weights = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    remote = ray_local.remote(num_cpus=1)(TrainerWorker)
     cfg = TrainerConfig(zero_stage=2, lr=LR, micro_batch_size=3, max_grad_norm=1.0)
-    actors = [remote.remote(ModelConfig(tiny_model_path), r, 2, cfg, 0) for r in range(2)]
+    actors = start_ranks(ray_local, TrainerWorker,
+                         [((ModelConfig(tiny_model_path), r, 2, cfg, 0), {}) for r in range(2)])
     try:
         addr = ray_local.get(actors[0].endpoint.remote())
         ray_local.get([a.setup.remote(*addr) for a in actors], timeout=300)
