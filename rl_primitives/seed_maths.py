@@ -188,3 +188,37 @@ def compute_dapo_loss(*args, **kwargs):
     raise TypeError("compute_dapo_loss: " + DAPO_AS_PAIRWISE.format(given="pairs") +
                     "; the loss itself is primitives.maths.losses.online_dpo_loss(chosen_logp, rejected_logp, "
                     "ref_chosen_logp, ref_rejected_logp, beta) on logprobs the model recomputes (error 1)")
+
+
+def compute_loss_by_algorithm(batch, algorithm_config, **kwargs):
+    """Refused: the seeds' dispatch builds each algorithm's loss from the rollouts' stored logprobs
+    (seeds README error 1), and its "dapo" branch is the pairwise loss (error 4)."""
+    name = algorithm_config.get("algorithm") if isinstance(algorithm_config, dict) else \
+        getattr(algorithm_config, "algorithm", algorithm_config)
+    raise TypeError(_LOSS_FROM_ROLLOUTS.format(
+        name=f"compute_loss_by_algorithm(batch, {{'algorithm': {name!r}, ...}})",
+        extra="; its 'dapo' is the pairwise DPO loss, online_dpo here: error 4",
+        form="the algorithm's preset (create_algorithm_config(name, params)), which dispatches every loss",
+        algo=str(name)))
+
+
+def compute_dapo_pairs(batch, pair_selector: Optional[Callable] = None) -> list:
+    """The seeds' ``compute_dapo_pairs(batch, pair_selector)``: ``pair_selector(batch)``, checked to
+    be ``(preferred, dispreferred)`` rollout pairs of one prompt each. Without a selector, the highest-
+    against the lowest-reward rollout of each prompt's group (``top_bottom_pairs``), as online DPO
+    pairs them (the seeds' "DAPO" is that pairwise loss: README error 4)."""
+    from primitives.maths.filters import by_group, top_bottom_pairs
+
+    rollouts = list(getattr(batch, "rollouts", batch))
+    if pair_selector is None:
+        return [pair for members in by_group(rollouts).values() for pair in top_bottom_pairs(members)]
+    pairs = list(pair_selector(batch))
+    for k, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"compute_dapo_pairs: pair_selector's item {k} is {type(pair).__name__}, not a "
+                            f"(preferred, dispreferred) pair of rollouts")
+        if pair[0].group != pair[1].group:
+            raise ValueError(f"compute_dapo_pairs: pair {k} joins rollouts of prompts {pair[0].group} and "
+                             f"{pair[1].group}; a preference pair answers one prompt")
+    return pairs
+

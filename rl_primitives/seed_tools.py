@@ -99,6 +99,22 @@ def apply_chat_template(conversation, tokenizer, template_fn: Optional[Callable]
     return render_prompt(tokenizer, conversation, template_kwargs=template_kwargs)
 
 
+def generate_conversation_turn(model, tokenizer, conversation, config: _GenerationConfig,
+                               template_fn: Optional[Callable] = None,
+                               generator: Optional[Callable] = None) -> tuple:
+    """The seeds' next turn: the conversation rendered (``apply_chat_template``), one completion
+    (``generate``, from the user's ``generator`` backend when given), and the conversation with the
+    completion added as the assistant's message: ``(conversation, generation)``."""
+    from rl_primitives.api import generate
+
+    if isinstance(conversation, (list, tuple)) and not isinstance(conversation, Conversation):
+        conversation = Conversation(tuple(m if isinstance(m, Message) else Message(m["role"], m["content"])
+                                          for m in conversation))
+    generation = generate(model, tokenizer, apply_chat_template(conversation, tokenizer, template_fn), config,
+                          generator)
+    return conversation.add_message(Message("assistant", generation.text)), generation
+
+
 def format_prompt(prompt: str, tokenizer, use_chat_template: bool = False, system_prompt: Optional[str] = None,
                   enable_thinking: bool = False, template_fn: Optional[Callable] = None) -> str:
     """seeds/001's ``format_prompt``: ``prompt`` as is, or (``use_chat_template``) as a user turn

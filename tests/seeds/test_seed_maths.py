@@ -117,3 +117,33 @@ def test_losses_from_stored_logprobs_are_refused_with_the_form_that_works(name, 
         getattr(rp, name)([], [], [])
     message = str(raised.value)
     assert error in message and ("training_step" in message or "online_dpo_loss" in message)
+
+
+def _scored(group: str, sample: int, reward: float) -> Rollout:
+    return Rollout(uid=f"{group}/s{sample}", group=group, prompt="1+1=", prompt_ids=np.arange(4),
+                   completion_ids=np.array([5, 6]), loss_mask=np.ones(2, np.float32),
+                   logprobs=np.array([-0.1, -0.2], np.float32), finish_reason="stop", text="2", reward=reward)
+
+
+def test_dapo_pairs_are_the_selectors_or_each_groups_best_against_its_worst():
+    """Two prompts of three samples each; the second group ties (no pair); the default pairs the
+    first group's 0.9 against its 0.1. A selector's pairs come back as they are, checked."""
+    rollouts = [_scored("e0/i0", 0, 0.5), _scored("e0/i0", 1, 0.9), _scored("e0/i0", 2, 0.1),
+                _scored("e0/i1", 0, 1.0), _scored("e0/i1", 1, 1.0), _scored("e0/i1", 2, 1.0)]
+    batch = rp.RolloutBatch(tuple(rollouts))
+    pairs = rp.compute_dapo_pairs(batch)
+    assert [(a.uid, b.uid) for a, b in pairs] == [("e0/i0/s1", "e0/i0/s2")]
+    mine = rp.compute_dapo_pairs(batch, lambda b: [(b.rollouts[0], b.rollouts[2])])
+    assert [(a.uid, b.uid) for a, b in mine] == [("e0/i0/s0", "e0/i0/s2")]
+    with pytest.raises(ValueError, match="pair 0 joins rollouts of prompts e0/i0 and e0/i1"):
+        rp.compute_dapo_pairs(batch, lambda b: [(b.rollouts[0], b.rollouts[3])])
+    with pytest.raises(TypeError, match="pair_selector's item 0 is Rollout, not a"):
+        rp.compute_dapo_pairs(batch, lambda b: [b.rollouts[0]])
+
+
+def test_the_seeds_loss_dispatch_is_refused_naming_the_preset():
+    with pytest.raises(TypeError, match=r"compute_loss_by_algorithm\(batch, \{'algorithm': 'grpo', ...\}\).*no "
+                                        r"gradient.*create_algorithm_config\('grpo'\)"):
+        rp.compute_loss_by_algorithm(None, {"algorithm": "grpo", "params": {}})
+    with pytest.raises(TypeError, match="its 'dapo' is the pairwise DPO loss, online_dpo here: error 4"):
+        rp.compute_loss_by_algorithm(None, {"algorithm": "dapo", "params": {}})

@@ -100,3 +100,23 @@ def test_batch_generate_gives_one_generation_per_prompt_and_sample(tiny_model, t
     assert len(gens) == 6 and all(len(g.token_ids) == len(g.logprobs) <= 3 for g in gens)
     assert all(isinstance(g, rp.Generation) and np.all(np.asarray(g.logprobs) <= 0) for g in gens)
     assert rp.batch_generate(None, None, ["a"], config, generator=lambda m, t, p, c, b: ["custom", b]) == ["custom", 8]
+
+
+def test_a_conversation_turn_adds_the_generation_as_the_assistants_message(tiny_model, tokenizer):
+    """The seeds' turn: the rendered conversation is what the backend sees, and its text comes back
+    as the last message; the default backend samples from the model."""
+    seen = []
+
+    def backend(model, tok, prompt, config):
+        seen.append(prompt)
+        return rp.Generation(text="4", token_ids=[5], logprobs=[-0.5], finish_reason="stop")
+
+    config = rp.GenerationConfig(max_new_tokens=3, temperature=1.0)
+    start = [{"role": "user", "content": "2+2="}]
+    convo, gen = rp.generate_conversation_turn(tiny_model, tokenizer, start, config, generator=backend)
+    assert seen == [rp.apply_chat_template(start, tokenizer)] and gen.text == "4"
+    assert [(m.role, m.content) for m in convo.messages] == [("user", "2+2="), ("assistant", "4")]
+    convo2, gen2 = rp.generate_conversation_turn(tiny_model, tokenizer, convo, config,
+                                                 template_fn=lambda c, t: "".join(m.content for m in c.messages))
+    assert len(gen2.token_ids) == len(gen2.logprobs) <= 3 and convo2.messages[-1] == rp.Message("assistant", gen2.text)
+    assert convo2.messages[:2] == convo.messages
