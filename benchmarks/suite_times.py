@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import xml.etree.ElementTree as ET
 
 
@@ -47,13 +48,40 @@ def markdown(cases: list, slowest: int, before: list | None = None) -> str:
     return "\n".join(lines)
 
 
+def read_cpu(path: str) -> dict:
+    """``{module: [wall s, busy core-s]}`` from ``benchmarks/cpu_probe.py``'s CSV."""
+    totals: dict = collections.defaultdict(lambda: [0.0, 0.0])
+    with open(path) as f:
+        for line in f:
+            node, _, wall, busy = line.rstrip("\n").rsplit(",", 3)
+            totals[node.split("::")[0]][0] += float(wall)
+            totals[node.split("::")[0]][1] += float(busy)
+    return dict(totals)
+
+
+def cpu_markdown(cpu: dict, cores: int, top: int = 15) -> str:
+    """The modules' busy cores, and the floor CPU sets on the run: its busy core-seconds over ``cores``."""
+    wall, busy = sum(w for w, _ in cpu.values()), sum(b for _, b in cpu.values())
+    lines = ["| module | s | busy core-s | cores busy |", "|---|---:|---:|---:|"]
+    lines += [f"| `{m}` | {w:.0f} | {b:.0f} | {b / w if w else 0.0:.2f} |"
+              for m, (w, b) in sorted(cpu.items(), key=lambda kv: -kv[1][0])[:top]]
+    lines += [f"| all | {wall:.0f} | {busy:.0f} | {busy / wall if wall else 0.0:.2f} |", "",
+              f"On {cores} cores no scheduling of these tests runs in less than {busy / cores:.0f} s "
+              f"(their busy core-seconds over the cores): at most {wall / (busy / cores):.2f}x faster than this run."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report", help="JUnit XML of a test run (pytest --junitxml)")
     parser.add_argument("--before", help="JUnit XML of an earlier run, for a column beside")
     parser.add_argument("--slowest", type=int, default=25, help="how many of the slowest tests to list")
+    parser.add_argument("--cpu", help="benchmarks/cpu_probe.py's CSV of the same run: each module's busy cores")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="the machine's cores (for --cpu)")
     args = parser.parse_args(argv)
     print(markdown(read_report(args.report), args.slowest, read_report(args.before) if args.before else None))
+    if args.cpu:
+        print("\n" + cpu_markdown(read_cpu(args.cpu), args.cores))
 
 
 if __name__ == "__main__":
