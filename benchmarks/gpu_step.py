@@ -23,7 +23,9 @@ In one process, on this machine's device (CUDA when there is one; bf16 there, fp
 The plain loop keeps fp32 weights and Adam state, as DeepSpeed does (on a GPU its passes run under
 bf16 autocast; HF ``generate`` runs on a bf16 copy).
 
-Printed: seconds (median of ``--repeats``), ours/plain and ours/floor. ``--write`` appends the dated
+Ours and the plain loop run in turn, ``--repeats`` rounds of each phase, so a drift of the
+machine's speed slows both alike. Printed: seconds (median of the rounds), ours/plain (train: the
+median of each round's ratio) and ours/floor. ``--write`` appends the dated
 table to a markdown file (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -76,6 +78,14 @@ def _runs(fn, device: torch.device, repeats: int) -> list:
         _sync(device)
         out.append((time.perf_counter() - t0, result))
     return out
+
+
+def _alternate(ours, plain, device: torch.device, repeats: int) -> tuple:
+    """``(ours' runs, plain's runs)`` as ``_runs`` gives them, the two called in turn: a machine
+    whose speed drifts during the benchmark (this 2-core one moved 8.2 -> 11.2 s for one train
+    step within a minute) slows both alike, where timing one after the other would blame one."""
+    pairs = [(_runs(ours, device, 1)[0], _runs(plain, device, 1)[0]) for _ in range(repeats)]
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def _timed(fn, device: torch.device, repeats: int) -> tuple:
@@ -178,11 +188,12 @@ def step(args) -> dict:
         steps = max(r.num_tokens for r in rollouts)
         return max(2 * n_matmul * tokens / flops, steps * n_matmul * (2 if bf16 else 4) / bandwidth)
 
-    ours = _runs(lambda: trainer.generate(items, gen), device, args.repeats)
-    rollouts = ours[-1][1]
     # HF generate on the weights in the run's dtype (a bf16 copy on a GPU)
     gen_model = (plain if dtype == torch.float32 else copy.deepcopy(plain).to(dtype)).eval()
-    plain_runs = _runs(lambda: plain_generate(gen_model, tokenizer, items, gen, device), device, args.repeats)
+    ours, plain_runs = _alternate(lambda: trainer.generate(items, gen),
+                                  lambda: plain_generate(gen_model, tokenizer, items, gen, device),
+                                  device, args.repeats)
+    rollouts = ours[-1][1]
     ours_per_token = statistics.median(t / max(sum(r.num_tokens for r in out), 1) for t, out in ours)
     plain_per_token = statistics.median(t / max(n, 1) for t, n in plain_runs)
 
@@ -198,8 +209,9 @@ def step(args) -> dict:
     plain_step = lambda: plain_train_step(plain, opt, batch, algo, 1.0, args.micro_batch,  # noqa: E731
                                           trainer.config.max_grad_norm, bf16)
     plain_first = plain_step()
-    ours_train_s, _ = _timed(lambda: trainer.train_step(batch, algo, 1.0), device, args.repeats)
-    plain_train_s, _ = _timed(plain_step, device, args.repeats)
+    ours_train, plain_train = _alternate(lambda: trainer.train_step(batch, algo, 1.0), plain_step, device, args.repeats)
+    ours_train_s, plain_train_s = (statistics.median(t for t, _ in runs) for runs in (ours_train, plain_train))
+    train_ratio = statistics.median(a / b for (a, _), (b, _) in zip(ours_train, plain_train))  # each round's
     train_floor = 6 * n_matmul * trained_tokens / flops
     return {
         "date": datetime.date.today().isoformat(),
@@ -214,7 +226,7 @@ def step(args) -> dict:
         "generate ours/plain (s per token)": ours_per_token / plain_per_token,
         "generate floor s": decode_floor(rollouts),
         "generate ours/floor": statistics.median(t / decode_floor(out) for t, out in ours),
-        "train ours s": ours_train_s, "train plain s": plain_train_s, "train ours/plain": ours_train_s / plain_train_s,
+        "train ours s": ours_train_s, "train plain s": plain_train_s, "train ours/plain": train_ratio,
         "train floor s": train_floor, "train ours/floor": ours_train_s / train_floor,
         "trained tokens": trained_tokens,
         "first update loss ours": ours_first["loss/policy"],
