@@ -20,6 +20,7 @@ print("FIGURES", json.dumps(fig))
 """
 
 
+@pytest.mark.slow  # a DeepSpeed rank's RL step in a subprocess (11-14 s each): the full suite's, not the edit loop's
 @pytest.mark.parametrize("lora", [0, 4])
 def test_gpu_check_runs_on_the_cpu_without_ray(tmp_path, lora):
     """Full fine-tuning, and LoRA adapters (rank 4) with the reference as the base model (adapters off)."""
