@@ -35,9 +35,10 @@ def _keywords(cls, args: tuple, kwargs: dict) -> dict:
 def start_ranks(ray, cls, calls: list, fresh: bool = False) -> list:
     """One actor of ``cls`` per ``(args, kwargs)`` in ``calls``, each as ``cls(*args, **kwargs)``
     starts: an idle group of as many ranks, rebuilt (unless ``fresh``), or new ones. Groups are kept
-    and reused whole, as the job pool keeps them: a kept rank and a new one in one ZeRO group once
-    logged a gradient norm 1.4 % off the one-process value (ZeRO-2, after LoRA and ZeRO-3 jobs), and
-    the product never mixes them (``cluster.ray_wing.pool``; recovery rebuilds every rank anew).
+    and reused whole, as the job pool keeps them: two kept ranks of different histories (LoRA and
+    ZeRO-3 jobs, a snapshot restore) in one ZeRO-2 group once logged a gradient norm 1.4 % off the
+    one-process value, and the product never puts such ranks together (``cluster.ray_wing.pool``
+    keeps whole groups; recovery starts every rank anew).
     Not set up: the caller rendezvouses."""
     session = _session(ray)
     _IDLE[:] = [idle for idle in _IDLE if idle[0] == session]  # an earlier Ray's are gone
