@@ -86,6 +86,14 @@ def parse_tool_calls(text: str) -> list:
     return calls
 
 
+def _as_conversation(conversation) -> Conversation:
+    """A ``Conversation``, from ours or from the seeds' list of messages or ``{"role", "content"}`` dicts."""
+    if isinstance(conversation, (list, tuple)) and not isinstance(conversation, Conversation):
+        return Conversation(tuple(m if isinstance(m, Message) else Message(m["role"], m["content"])
+                                  for m in conversation))
+    return conversation
+
+
 def apply_chat_template(conversation, tokenizer, template_fn: Optional[Callable] = None,
                         template_kwargs: Optional[dict] = None) -> str:
     """The text the model continues: ``template_fn(conversation, tokenizer)``, or the tokenizer's
@@ -93,10 +101,7 @@ def apply_chat_template(conversation, tokenizer, template_fn: Optional[Callable]
     list of messages and ``{"role", "content"}`` dicts are accepted as a conversation."""
     if template_fn is not None:
         return template_fn(conversation, tokenizer)
-    if isinstance(conversation, (list, tuple)) and not isinstance(conversation, Conversation):
-        conversation = Conversation(tuple(m if isinstance(m, Message) else Message(m["role"], m["content"])
-                                          for m in conversation))
-    return render_prompt(tokenizer, conversation, template_kwargs=template_kwargs)
+    return render_prompt(tokenizer, _as_conversation(conversation), template_kwargs=template_kwargs)
 
 
 def generate_conversation_turn(model, tokenizer, conversation, config: _GenerationConfig,
@@ -107,9 +112,7 @@ def generate_conversation_turn(model, tokenizer, conversation, config: _Generati
     completion added as the assistant's message: ``(conversation, generation)``."""
     from rl_primitives.api import generate
 
-    if isinstance(conversation, (list, tuple)) and not isinstance(conversation, Conversation):
-        conversation = Conversation(tuple(m if isinstance(m, Message) else Message(m["role"], m["content"])
-                                          for m in conversation))
+    conversation = _as_conversation(conversation)
     generation = generate(model, tokenizer, apply_chat_template(conversation, tokenizer, template_fn), config,
                           generator)
     return conversation.add_message(Message("assistant", generation.text)), generation
