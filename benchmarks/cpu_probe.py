@@ -4,7 +4,7 @@ process: the test's actors too), appended to ``$CPU_PROBE_OUT`` (default ``cpu_p
 second pytest worker could gain (``python benchmarks/suite_times.py report.xml --cpu cpu_probe.csv``).
 Linux (``/proc/stat``).
 
-    make test PYTEST_ARGS="-p benchmarks.cpu_probe --junitxml=/tmp/report.xml"
+    CPU_PROBE_OUT=/tmp/cpu_probe.csv make test PYTEST_ARGS="-p benchmarks.cpu_probe --junitxml=/tmp/report.xml"
 """
 from __future__ import annotations
 

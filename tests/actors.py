@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 
-MAX_IDLE = 6  # idle ranks kept, in whole groups (about 0.5 GB each: their imports)
+MAX_IDLE = 6  # idle ranks kept, in whole groups (each holds its imports' memory)
 RELEASE_S = 60.0
 _IDLE: list = []  # (Ray session, actor class, the group's handles in rank order), oldest first
 _CLASS: dict = {}  # actor id -> the class start_ranks made it of
@@ -39,7 +39,7 @@ def start_ranks(ray, cls, calls: list, fresh: bool = False) -> list:
     ZeRO-3 jobs, a snapshot restore) in one ZeRO-2 group once logged a gradient norm 1.4 % off the
     one-process value, and the product never puts such ranks together (``cluster.ray_wing.pool``
     keeps whole groups; recovery starts every rank anew).
-    Not set up: the caller rendezvouses."""
+    Not set up: ``rendezvous`` does that."""
     session = _session(ray)
     _IDLE[:] = [idle for idle in _IDLE if idle[0] == session]  # an earlier Ray's are gone
     match = None if fresh else next((idle for idle in _IDLE if idle[1] is cls and len(idle[2]) == len(calls)), None)
@@ -55,6 +55,12 @@ def start_ranks(ray, cls, calls: list, fresh: bool = False) -> list:
     actors = [remote.remote(*args, **kwargs) for args, kwargs in calls]
     _CLASS.update({a._actor_id.hex(): cls for a in actors})
     return actors
+
+
+def rendezvous(ray, actors: list) -> list:
+    """Set the group up: rank 0's endpoint, then every rank's ``setup`` together. Their infos."""
+    address = ray.get(actors[0].endpoint.remote())
+    return ray.get([a.setup.remote(*address) for a in actors], timeout=300)
 
 
 def done(ray, actors: list) -> None:

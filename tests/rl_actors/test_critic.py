@@ -20,7 +20,7 @@ from primitives.model.value import (
 from primitives.types import ModelConfig
 from rl_actors.critic import CriticWorker, concat_value_shares
 from rl_actors.trainer import TrainerConfig
-from tests.actors import done, start_ranks
+from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
 LR = 1e-3
@@ -31,14 +31,9 @@ def _critic_group(ray, path, stage, world=2, fresh=False):
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0)  # several micro-batches
     actors = start_ranks(ray, CriticWorker, [((ModelConfig(path), r, world, cfg, 0), {"head_init_std": HEAD_STD})
                                              for r in range(world)], fresh=fresh)
-    addr = ray.get(actors[0].endpoint.remote())
-    infos = ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+    infos = rendezvous(ray, actors)
     assert [i["role"] for i in infos] == ["critic"] * world and infos[0]["zero_stage"] == stage
     return actors
-
-
-def _kill(ray, actors):
-    done(ray, actors)  # kept for the next test (tests.actors)
 
 
 def _group_values(ray, actors, rollouts):
@@ -93,7 +88,7 @@ def test_values_and_one_step_match_one_process_on_1_and_2_ranks(ray_local, tiny_
             # 7 rollouts: shares of 4 and 3 take 2 and 1 micro-batches (ZeRO-3 pads with a forward)
             uneven = _group_values(ray_local, actors, rollouts[:7])
         finally:
-            _kill(ray_local, actors)
+            done(ray_local, actors)
         assert len(updates) == 1 and summary["critic/lr"] == LR
         for key in ("critic/value_loss", "critic/values_mean", "critic/clip_frac", "critic/returns_mean"):
             assert summary[key] == pytest.approx(ref[key], abs=1e-6), (world, stage, key)
@@ -117,7 +112,7 @@ def test_several_updates_log_the_same_on_1_and_2_ranks(ray_local, tiny_model_pat
             per_rank = ray_local.get([a.value_step.remote(batch, algo) for a in actors], timeout=300)
             runs[world] = merge_rank_updates(per_rank)[1], _group_values(ray_local, actors, rollouts)
         finally:
-            _kill(ray_local, actors)
+            done(ray_local, actors)
     (one, one_values), (two, two_values) = runs[1], runs[2]
     assert len(one) == len(two) == 4
     assert one[0]["critic/clip_frac"] == 0.0 and max(u["critic/clip_frac"] for u in one[1:]) > 0.05
@@ -138,7 +133,7 @@ def test_value_steps_reduce_the_loss(ray_local, tiny_model_path):
         updates = [ray_local.get(actors[0].value_step.remote(batch, algo, lr=2e-5), timeout=300)[0]
                    for _ in range(6)]
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     losses = [u["critic/value_loss"] for u in updates]
     assert all(u["critic/lr"] == 2e-5 for u in updates)
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -161,7 +156,7 @@ def test_save_then_load_resumes_exactly(ray_local, tiny_model_path, tmp_path, st
         cont = merge_rank_updates(ray_local.get([a.value_step.remote(batch, algo) for a in actors], timeout=300))[1]
         cont_values = _group_values(ray_local, actors, rollouts)
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     fresh = _critic_group(ray_local, tiny_model_path, stage, fresh=True)  # new processes
     try:
         meta = ray_local.get([a.load_checkpoint.remote(path) for a in fresh], timeout=300)
@@ -169,7 +164,7 @@ def test_save_then_load_resumes_exactly(ray_local, tiny_model_path, tmp_path, st
         resumed = merge_rank_updates(ray_local.get([a.value_step.remote(batch, algo) for a in fresh], timeout=300))[1]
         resumed_values = _group_values(ray_local, fresh, rollouts)
     finally:
-        _kill(ray_local, fresh)
+        done(ray_local, fresh)
     assert meta[0] == {"steps": 1, "init": "policy"}
     assert _max_diff(loaded, saved) == 0.0
     assert resumed == cont
@@ -190,6 +185,6 @@ def test_bad_batches_are_refused_before_any_collective(ray_local, tiny_model_pat
         with pytest.raises(ValueError, match="needs batch.values and batch.returns"):
             ray_local.get(actor.value_step.remote(batch._replace(returns=None), algo), timeout=120)
     finally:
-        _kill(ray_local, [actor])
+        done(ray_local, [actor])
     with pytest.raises(FileNotFoundError, match="init must be 'policy' or a reward model directory"):
         CriticWorker(ModelConfig(tiny_model_path), 0, 1, init="/no/such/reward_model")

@@ -17,7 +17,7 @@ from primitives.model.lora import adapter_names, merged_state, with_lora
 from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import LoraConfig, ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
-from tests.actors import done, start_ranks
+from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
 LR, EPS = 1e-2, 1e-6  # a large lr: the adapters' first steps must move the logprobs measurably
@@ -28,13 +28,8 @@ def _group(ray, path, stage, world, lora=LORA, mbs=3, fresh=False, **kwargs):
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=mbs, max_grad_norm=1.0, adam_eps=EPS)
     actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path, lora=lora), r, world, cfg, 0), kwargs)
                                               for r in range(world)], fresh=fresh)
-    addr = ray.get(actors[0].endpoint.remote())
-    ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+    rendezvous(ray, actors)
     return actors
-
-
-def _kill(ray, actors):
-    done(ray, actors)  # kept for the next test (tests.actors)
 
 
 def _batch(path, kl=False):
@@ -71,7 +66,7 @@ def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model
                  for _ in range(2)]
         states = ray_local.get([a.full_state.remote() for a in actors], timeout=300)
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     trained = adapter_names(before)
     layers = AutoConfig.from_pretrained(tiny_model_path).num_hidden_layers
     # layers x 3 targets x (A, B), what a sync sends: the adapters alone
@@ -108,7 +103,7 @@ def test_adapters_off_reference_is_the_base_model(ray_local, tiny_model_path):
         ref = ray_local.get(actors[1].reference_logprobs.remote(rollouts, 0.7))
         policy = ray_local.get(actors[1].logprobs.remote(rollouts, 0.7))
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     base = rollout_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_path), rollouts, tok.pad_token_id, 0.7)
     gap = max(float(np.abs(a - b).max()) for a, b in zip(ref, base))
     assert gap < 1e-5
@@ -129,7 +124,7 @@ def test_ema_reference_moves_on_adapter_weights(ray_local, tiny_model_path):
         policy = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
         ref = ray_local.get(actors[1].with_reference_logprobs.remote(rollouts, 1.0), timeout=300)
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     names = adapter_names(start)
     moved = ema(RefState({n: torch.tensor(start[n]) for n in names}, 0), {n: torch.tensor(policy[n]) for n in names},
                 1).weights
@@ -169,7 +164,7 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
         continuous = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
         continuous_ref = ray_local.get(actors[1].reference_checksums.remote())
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(os.path.join(path, "adapter")))
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     adapter = PeftModel.from_pretrained(base, os.path.join(path, "adapter"))
@@ -186,7 +181,7 @@ def test_checkpoint_holds_adapter_and_merged_model_and_resumes_exactly(ray_local
         resumed = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
         assert ray_local.get(actors[1].reference_checksums.remote()) == continuous_ref
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     for name in adapter_names(continuous):
         assert np.array_equal(resumed[name], continuous[name]), name
     # merged_state's fold is the one PEFT's own merge makes
@@ -213,7 +208,7 @@ def test_zero3_reference_with_uneven_shards_scores_what_zero2_scores(ray_local, 
                 ray_local.get([a.move_reference.remote(1) for a in actors], timeout=300)
             updates = ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
         finally:
-            _kill(ray_local, actors)
+            done(ray_local, actors)
         logged[stage] = sum(u[0]["loss/kl"] for u in updates)
     assert logged[2] > 1e-6  # the policy moved off the reference
     assert logged[3] == pytest.approx(logged[2], rel=1e-5)
@@ -235,7 +230,7 @@ def test_a_rebuilt_group_restores_adapters_optimizer_and_reference_from_a_snapsh
         continuous = ray_local.get(actors[0].full_state.remote())
         reference = ray_local.get(actors[0].reference_checksums.remote())
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     # rank 0's part: the adapters, its half of their fp32 masters and Adam moments, and the reference adapter;
     # a part that held the frozen base would be larger than the base itself
     frozen_bytes = sum(v.nbytes for k, v in continuous.items() if ".lora_" not in k)
@@ -247,7 +242,7 @@ def test_a_rebuilt_group_restores_adapters_optimizer_and_reference_from_a_snapsh
         ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
         replayed = ray_local.get(actors[0].full_state.remote())
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     for name, value in continuous.items():
         assert np.array_equal(replayed[name], value), name
 

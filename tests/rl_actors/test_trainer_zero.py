@@ -10,7 +10,7 @@ from primitives.maths.batching import make_batch
 from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
-from tests.actors import done, start_ranks
+from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
 LR = 1e-3
@@ -43,8 +43,7 @@ def _trainer_group(ray, path, stage, world=2):
     # micro-batches of 3: several per rank
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)
     actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path), r, world, cfg, 0), {}) for r in range(world)])
-    addr = ray.get(actors[0].endpoint.remote())
-    ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+    rendezvous(ray, actors)
     return actors
 
 
@@ -111,8 +110,7 @@ def _logged(ray, path, batch, algo, world):
     cfg = TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=3, max_grad_norm=1.0)
     actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path), r, world, cfg, 0), {}) for r in range(world)])
     try:
-        addr = ray.get(actors[0].endpoint.remote())
-        ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+        rendezvous(ray, actors)
         per_rank = ray.get([a.train_step.remote(batch, algo, 0.7) for a in actors], timeout=300)
     finally:
         done(ray, actors)

@@ -18,7 +18,7 @@ from primitives.types import ModelConfig
 from rl_actors.critic import CriticWorker, concat_value_shares
 from rl_actors.deepspeed_rank import largest_shard, passes
 from rl_actors.trainer import TrainerConfig, TrainerWorker
-from tests.actors import done, start_ranks
+from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
 LR = 1e-3
@@ -43,17 +43,12 @@ def test_passes_are_the_largest_shards_count():
 def _group(ray, cls, path, stage, world=2, **kwargs):
     cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=MICRO, max_grad_norm=1.0)
     actors = start_ranks(ray, cls, [((ModelConfig(path), r, world, cfg, 0), kwargs) for r in range(world)])
-    addr = ray.get(actors[0].endpoint.remote())
-    ray.get([a.setup.remote(*addr) for a in actors], timeout=300)
+    rendezvous(ray, actors)
     return actors
 
 
 def _all(ray, actors, method, *args):
     return ray.get([getattr(a, method).remote(*args) for a in actors], timeout=300)
-
-
-def _kill(ray, actors):
-    done(ray, actors)  # kept for the next test (tests.actors)
 
 
 def _max_diff(got: dict, expected: dict) -> float:
@@ -117,7 +112,7 @@ def test_nine_rows_on_two_ranks_equal_one_process(ray_local, tiny_model_path, st
         eval_got = _all(ray_local, actors, "sft_eval", *sft)
         states = _all(ray_local, actors, "full_state")
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     assert len(updates) == len(rl_ref) == 2
     for got, expected in zip(updates, rl_ref):
         for key in ("loss/policy", "loss/kl", "policy/clip_frac", "policy/ratio_mean", "mismatch/is_weight_mean"):
@@ -151,7 +146,7 @@ def test_critic_on_nine_rows_equals_one_process(ray_local, tiny_model_path, stag
         summary, _ = merge_rank_updates(_all(ray_local, actors, "value_step", batch, algo))
         after = concat_value_shares(_all(ray_local, actors, "values_share", rollouts))
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     assert max(float(np.abs(a - b).max()) for a, b in zip(before, values)) < 1e-6
     for key in ("critic/value_loss", "critic/values_mean", "critic/clip_frac"):
         assert summary[key] == pytest.approx(ref[key], abs=1e-6), (stage, key)
@@ -178,12 +173,11 @@ def test_three_online_dpo_pairs_on_two_ranks_stay_whole(ray_local, tiny_model_pa
     actors = start_ranks(ray_local, TrainerWorker,
                          [((ModelConfig(tiny_model_path), r, 2, cfg, 0), {}) for r in range(2)])
     try:
-        addr = ray_local.get(actors[0].endpoint.remote())
-        ray_local.get([a.setup.remote(*addr) for a in actors], timeout=300)
+        rendezvous(ray_local, actors)
         got = merge_rank_updates(_all(ray_local, actors, "train_step", batch, algo, 1.0))[1][0]
         state = _all(ray_local, actors, "full_state")[0]
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     for key in [k for k in ref if k.startswith(("loss/", "dpo/"))]:
         assert got[key] == pytest.approx(ref[key], abs=1e-6), key
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
@@ -201,7 +195,7 @@ def test_a_zero3_rank_without_rows_pads_its_passes(ray_local, tiny_model_path):
     try:
         updates = merge_rank_updates(_all(ray_local, actors, "train_step", batch, algo, TEMPERATURE))[1]
     finally:
-        _kill(ray_local, actors)
+        done(ray_local, actors)
     assert len(updates) == len(rl_ref) == 2
     for got, expected in zip(updates, rl_ref):
         assert got["loss/policy"] == pytest.approx(expected["loss/policy"], abs=2e-6)
