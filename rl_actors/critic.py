@@ -46,9 +46,9 @@ from rl_actors.deepspeed_rank import (
     micro_batch_count,
     passes,
     rendezvous_endpoint,
-    snapshot_bytes,
 )
 from rl_actors.reuse import Reusable
+from rl_actors.scratch import snapshot_bytes
 
 
 def concat_value_shares(per_rank: Sequence[Sequence[np.ndarray]]) -> list:

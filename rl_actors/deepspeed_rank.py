@@ -23,6 +23,10 @@ two share.
   therefore makes the largest shard's count (``passes``); a rank with fewer rows (or none) makes the
   rest as padding passes, a one-token forward whose loss is multiplied by zero (``padding_backward``),
   and under ZeRO-3 forward-only work is padded the same way (``pad_forwards``).
+* **One rank runs without ZeRO.** A group of one rank in fp32 runs ZeRO-1/2 as DeepSpeed's stage 0
+  (``engine_stage``): no gradient bucket or flat partition to copy through, no reduction over a
+  world of one, and torch's clip. Its checkpoints hold one optimizer state, not ZeRO shards;
+  a checkpoint loads in a group of the size and stage that wrote it, as before.
 * **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and RNG state into one
   temporary directory that rank 0 renames into the checkpoint (``atomic_directory``): never half-written.
 * **Snapshots.** ``snapshot`` is that checkpoint of one rank in memory, its files as byte arrays in the
@@ -31,6 +35,7 @@ two share.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from contextlib import nullcontext
@@ -43,7 +48,7 @@ from primitives.model.training import micro_batch_rows
 from primitives.types import ModelConfig
 from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
 from rl_actors.reuse import forget_group_registry, peak_rss_mb, remember_group_registry, reset_peak_memory
-from rl_actors.scratch import scratch
+from rl_actors.scratch import read_tree, scratch, snapshot_bytes, write_tree
 
 
 def micro_batch_count(rows: int, micro_batch_size: int, unit: int = 1) -> int:
@@ -83,16 +88,33 @@ def adamw(params, cfg: TrainerConfig, lr: Optional[float] = None) -> torch.optim
                              weight_decay=cfg.weight_decay)
 
 
+def engine_stage(zero_stage: int, world_size: int, bf16: bool) -> int:
+    """The ZeRO stage DeepSpeed runs: the configured one, except that a group of one rank in fp32
+    runs ZeRO-1/2 as stage 0 (no ZeRO). They partition optimizer state and gradients over ranks;
+    over one they partition nothing, and their copies (each gradient into a bucket, averaged over
+    a world of one, into a flat partition; the weights back from a flat master copy) made our
+    1-rank SmolLM2 train step 1.3x a plain PyTorch loop's on CPU (docs/benchmarks.md).
+
+    ZeRO-3 stays ZeRO-3: its forwards gather and count as a larger group's do. bf16 stays too:
+    DeepSpeed's stage 0 in bf16 accumulates gradients in bf16, and on CPU its first update landed
+    8x further from fp32's than ZeRO-2's (``test_one_rank_bf16_updates_as_fp32_does``); its fp32-
+    accumulating optimizer (stage 1 with ``grad_accum_dtype`` fp32) matched ZeRO-2 there, but
+    whether it is faster can only be measured on a GPU."""
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    return 0 if world_size == 1 and zero_stage in (1, 2) and not bf16 else zero_stage
+
+
 def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:
-    if cfg.zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
+    stage = engine_stage(cfg.zero_stage, world_size, bf16)
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
-        "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+        "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
                               "stage3_param_persistence_threshold": 0},
-        "gradient_clipping": cfg.max_grad_norm,
+        # without ZeRO, DeepSpeed clips but keeps no norm: the rank clips (DeepSpeedRank.finish_step)
+        "gradient_clipping": cfg.max_grad_norm if stage else 0.0,
         "bf16": {"enabled": bf16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 9,
@@ -154,6 +176,8 @@ class DeepSpeedRank:
         self.frozen = False  # some parameters do not train (LoRA): checkpoints and snapshots leave them out
         self.steps = 0
         self._backwards_left = 0  # micro-batches still to come in the current update
+        self.stage = engine_stage(config.zero_stage, world_size, self.bf16)  # the stage DeepSpeed runs
+        self.clipped: Optional[list] = None  # the parameters finish_step clips (fp32 without ZeRO), else None
         self.open_passes = 0  # backward passes of an update left open by accumulate (the seeds' forward_backward)
 
     @property
@@ -179,9 +203,12 @@ class DeepSpeedRank:
         trained = [p for p in module.parameters() if p.requires_grad]
         self.frozen = len(trained) < len(list(module.parameters()))
         optimizer = adamw(trained, self.config)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
+        ds_config = deepspeed_config(self.config, self.world_size, self.bf16)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
+        if self.stage == 0:  # one rank: nothing to reduce (DeepSpeed would flatten each gradient and copy it back)
+            self.engine.enable_backward_allreduce = False
+        self.clipped = trained if self.stage == 0 else None  # clipped here, not by DeepSpeed
 
     def release(self) -> None:
         """Let go of this group (its actor is kept for another job: ``rl_actors.reuse.Reusable``):
@@ -199,6 +226,7 @@ class DeepSpeedRank:
 
     def info(self) -> dict:
         return {**actor_info(self.role, self.rank), "zero_stage": self.config.zero_stage, "bf16": self.bf16,
+                "engine_stage": self.stage,
                 "model": describe_model(self.module) if self.engine is not None else {}}
 
     @property
@@ -267,9 +295,12 @@ class DeepSpeedRank:
         """Step the engine (after the last micro-batch's backward) and add the reduced
         ``grad_norm`` and the ``lr``, under ``metric_prefix``."""
         self.set_lr(lr)
+        if self.clipped is not None:  # torch's clip, as DeepSpeed's engine would clip these gradients
+            norm = torch.nn.utils.clip_grad_norm_(self.clipped, self.config.max_grad_norm or float("inf"))
         self.engine.step()
         self.steps += 1
-        norm = self.engine.get_global_grad_norm()
+        if self.clipped is None:
+            norm = self.engine.get_global_grad_norm()
         metrics[self.metric_prefix + "grad_norm"] = float(norm) if norm is not None else float("nan")
         metrics[self.metric_prefix + "lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
@@ -365,6 +396,14 @@ class DeepSpeedRank:
         if not os.path.isdir(os.path.join(path, "deepspeed")):
             raise FileNotFoundError(f"{self.role} {self.rank}: {path} is not a {self.role} checkpoint "
                                     f"(no deepspeed/)")
+        # another shape of group's files: DeepSpeed would fail deep inside (a KeyError, a None, a size)
+        shards = len(glob.glob(os.path.join(path, "deepspeed", "engine", "*zero_pp_rank_*optim_states.pt")))
+        if shards != (self.world_size if self.stage else 0):
+            wrote = f"{shards} ZeRO optimizer shard(s)" if shards else "one optimizer state, no ZeRO shards (one rank)"
+            raise ValueError(f"{self.role} {self.rank}: {path} holds {wrote}; this group of {self.world_size} "
+                             f"rank(s) under zero_stage {self.config.zero_stage} runs "
+                             f"{'ZeRO-' + str(self.stage) if self.stage else 'without ZeRO'}: load it in a group of "
+                             f"the size and zero_stage that wrote it")
         _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine",
                                                 load_module_strict=not self.frozen)
         self.steps = int((client or {}).get("steps", 0))
@@ -414,37 +453,3 @@ class DeepSpeedRank:
 def full_numel(p: torch.Tensor) -> int:
     """A parameter's whole size, also where ZeRO-3 holds only this rank's partition of it."""
     return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-
-
-def read_tree(directory: str) -> dict:
-    """Every file under ``directory`` as ``{relative path: uint8 array}`` (arrays, not bytes: Ray
-    writes an array into its object store without pickling a copy of it)."""
-    import numpy as np
-
-    files = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, directory)] = np.fromfile(full, dtype=np.uint8)
-    return files
-
-
-def write_tree(directory: str, files: dict) -> None:
-    """The inverse of ``read_tree``: ``{relative path: uint8 array}`` written under ``directory``."""
-    for rel, data in files.items():
-        full = os.path.join(directory, rel)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        data.tofile(full)
-
-
-def snapshot_bytes(part) -> int:
-    """The bytes a snapshot part holds: its files and tensors, in nested dicts."""
-    if isinstance(part, (bytes, bytearray)):
-        return len(part)
-    if hasattr(part, "nbytes") and not isinstance(part, torch.Tensor):  # an array
-        return int(part.nbytes)
-    if isinstance(part, torch.Tensor):
-        return part.numel() * part.element_size()
-    if isinstance(part, dict):
-        return sum(snapshot_bytes(v) for v in part.values())
-    return 0

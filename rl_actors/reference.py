@@ -326,7 +326,7 @@ class RefLogprobWorker(Reusable):
 
     def snapshot(self) -> tuple:
         """``(bytes, state)``: what this reference is now (``Reference.snapshot``) and its size."""
-        from rl_actors.deepspeed_rank import snapshot_bytes
+        from rl_actors.scratch import snapshot_bytes
 
         state = self.reference.snapshot()
         return snapshot_bytes(state), state

@@ -6,6 +6,8 @@ while one is open (a rank killed mid-snapshot, or one its group's rebuild kills)
 it; the next process that opens one on that machine removes every ``rayrl-`` directory whose
 process no longer runs (``sweep``), and the driver sweeps when a cluster shuts down, so each
 leftover lives only until the next snapshot or the run's end.
+
+A snapshot's files travel as ``{relative path: uint8 array}`` (``read_tree`` / ``write_tree``).
 """
 from __future__ import annotations
 
@@ -76,3 +78,39 @@ def scratch(kind: str, needed: int, sharers: int = 1) -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def read_tree(directory: str) -> dict:
+    """Every file under ``directory`` as ``{relative path: uint8 array}`` (arrays, not bytes: Ray
+    writes an array into its object store without pickling a copy of it)."""
+    import numpy as np
+
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, directory)] = np.fromfile(full, dtype=np.uint8)
+    return files
+
+
+def write_tree(directory: str, files: dict) -> None:
+    """The inverse of ``read_tree``: ``{relative path: uint8 array}`` written under ``directory``."""
+    for rel, data in files.items():
+        full = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        data.tofile(full)
+
+
+def snapshot_bytes(part) -> int:
+    """The bytes a snapshot part holds: its files and tensors, in nested dicts."""
+    import torch
+
+    if isinstance(part, (bytes, bytearray)):
+        return len(part)
+    if hasattr(part, "nbytes") and not isinstance(part, torch.Tensor):  # an array
+        return int(part.nbytes)
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    if isinstance(part, dict):
+        return sum(snapshot_bytes(v) for v in part.values())
+    return 0

@@ -53,12 +53,12 @@ from rl_actors.deepspeed_rank import (
     micro_batch_count,
     passes,
     rendezvous_endpoint,
-    snapshot_bytes,
 )
 from rl_actors.generator import GeneratorWorker
 from rl_actors.open_update import OpenUpdates
 from rl_actors.reference import AdapterReference, Reference
 from rl_actors.reuse import Reusable
+from rl_actors.scratch import snapshot_bytes
 from rl_actors.weight_sync import (
     DTYPES,
     SyncAddress,
