@@ -52,6 +52,7 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  
 from primitives.maths.algorithms import grpo  # noqa: E402
 from primitives.maths.batching import make_batch  # noqa: E402
 from primitives.model.prompts import encode_prompts  # noqa: E402
+from primitives.model.static_decode import decode_mode  # noqa: E402
 from primitives.padding import position_ids_from_mask  # noqa: E402
 from primitives.types import GenerationConfig  # noqa: E402
 
@@ -60,6 +61,8 @@ def parse(argv=None):
     p = step_parser(__doc__)
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward pass, both loops")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
+    p.add_argument("--decode", default="auto", help="our decode loop (GenerationConfig.decode); where it resolves "
+                   "to a static cache, HF generate gets one too (compiled on CUDA)")
     return p.parse_args(argv)
 
 
@@ -114,9 +117,10 @@ def matmul_params(model) -> int:
     return linear + (0 if counted or head is None else head.weight.numel())
 
 
-def plain_generate(model, tokenizer, items, gen: GenerationConfig, device: torch.device) -> int:
-    """HF ``generate`` of every prompt ``gen.n`` times (left-padded together); returns the tokens
-    generated (each row up to and with its first end-of-sequence token)."""
+def plain_generate(model, tokenizer, items, gen: GenerationConfig, device: torch.device, static: bool = False) -> int:
+    """HF ``generate`` of every prompt ``gen.n`` times (left-padded together), with its static
+    cache where ``static`` (which it compiles on CUDA); returns the tokens generated (each row up
+    to and with its first end-of-sequence token)."""
     ids = encode_prompts(tokenizer, [it.prompt for it in items])
     width, pad = max(len(x) for x in ids), tokenizer.pad_token_id
     rows = [x for x in ids for _ in range(gen.n)]
@@ -126,7 +130,8 @@ def plain_generate(model, tokenizer, items, gen: GenerationConfig, device: torch
                         device=device)
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=gen.temperature,
-                             top_k=0, top_p=1.0, max_new_tokens=gen.max_new_tokens, pad_token_id=pad)
+                             top_k=0, top_p=1.0, max_new_tokens=gen.max_new_tokens, pad_token_id=pad,
+                             **({"cache_implementation": "static"} if static else {}))
     new = out[:, width:]
     ended = new == tokenizer.eos_token_id if tokenizer.eos_token_id is not None else torch.zeros_like(new, dtype=bool)
     lengths = torch.where(ended.any(-1), ended.int().argmax(-1) + 1, torch.full_like(ended[:, 0], new.shape[1],
@@ -180,7 +185,8 @@ def step(args) -> dict:
         raise RuntimeError(f"the plain copy did not take the trainer's weights: {loaded}")
     n_matmul = matmul_params(plain)
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0))[0]
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.group)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.group, decode=args.decode)
+    decode = decode_mode(trainer.ds.module, args.decode, device)
     flops, bandwidth = machine_rates(device, dtype)
 
     def decode_floor(rollouts) -> float:  # compute, or the weights read once per decode step, whichever is more
@@ -191,7 +197,7 @@ def step(args) -> dict:
     # HF generate on the weights in the run's dtype (a bf16 copy on a GPU)
     gen_model = (plain if dtype == torch.float32 else copy.deepcopy(plain).to(dtype)).eval()
     ours, plain_runs = _alternate(lambda: trainer.generate(items, gen),
-                                  lambda: plain_generate(gen_model, tokenizer, items, gen, device),
+                                  lambda: plain_generate(gen_model, tokenizer, items, gen, device, decode != "eager"),
                                   device, args.repeats)
     rollouts = ours[-1][1]
     ours_per_token = statistics.median(t / max(sum(r.num_tokens for r in out), 1) for t, out in ours)
@@ -220,7 +226,7 @@ def step(args) -> dict:
         "model": f"{args.model} ({n_matmul / 1e6:.1f}M matmul parameters)",
         "rollouts": len(rollouts), "micro_batch": args.micro_batch, "repeats": args.repeats,
         "matmul_tflops": flops / 1e12, "memory_gb_s": bandwidth / 1e9,
-        "generate ours s": statistics.median(t for t, _ in ours),
+        "decode": decode, "generate ours s": statistics.median(t for t, _ in ours),
         "generate ours tokens": sum(r.num_tokens for r in rollouts),
         "generate plain s": statistics.median(t for t, _ in plain_runs), "generate plain tokens": plain_runs[-1][1],
         "generate ours/plain (s per token)": ours_per_token / plain_per_token,

@@ -52,6 +52,9 @@ class Conversation(NamedTuple):
         return None
 
 
+DECODE_MODES = ("auto", "eager", "static", "captured")  # GenerationConfig.decode
+
+
 class GenerationConfig(NamedTuple):
     """Sampling settings. ``temperature == 0`` means greedy decoding."""
 
@@ -64,6 +67,10 @@ class GenerationConfig(NamedTuple):
     seed: Optional[int] = None  # seeds a private torch.Generator; None = global RNG
     stop_token_ids: tuple = ()  # extra token ids that end a completion (e.g. <|im_end|>)
     template_kwargs: Optional[dict] = None  # extra chat-template variables, e.g. {"enable_thinking": False}
+    # HF decode loop: "auto" (captured on CUDA where the model allows a static cache, else eager), "eager",
+    # "static" (a static KV cache, uncompiled) or "captured" (static + torch.compile; CUDA graphs on CUDA).
+    # vLLM ignores it (primitives.model.static_decode)
+    decode: str = "auto"
 
 
 class LoraConfig(NamedTuple):

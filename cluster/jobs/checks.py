@@ -14,6 +14,7 @@ from primitives.io.data import (
     FieldMap,
     PromptFormat,
 )
+from primitives.types import DECODE_MODES
 from rl_actors.common import GENERATE_ON_ZERO3
 
 
@@ -336,6 +337,7 @@ def rl_errors(job: RLJob) -> list:
         (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
         (0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1], got {gen.top_p}"),
         (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),
+        (gen.decode in DECODE_MODES, f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {gen.decode!r}"),
         (ev.every >= 0, "eval.every must be >= 0"),
         (ev.k >= 1, f"eval.k must be at least 1, got {ev.k}"),
         (ev.temperature >= 0, f"eval.temperature must be >= 0, got {ev.temperature}"),

@@ -96,7 +96,8 @@ def sampling_config(g, template_kwargs: Optional[dict]):
     from primitives.types import GenerationConfig
 
     return GenerationConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                            top_k=g.top_k, n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs)
+                            top_k=g.top_k, n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs,
+                            decode=g.decode)
 
 
 def train_sft_stage(backend, inputs: RLInputs, logger) -> None:

@@ -130,14 +130,11 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
 
     was_training = model.training
     model.eval()
-    past, step_ids, positions = None, None, position_ids_from_mask(mask)
+    rows_np = np.concatenate([ids_np, mask_np], 1)
+    steps = decode_steps(model, ids, mask, config, lambda i, m, p: _prefill(model, rows_np, i, m, p))
+    feed = None
     for t in range(config.max_new_tokens):
-        if t == 0:
-            past, logits = _prefill(model, np.concatenate([ids_np, mask_np], 1), ids, mask, positions)
-        else:
-            out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :]
+        logits = steps.first() if t == 0 else steps.next(feed, active)
         tokens, logp = sample_next(logits, config, generator)
         tokens, logp = tokens.cpu(), logp.cpu()
         out_tokens[active, t], out_logp[active, t], lengths[active] = tokens[active], logp[active], t + 1
@@ -153,9 +150,6 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
         if not active.any():
             break
         feed = torch.where(active, tokens, torch.full_like(tokens, tokenizer.pad_token_id))
-        step_ids = feed[:, None].to(device)
-        mask = torch.cat([mask, active[:, None].long().to(device)], dim=1)
-        positions = positions[:, -1:] + 1
     model.train(was_training)
 
     results = []
@@ -165,6 +159,41 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
         results.append(GenerationOutput(comp, out_logp[i, :n].numpy().astype(np.float32), reasons[i],
                                         tokenizer.decode(comp.tolist(), skip_special_tokens=True)))
     return results
+
+
+class EagerSteps:
+    """The decode of one batch over a ``DynamicCache`` that grows by a column per step (the
+    mask too): ``first()`` prefills, ``next(feed, active)`` makes one step; both return the
+    rows' last logits. ``primitives.model.static_decode.StaticSteps`` is the static-cache twin."""
+
+    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, prefill):
+        self.model, self.ids, self.mask, self.prefill = model, ids, mask, prefill
+        self.positions, self.past = position_ids_from_mask(mask), None
+
+    def first(self) -> torch.Tensor:
+        self.past, logits = self.prefill(self.ids, self.mask, self.positions)
+        return logits
+
+    def next(self, feed: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """``feed`` (rows,): the tokens just sampled, pad where a row ended; ``active``: rows still decoding."""
+        self.mask = torch.cat([self.mask, active[:, None].to(self.mask.device, self.mask.dtype)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+        out = self.model(input_ids=feed[:, None].to(self.ids.device), attention_mask=self.mask,
+                         position_ids=self.positions, past_key_values=self.past, use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[:, -1, :]
+
+
+def decode_steps(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig, prefill):
+    """The batch's decode: eager, or over a static cache, compiled or not (``config.decode``,
+    ``primitives.model.static_decode``)."""
+    from primitives.model import static_decode
+
+    mode = static_decode.decode_mode(model, config.decode, ids.device)
+    if mode == "eager":
+        return EagerSteps(model, ids, mask, prefill)
+    forward = static_decode.compiled_forward(model) if mode == "captured" else None
+    return static_decode.StaticSteps(model, ids, mask, config.max_new_tokens, prefill, forward)
 
 
 def _prefill(model, rows_np: np.ndarray, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):

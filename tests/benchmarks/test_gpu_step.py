@@ -1,7 +1,7 @@
 """benchmarks/gpu_step.py as CI runs it, on the CPU, where neither Ray nor vLLM can be imported (as
 on a lent GPU machine): both loops train on the same batch from the same weights, so their first
-updates agree (loss and gradient norm), every phase is timed against its floor, and the dated
-table is appended."""
+updates agree (loss and gradient norm), the trainer rank decodes over the static cache, every
+phase is timed against its floor, and the dated table is appended."""
 import json
 import math
 import os
@@ -18,7 +18,7 @@ sys.modules["ray"] = sys.modules["vllm"] = None
 sys.path.insert(0, "benchmarks")
 import gpu_step
 fig = gpu_step.main(["--hidden", "64", "--layers", "2", "--prompts", "4", "--group", "3", "--max-new-tokens", "6",
-                     "--micro-batch", "5", "--repeats", "1", "--write", sys.argv[1]])
+                     "--micro-batch", "5", "--repeats", "1", "--decode", "static", "--write", sys.argv[1]])
 print("FIGURES", json.dumps(fig))
 """
 
@@ -32,6 +32,7 @@ def test_gpu_step_compares_the_same_work_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(proc.stdout.split("FIGURES", 1)[1])
     assert fig["dtype"] == "float32" and fig["rollouts"] == 12 and fig["micro_batch"] == 5
+    assert fig["decode"] == "static"  # our static cache on the trainer rank, HF generate's beside it
     # 12 rows in micro-batches of 5 (5, 5, 2) in both loops: the same loss and gradient
     assert fig["first update loss ours"] == pytest.approx(fig["first update loss plain"], abs=1e-6)
     assert fig["first update grad_norm ours"] > 0

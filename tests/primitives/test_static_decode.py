@@ -1,0 +1,104 @@
+"""Decoding over a static KV cache (``primitives.model.static_decode``): the eager loop's tokens
+and logprobs for the same seed, buckets that keep a compiled step from recompiling per call, and
+the mode each device and model gets. The compiled step is traced with torch.compile's ``eager``
+backend here (CUDA graphs need a GPU; ``benchmarks/gpu_step.py`` times them there)."""
+import numpy as np
+import pytest
+import torch
+
+from primitives.io.data import PromptItem
+from primitives.model import static_decode
+from primitives.model.generation import generate_rollouts, generate_tokens
+from primitives.model.logprobs import rollout_logprobs
+from primitives.model.static_decode import bucket_positions, bucket_rows, decode_mode
+from primitives.types import GenerationConfig
+
+PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
+
+
+def _rollouts(model, tokenizer, decode, n=3, prompts=PROMPTS, **kwargs):
+    items = [PromptItem(i, p) for i, p in enumerate(prompts)]
+    cfg = GenerationConfig(max_new_tokens=12, n=n, decode=decode, **kwargs)
+    return generate_rollouts(model, tokenizer, items, cfg, generator=torch.Generator().manual_seed(0))
+
+
+def test_buckets():
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 12, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
+    assert [bucket_positions(n) for n in (1, 63, 64, 65, 130)] == [64, 64, 64, 128, 192]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
+                                      {"temperature": 0.0}], ids=["t1", "t0.7-topk", "greedy"])
+def test_static_cache_samples_what_the_eager_loop_samples(tiny_model, tokenizer, sampling):
+    """12 rows (bucketed to 16: 4 rows that repeat the first and are never sampled) of prompts of
+    4 widths, shared prefills: the same tokens, finish reasons and logprobs as the eager loop
+    from the same seed, and the logprobs are what the trainer recomputes."""
+    eager = _rollouts(tiny_model, tokenizer, "eager", **sampling)
+    static = _rollouts(tiny_model, tokenizer, "static", **sampling)
+    assert [r.completion_ids.tolist() for r in static] == [r.completion_ids.tolist() for r in eager]
+    assert [r.finish_reason for r in static] == [r.finish_reason for r in eager]
+    if sampling == {"temperature": 1.0}:
+        assert len({r.num_tokens for r in eager}) > 1  # rows ended at different steps (eos)
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(static, eager)) < 1e-5
+    recomputed = rollout_logprobs(tiny_model, static, tokenizer.pad_token_id, sampling["temperature"] or 1.0)
+    assert max(float(np.abs(a - r.logprobs).max()) for a, r in zip(recomputed, static)) < 1e-4
+
+
+def test_stop_strings_end_rows_alike(tiny_model, tokenizer):
+    eager = _rollouts(tiny_model, tokenizer, "eager", stop=("1",))
+    static = _rollouts(tiny_model, tokenizer, "static", stop=("1",))
+    assert [(r.completion_ids.tolist(), r.finish_reason) for r in static] == \
+        [(r.completion_ids.tolist(), r.finish_reason) for r in eager]
+    assert any(r.finish_reason == "stop" for r in static)
+
+
+def test_a_traced_step_compiles_once_per_bucket(tiny_model, tokenizer, monkeypatch):
+    """The decode step traced by torch.compile (backend ``eager``: dynamo's graph, no CUDA graphs)
+    gives the eager loop's tokens, and batches of 3 and 4 rows (one row bucket) and prompts of
+    two widths (one position bucket) compile the step once; 5 rows (the next bucket) once more."""
+    import torch._dynamo as dynamo
+
+    torch._dynamo.reset()
+    real = static_decode.compiled_forward
+    monkeypatch.setattr(static_decode, "compiled_forward", lambda model: real(model, backend="eager"))
+    monkeypatch.setattr(static_decode, "decode_mode", lambda model, requested, device: requested)
+    counters = dynamo.utils.counters
+    counters.clear()
+    eager = _rollouts(tiny_model, tokenizer, "eager", n=1)
+    traced = _rollouts(tiny_model, tokenizer, "captured", n=1)
+    assert [r.completion_ids.tolist() for r in traced] == [r.completion_ids.tolist() for r in eager]
+    first = counters["stats"]["unique_graphs"]
+    assert first >= 1
+    _rollouts(tiny_model, tokenizer, "captured", n=1, prompts=PROMPTS[:3])  # 3 rows, other widths
+    _rollouts(tiny_model, tokenizer, "captured", n=1, prompts=["7+7=", "1+1="] * 2)
+    assert counters["stats"]["unique_graphs"] == first
+    _rollouts(tiny_model, tokenizer, "captured", n=1, prompts=PROMPTS + ["5"])  # 5 rows: 8
+    assert counters["stats"]["unique_graphs"] > first
+    torch._dynamo.reset()
+
+
+def test_modes(tiny_model):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode_mode(tiny_model, "auto", cpu) == "eager"
+    assert decode_mode(tiny_model, "auto", cuda) == "captured"
+    assert decode_mode(tiny_model, "static", cpu) == "static"
+    with pytest.raises(ValueError, match=r"GenerationConfig.decode must be one of .*got 'fast'"):
+        decode_mode(tiny_model, "fast", cpu)
+
+    class Custom(torch.nn.Module):
+        pass
+
+    assert decode_mode(Custom(), "auto", cuda) == "eager"
+    with pytest.raises(ValueError, match=r"decode='static': Custom does not declare static-cache support"):
+        decode_mode(Custom(), "static", cpu)
+
+
+def test_a_bad_mode_is_refused_before_any_forward(tiny_model, tokenizer):
+    calls = []
+    hook = tiny_model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="GenerationConfig.decode"):
+            generate_tokens(tiny_model, tokenizer, [np.array([5, 6])], GenerationConfig(max_new_tokens=3, decode="x"))
+    finally:
+        hook.remove()
+    assert calls == []
