@@ -237,60 +237,27 @@ class TrainerWorker(Reusable, OpenUpdates):
         return meta
 
     def init_weight_sync(self, address: SyncAddress) -> bool:
-        """Rank 0 hosts the sync group's store and is its rank 0; other ranks only gather.
-        With vLLM generators (``protocol="vllm"``) rank 0 joins vLLM's own NCCL communicator."""
-        self.sync_protocol = address.protocol
+        """Rank 0 hosts the sync group's store and is its rank 0; other ranks only gather."""
         # gloo carries CPU tensors (a GPU rank sends the adapters to vLLM over gloo: copies on the way)
         self.sync_device = torch.device("cpu") if address.backend == "gloo" else self.ds.device
-        if self.rank == 0 and address.protocol == "vllm":
-            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-            self.sync_group = stateless_init_process_group(address.host, address.port, 0, address.world_size,
-                                                           self.ds.device)
-        elif self.rank == 0:
+        if self.rank == 0:
             self.sync_group = init_sync_group(address, 0)
         return True
 
-    def _send_to_vllm(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
-        """The trainer side of vLLM's NCCL weight transfer (GPU generators): its packed producer,
-        names in ``meta`` order, ``VLLM_NCCL_BUFFERS`` buffers of ``bucket_bytes`` in flight, as
-        the generators' init info fixed them (``VLLMEngine.init_transfer``). Under ZeRO-3 the
-        weights are gathered one bucket at a time (``sync_items``), as the gloo path does."""
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
-        from rl_actors.vllm_engine import VLLM_NCCL_BUFFERS
-
-        items = self.sync_items(meta, bucket_bytes)
-        if self.rank == 0:
-            packed_nccl_broadcast_producer(items, self.sync_group, 0, post_iter_func=lambda item: item[1],
-                                           buffer_size_bytes=bucket_bytes, num_buffers=VLLM_NCCL_BUFFERS)
-        else:
-            for _ in items:  # the other ranks join each bucket's gather (collective under ZeRO-3)
-                pass
-        return sum(m.nbytes for m in meta)
-
-    def _gathered_buckets(self, meta: Sequence[TensorMeta], bucket_bytes: int):
-        """``(metas, tensors)`` of each bucket of ``meta`` in order, gathered while used (ZeRO-3: collective)."""
+    def weight_buckets(self, meta: Sequence[TensorMeta], bucket_bytes: int):
+        """``(metas, tensors)`` of each bucket of ``meta`` in order, gathered while used (ZeRO-3:
+        collective; one bucket's parameters whole at a time)."""
         params = dict(self.module.named_parameters())
         for idx in bucket_plan(meta, bucket_bytes):
             metas = [meta[i] for i in idx]
             with self.ds.gathered([m.name for m in metas]):
                 yield metas, [params[m.name].data for m in metas]
 
-    def sync_items(self, meta: Sequence[TensorMeta], bucket_bytes: int):
-        """``(name, tensor)`` of each parameter of ``meta`` in order, a bucket at a time (a copy under ZeRO-3:
-        a consumer may pack several before sending); ranks other than 0 get ``(name, None)``."""
-        partitioned = self.config.zero_stage == 3
-        for metas, tensors in self._gathered_buckets(meta, bucket_bytes):
-            for m, t in zip(metas, tensors):
-                yield m.name, (t.to(DTYPES[m.dtype], copy=partitioned) if self.rank == 0 else None)
-
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
-        """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket."""
-        if getattr(self, "sync_protocol", "torch") == "vllm":
-            return self._send_to_vllm(meta, bucket_bytes)
+        """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket,
+        to every receiver alike (HF generators, a tracking reference, vLLM on either device)."""
         moved = 0
-        for metas, tensors in self._gathered_buckets(meta, bucket_bytes):
+        for metas, tensors in self.weight_buckets(meta, bucket_bytes):
             if self.rank == 0:
                 moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.sync_device,
                                            get_tensors=(lambda ts: lambda ms: ts)(tensors))

@@ -1,7 +1,8 @@
 """The vLLM engine: vLLM's ``LLM`` on a GPU, or on the CPU (vLLM's CPU build, by name), returning
-the same ``Rollout``s as the HF engine. Weights arrive through vLLM's weight-transfer API - its NCCL
-engine on a GPU, ours over gloo on the CPU (``VLLMWeightTransfer``) - or, with LoRA, only the
-adapters, in the worker's own process, served as a ``LoRARequest`` (``VLLMAdapters``)."""
+the same ``Rollout``s as the HF engine. Weights arrive through vLLM's weight-transfer API with our
+engine, the trainer's bucketed broadcast over gloo on the CPU and over NCCL on GPUs
+(``VLLMWeightTransfer``), or, with LoRA, only the adapters, in the worker's own process, served as a
+``LoRARequest`` (``VLLMAdapters``)."""
 from __future__ import annotations
 
 import itertools
@@ -55,11 +56,8 @@ def vllm_environment(settings: VLLMConfig, num_threads: int, on_gpu: bool) -> di
     return env
 
 
-VLLM_NCCL_BUFFERS = 2  # packed buffers in flight in vLLM's NCCL weight transfer (trainer and generators agree)
-
-
 def check_transfer_plugin(role: str) -> None:
-    """vLLM on CPU receives weights through our engine, which vLLM registers in its own processes
+    """vLLM receives weights through our engine, which vLLM registers in its own processes
     from this project's ``vllm.general_plugins`` entry point: name what is missing before vLLM
     starts (else its worker fails deep inside with an unknown backend)."""
     from importlib.metadata import entry_points
@@ -72,7 +70,7 @@ def check_transfer_plugin(role: str) -> None:
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN not in allowed.split(","):
         raise RuntimeError(f"{role}: VLLM_PLUGINS={allowed!r} leaves out '{PLUGIN}', which carries the weights "
-                           f"into vLLM on CPU; add it or unset VLLM_PLUGINS")
+                           f"into vLLM; add it or unset VLLM_PLUGINS")
 
 
 def vllm_seeds(base: int, rows: int) -> list:
@@ -109,7 +107,7 @@ class VLLMEngine:
 
         check_model_path(config.model_name_or_path, role)
         self.on_gpu, self.settings = gpu_visible(), settings
-        self.weights = VLLMAdapters(config.lora) if config.lora.enabled else VLLMWeightTransfer(self.on_gpu, role)
+        self.weights = VLLMAdapters(config.lora) if config.lora.enabled else VLLMWeightTransfer(role)
         os.environ.update(vllm_environment(settings, num_threads, self.on_gpu))
         from vllm import LLM
 
@@ -212,47 +210,35 @@ class VLLMEngine:
 
 
 class VLLMWeightTransfer:
-    """Every weight into vLLM's own processes through its weight-transfer API: on a GPU its own
-    NCCL engine (packed buffers), on the CPU ours over gloo (``rl_actors.vllm_transfer``, the
-    trainer's bucketed wire). After each update the prefix cache is reset: cached prompt KV
-    holds the old weights."""
+    """Every weight into vLLM's own processes through its weight-transfer API and our engine
+    (``rl_actors.vllm_transfer``): the trainer's bucketed broadcast, over gloo on the CPU and over
+    NCCL on GPUs, the same wire and bucket plan as every other receiver. After each update the
+    prefix cache is reset: cached prompt KV holds the old weights."""
 
     lora_request = None  # the weights are vLLM's own: requests name no adapter
 
-    def __init__(self, on_gpu: bool, role: str):
-        self.on_gpu = on_gpu
-        if not on_gpu:
-            check_transfer_plugin(role)
+    def __init__(self, role: str):
+        check_transfer_plugin(role)
 
     def llm_kwargs(self) -> dict:
         from vllm.config import WeightTransferConfig
 
         from rl_actors.vllm_transfer import BACKEND
 
-        return {"weight_transfer_config": WeightTransferConfig(backend="nccl" if self.on_gpu else BACKEND)}
+        return {"weight_transfer_config": WeightTransferConfig(backend=BACKEND)}
 
     def join(self, llm, address: SyncAddress, rank: int, bucket_bytes: int) -> None:
-        """On a GPU, vLLM's NCCL engine takes packed buffers of ``bucket_bytes``, two in flight, as
-        the trainer sends them (``TrainerWorker._send_to_vllm``)."""
-        if self.on_gpu:
-            info = {"master_address": address.host, "master_port": address.port, "rank_offset": rank,
-                    "world_size": address.world_size, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
-                    "packed_num_buffers": VLLM_NCCL_BUFFERS}
-        else:
-            from rl_actors.vllm_transfer import init_info
+        """Join the sync group (its backend, gloo or nccl, is in ``address``) as ``rank``."""
+        from rl_actors.vllm_transfer import init_info
 
-            info = init_info(address, rank)
-        llm.init_weight_transfer_engine({"init_info": info})
+        llm.init_weight_transfer_engine({"init_info": init_info(address, rank)})
 
     def receive(self, llm, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
         """vLLM's start / update / finish round, then a prefix-cache reset."""
         from rl_actors.vllm_transfer import update_info
 
-        info = update_info(meta, bucket_bytes)
-        if self.on_gpu:  # vLLM's NCCL engine: packed buffers of its own size, agreed at init
-            info.pop("bucket_bytes")
         llm.start_weight_update()
-        llm.update_weights({"update_info": info})
+        llm.update_weights({"update_info": update_info(meta, bucket_bytes)})
         llm.finish_weight_update()
         llm.reset_prefix_cache()
         return sum(m.nbytes for m in meta)

@@ -1,20 +1,21 @@
-"""Weights into vLLM's own processes over gloo: our weight-transfer engine for vLLM on CPU.
+"""Weights into vLLM's own processes: our weight-transfer engine for vLLM, on the CPU and on GPUs.
 
 vLLM builds the engine named by ``WeightTransferConfig(backend=...)`` inside each of its
 worker processes, through ``WeightTransferEngineFactory``. vLLM calls the
 ``vllm.general_plugins`` entry points in every process it starts; ours (pyproject.toml) is
-``register``, which adds this engine as ``rayrl_gloo``. The wire is the one every other
+``register``, which adds this engine as ``rayrl``. The wire is the one every other
 receiver of the trainer's sync reads (``rl_actors.weight_sync.broadcast_buckets``): same-dtype
-buckets broadcast from rank 0 of a gloo group of our own, the bucket plan computed on both
+buckets broadcast from rank 0 of a process group of our own, the bucket plan computed on both
 sides from the same metadata. So one sender on trainer rank 0 serves HF generator workers, a
-policy-tracking reference and vLLM alike.
+policy-tracking reference and vLLM alike, and on both devices: the group is gloo with CPU
+buffers on the CPU and NCCL with buffers on the worker's GPU on GPUs (``BucketInitInfo.backend``);
+nothing else differs, so the CPU tests run the GPU path's logic. vLLM's own NCCL engine (its
+packed buffers, a second wire) is not used.
 
 Received tensors go through the model's ``load_weights`` inside vLLM's layerwise reload
 (``start_weight_update`` / ``finish_weight_update``), which maps HF names onto vLLM's fused
 parameters (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``) and restores the loaders a
 plain ``load_weights`` call after start-up would miss.
-
-On a GPU, vLLM's own NCCL engine receives instead (``rl_actors.vllm_engine.VLLMEngine``).
 """
 from __future__ import annotations
 
@@ -30,32 +31,34 @@ from vllm.distributed.weight_transfer.base import (
 
 from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group
 
-BACKEND = "rayrl_gloo"
-PLUGIN = "rayrl_gloo"  # the entry point's name in pyproject.toml
+BACKEND = "rayrl"
+PLUGIN = "rayrl"  # the entry point's name in pyproject.toml
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``rayrl_gloo`` a weight-transfer backend.
+    """The ``vllm.general_plugins`` entry point: make ``rayrl`` a weight-transfer backend.
     vLLM may call it more than once in a process; the second call changes nothing."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "BucketWeightTransferEngine")
 
 
 @dataclass
-class GlooInitInfo(WeightTransferInitInfo):
-    """Where the sync group's store is (trainer rank 0 hosts it), its size and this worker's rank in it."""
+class BucketInitInfo(WeightTransferInitInfo):
+    """Where the sync group's store is (trainer rank 0 hosts it), its size, this worker's rank in
+    it and its backend (gloo: CPU buffers; nccl: on the worker's GPU)."""
 
     host: str
     port: int
     world_size: int
     rank: int
+    backend: str = "gloo"
     timeout_s: float = 300.0
 
 
 @dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
+class BucketUpdateInfo(WeightTransferUpdateInfo):
     """One sync's parameters in the sender's order (HF names, ``rl_actors.weight_sync.DTYPES``
     keys, full shapes) and the bucket size both sides plan with."""
 
@@ -79,23 +82,25 @@ def update_info(meta, bucket_bytes: int) -> dict:
 
 def init_info(address: SyncAddress, rank: int, timeout_s: float = 300.0) -> dict:
     return {"host": address.host, "port": address.port, "world_size": address.world_size, "rank": rank,
-            "timeout_s": timeout_s}
+            "backend": address.backend, "timeout_s": timeout_s}
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
     """Receives the trainer's bucketed broadcast in a vLLM worker process and loads it."""
 
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
+    init_info_cls = BucketInitInfo
+    update_info_cls = BucketUpdateInfo
     supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None  # set by init_transfer_engine
         self.rank: Optional[int] = None
+        self.buffers = torch.device("cpu")  # where received buckets land: the group's device
 
-    def init_transfer_engine(self, info: GlooInitInfo) -> None:
-        address = SyncAddress(info.host, info.port, info.world_size, "gloo")
+    def init_transfer_engine(self, info: BucketInitInfo) -> None:
+        address = SyncAddress(info.host, info.port, info.world_size, info.backend)
+        self.buffers = receive_device(info.backend, torch.device(self.device))
         self.group, self.rank = init_sync_group(address, info.rank, info.timeout_s), info.rank
 
     def start_weight_update(self) -> None:
@@ -113,16 +118,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Receive and load one sync (synchronous on gloo: nothing to wait for afterwards)."""
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, info: GlooUpdateInfo) -> None:
+    def receive_weights(self, info: BucketUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("rayrl_gloo weight transfer: init_weight_transfer_engine was not called")
+            raise RuntimeError(f"{BACKEND} weight transfer: init_weight_transfer_engine was not called")
         meta = [TensorMeta(n, tuple(s), d) for n, d, s in zip(info.names, info.dtype_names, info.shapes)]
 
         def load(metas, tensors):
             self.model.load_weights([(m.name, t) for m, t in zip(metas, tensors)])
 
         try:
-            broadcast_buckets(self.group, meta, info.bucket_bytes, self.rank, torch.device("cpu"), on_received=load)
+            broadcast_buckets(self.group, meta, info.bucket_bytes, self.rank, self.buffers, on_received=load)
         except BaseException:
             # the sender died mid-sync: a layer may be half-buffered in vLLM's layerwise reload, and vLLM's worker
             # does not finish the reload when a receive fails, so the next start_weight_update would skip that
@@ -134,6 +139,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def receive_device(backend: str, worker_device: torch.device) -> torch.device:
+    """Where a bucket lands: CPU buffers for gloo, the vLLM worker's GPU for NCCL."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        if worker_device.type != "cuda":
+            raise ValueError(f"{BACKEND} weight transfer: an nccl sync group needs a vLLM worker on a GPU, this "
+                             f"one is on {worker_device}")
+        return worker_device
+    raise ValueError(f"{BACKEND} weight transfer: unknown backend {backend!r} (gloo, nccl)")
 
 
 def refresh_tied_heads(model: torch.nn.Module) -> None:
@@ -233,7 +250,6 @@ def worker_broadcast_probe(worker, numel: int, dtype: str) -> float:
     from rl_actors.weight_sync import DTYPES, raw_broadcast
 
     engine = worker.weight_transfer_engine
-    if not isinstance(engine, GlooWeightTransferEngine):
-        raise RuntimeError(f"the raw-broadcast probe measures the {BACKEND} engine (vLLM on CPU), not "
-                           f"{type(engine).__name__}")
-    return raw_broadcast(engine.group, numel, DTYPES[dtype], engine.rank, torch.device("cpu"))
+    if not isinstance(engine, BucketWeightTransferEngine):
+        raise RuntimeError(f"the raw-broadcast probe measures the {BACKEND} engine, not {type(engine).__name__}")
+    return raw_broadcast(engine.group, numel, DTYPES[dtype], engine.rank, engine.buffers)

@@ -41,7 +41,6 @@ class SyncAddress(NamedTuple):
     port: int
     world_size: int
     backend: str  # "gloo" | "nccl"
-    protocol: str = "torch"  # "torch": our TCPStore group; "vllm": vLLM's NCCL weight-transfer engine
 
 
 def free_port(host: str = "127.0.0.1") -> int:

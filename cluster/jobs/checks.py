@@ -183,7 +183,6 @@ def vllm_errors(cluster) -> list:
     """``cluster.vllm`` settings that cannot apply where the generators run (CPU: no GPUs), and
     the vLLM layouts this project has not run."""
     v, gpus = cluster.vllm, cluster.generator_gpus
-    vllm_on_gpus = gpus > 0 and cluster.generator_backend in ("vllm", "auto") and not cluster.generate_on_trainers
     return [
         (v.tensor_parallel_size >= 1, f"cluster.vllm.tensor_parallel_size must be at least 1, got "
                                       f"{v.tensor_parallel_size}"),
@@ -201,10 +200,6 @@ def vllm_errors(cluster) -> list:
         (v.cpu_kv_cache_gib >= 1, f"cluster.vllm.cpu_kv_cache_gib must be at least 1, got {v.cpu_kv_cache_gib}"),
         (not v.enable_sleep_mode or gpus > 0,
          "cluster.vllm.enable_sleep_mode releases GPU memory; the generators run on CPU (cluster.generator_gpus 0)"),
-        (not vllm_on_gpus or cluster.trainer_gpus > 0,
-         f"cluster.generator_backend {cluster.generator_backend} with cluster.generator_gpus {gpus} and "
-         f"cluster.trainer_gpus 0: vLLM on GPUs receives weights over NCCL, which CPU trainers cannot send; give "
-         f"the trainers GPUs, or use cluster.generator_backend hf"),
     ]
 
 

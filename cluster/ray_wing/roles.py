@@ -220,7 +220,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     setups, infos = start_roles(made, cfg)
     marks.append(("actors_loaded", time.time()))
     backends = {"hf"} if cfg.generate_on_trainers else {info["backend"] for info in infos[: made.generators.size]}
-    sync_address = weight_sync_address(cfg, model, backends, made.reference)
+    sync_address = weight_sync_address(cfg, model, backends)
     wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
     wait(setups)  # first: a hosted generator exists once its trainer is set up
     pad_id = wait(made.generators.ping()[:1])[0]

@@ -88,19 +88,14 @@ def start_roles(made: Roles, cfg: ClusterConfig) -> tuple:
     return setups, gather([c for g in others for c in fan_out(g, "info")], cfg.call_timeout_s)
 
 
-def weight_sync_address(cfg: ClusterConfig, model: ModelConfig, backends: set, reference) -> SyncAddress:
+def weight_sync_address(cfg: ClusterConfig, model: ModelConfig, backends: set) -> SyncAddress:
     """How the weights travel: NCCL between GPU trainers and GPU receivers (not adapters into vLLM,
-    which take them in the actor's process over gloo), gloo otherwise; into vLLM on GPUs through its
-    own NCCL engine, everything else through the trainer's bucketed broadcast. The rendezvous is set
-    when the group is joined (``join_weight_sync``)."""
+    which take them in the actor's process over gloo), gloo otherwise; always the trainer's bucketed
+    broadcast, into vLLM's processes too (``rl_actors.vllm_transfer``). The rendezvous is set when
+    the group is joined (``join_weight_sync``)."""
     if len(backends) > 1:
         raise ValueError(f"generators run mixed backends {sorted(backends)}; set cluster.generator_backend")
     receiver_gpus = cfg.reference_gpus if cfg.generate_on_trainers else cfg.generator_gpus  # who joins
     lora_into_vllm = model.lora.enabled and backends == {"vllm"}
     backend = "nccl" if cfg.trainer_gpus and receiver_gpus and not lora_into_vllm else "gloo"
-    protocol = "vllm" if backends == {"vllm"} and backend == "nccl" else "torch"
-    if protocol == "vllm" and reference is not None and reference.sync_ranks():
-        raise ValueError("a policy-tracking reference worker cannot join vLLM's NCCL weight-transfer group; use a "
-                         "fixed reference (no ref_update_fn), cluster.reference_on_trainers or "
-                         "cluster.generator_backend: hf")
-    return SyncAddress("", 0, 0, backend, protocol)
+    return SyncAddress("", 0, 0, backend)

@@ -1,8 +1,8 @@
-"""What a trainer rank hands a weight sync into vLLM (``TrainerWorker.sync_items``, the iterator
-vLLM's packed NCCL producer consumes on a GPU), run here on one CPU rank without Ray: every
-parameter in ``weight_meta`` order with the values the rank holds; under ZeRO-3 no more than one
-bucket's parameters are whole at any item, and a tensor handed out keeps its values after its
-bucket's gather ends (the producer may pack several before sending)."""
+"""What a trainer rank hands a weight sync (``TrainerWorker.weight_buckets``, which ``send_weights``
+broadcasts to every receiver: HF generators, a tracking reference, vLLM on either device), run here
+on one CPU rank without Ray: every parameter in ``weight_meta`` order, bucket by bucket as
+``bucket_plan`` cuts them, with the values the rank holds; under ZeRO-3 no more than one bucket's
+parameters are whole at a time, and every gather has ended afterwards."""
 import pytest
 import torch
 
@@ -22,26 +22,26 @@ def whole(module) -> set:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_sync_items_are_the_weights_a_bucket_at_a_time(tiny_model_path, stage):
+def test_weight_buckets_are_the_weights_a_bucket_at_a_time(tiny_model_path, stage):
     worker = TrainerWorker(ModelConfig(tiny_model_path), 0, 1, TrainerConfig(zero_stage=stage), seed=0)
     worker.setup("127.0.0.1", free_port("127.0.0.1"))
     try:
+        expected = worker.ds.full_state()
         meta = worker.weight_meta()
         bucket_bytes = 64 * 1024  # several buckets on the tiny model
         buckets = [[meta[i].name for i in idx] for idx in bucket_plan(meta, bucket_bytes)]
         assert len(buckets) > 3
-        held, seen = [], []
-        for name, tensor in worker.sync_items(meta, bucket_bytes):
-            bucket = next(b for b in buckets if name in b)
+        seen = []
+        for metas, tensors in worker.weight_buckets(meta, bucket_bytes):
+            names = [m.name for m in metas]
+            assert names == buckets[len(seen)]
             if stage == 3:
-                assert whole(worker.module) <= set(bucket), name  # nothing outside this item's bucket is whole
-            held.append((name, tensor))
-            seen.append(name)
-        assert seen == [m.name for m in meta]
+                assert whole(worker.module) == set(names)  # this bucket whole, nothing else
+            for name, tensor in zip(names, tensors):
+                assert torch.equal(tensor, torch.from_numpy(expected[name])), name
+            seen.append(names)
+        assert seen == buckets
         if stage == 3:
             assert whole(worker.module) == set()  # every gather ended
-        expected = worker.ds.full_state()
-        for name, tensor in held:  # still the weights, after their gathers ended
-            assert torch.equal(tensor, torch.from_numpy(expected[name])), name
     finally:
         worker.release()

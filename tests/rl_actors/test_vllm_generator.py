@@ -61,7 +61,7 @@ def _checksums(cluster, role):
 def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
     info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
     assert info["backend"] == "vllm"
-    assert vllm_cluster.sync_address.protocol == "torch"  # the trainer's bucketed gloo wire
+    assert vllm_cluster.sync_address.backend == "gloo"  # the trainer's bucketed wire, over gloo on CPU
 
 
 def _generate(cluster, prompts, gen=GenerationConfig(max_new_tokens=4, n=2)) -> list:

@@ -1,0 +1,83 @@
+"""Our weight-transfer engine inside vLLM (``rl_actors.vllm_transfer``), driven without a vLLM
+engine: one wire on both devices. The init info names the group's backend; buckets land on the
+CPU for gloo and on the worker's GPU for NCCL, the only difference between the two paths. Over
+gloo in this process, the engine receives a sender's buckets (``broadcast_buckets``, as the
+trainer sends them) and loads each parameter by its HF name, bucket by bucket. The whole path
+into a running vLLM is ``test_vllm_generator.py``'s."""
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rl_actors.vllm_transfer import (  # noqa: E402
+    BACKEND,
+    BucketInitInfo,
+    BucketWeightTransferEngine,
+    init_info,
+    receive_device,
+    update_info,
+)
+from rl_actors.weight_sync import SyncAddress, broadcast_buckets, free_port, init_sync_group, model_meta  # noqa: E402
+
+
+def test_the_backend_decides_where_buckets_land():
+    assert receive_device("gloo", torch.device("cuda", 0)) == torch.device("cpu")
+    assert receive_device("gloo", torch.device("cpu")) == torch.device("cpu")
+    assert receive_device("nccl", torch.device("cuda", 1)) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=f"{BACKEND} weight transfer: an nccl sync group needs a vLLM worker on a GPU"):
+        receive_device("nccl", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        receive_device("mpi", torch.device("cpu"))
+    for backend in ("gloo", "nccl"):
+        info = BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, backend), 2))
+        assert (info.host, info.port, info.world_size, info.rank, info.backend) == ("10.0.0.1", 1234, 3, 2, backend)
+
+
+class Receiver(torch.nn.Module):
+    """What the engine needs of vLLM's model: parameters and ``load_weights((name, tensor), ...)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 7)
+        self.b = torch.nn.Linear(7, 3, bias=False)
+        self.loads = []
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        names = []
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+            names.append(name)
+        self.loads.append(names)
+
+
+def test_the_engine_receives_the_trainers_buckets_over_gloo():
+    torch.manual_seed(0)
+    source, receiver = Receiver(), Receiver()
+    meta = model_meta(source.named_parameters())
+    port = free_port("127.0.0.1")
+    address = SyncAddress("127.0.0.1", port, 2, "gloo")
+    engine = BucketWeightTransferEngine(None, SimpleNamespace(parallel_config=None, model_config=None),
+                                        torch.device("cpu"), receiver)
+    sent = {}
+
+    def send():
+        group = init_sync_group(address, 0)
+        params = dict(source.named_parameters())
+        sent["bytes"] = broadcast_buckets(group, meta, 200, 0, torch.device("cpu"),
+                                          get_tensors=lambda ms: [params[m.name].data for m in ms])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    engine.init_transfer_engine(BucketInitInfo(**init_info(address, 1)))
+    engine.receive_weights(engine.parse_update_info(update_info(meta, 200)))
+    sender.join(timeout=60)
+    assert engine.buffers == torch.device("cpu")
+    for name, p in source.named_parameters():
+        assert torch.equal(dict(receiver.named_parameters())[name], p), name
+    # buckets of at most 200 bytes: a.weight (140 B), a.bias (28 B) together, then b.weight (84 B)
+    assert receiver.loads == [["a.weight", "a.bias"], ["b.weight"]]
+    assert sent["bytes"] == sum(m.nbytes for m in meta)
