@@ -8,6 +8,12 @@ the sum; one generator, one trainer (ZeRO-2), one reward worker, no KL (no refer
 actor with the machine's two threads (the phases run one after another). Prints held-out
 greedy accuracy by evaluation, and the median seconds per step and per phase; the job writes
 metrics.jsonl, curves.png, samples/ and summary.json to its output directory.
+
+Beside the step: its floor, measured in the same run (``step_floor``): the step's FLOPs over the
+matmul rate measured here after the job, each prompt counted once per group (the generators and the
+trainer both share it) and every completion token, 2 FLOPs per matmul parameter to generate (or
+the weights read once per decode step, if that takes longer) and 6 to train; sync and rewards
+count 0. ``benchmarks/gpu_step.py --model smollm2`` puts the phases beside a plain PyTorch loop.
 """
 import json
 import os
@@ -29,9 +35,44 @@ def main():
           {r["step"] + 1: round(r["eval/accuracy"], 3) for r in rows if "eval/accuracy" in r})
     phases = ["time/generate", "time/reward", "time/train", "time/sync", "time/step"]
     print(table([[k, f"{np.median([r[k] for r in steps]):.2f}"] for k in phases], ["phase", "median s"]))
+    floors = step_floors(steps, config)
+    ratio = np.median([r["time/step"] / f for r, f in zip(steps, floors)])
+    print(f"step floor {np.median(floors):.2f} s; step / floor {ratio:.2f} (median of the steps)")
     print(f"accuracy {summary['accuracy_before_rl']:.3f} -> {summary['accuracy_after_rl']:.3f} "
           f"({summary['accuracy_gain_points']:+.1f} points); reward {summary['reward_mean_first5']} -> "
           f"{summary['reward_mean_last5']} (first and last 5 steps); wall {summary['wall_s']} s")
+
+
+def step_floor(row: dict, prompt_tokens: float, group: int, n_matmul: int, flops: float, bandwidth: float) -> float:
+    """Seconds one step needs at least (module docstring), from its logged rows and mean completion
+    length and longest completion (decode steps)."""
+    rollouts = row["batch/rows"]
+    tokens = prompt_tokens * rollouts / group + row["response/len_mean"] * rollouts
+    generate = max(2 * n_matmul * tokens / flops, row["response/len_max"] * n_matmul * 4 / bandwidth)
+    return generate + 6 * n_matmul * tokens / flops
+
+
+def step_floors(steps: list, config: str) -> list:
+    """``step_floor`` of each logged step, with the prompts' mean length under the chat template, the
+    model's matmul parameters and the machine's rates measured now (float32, this process's threads)."""
+    import torch
+    import yaml
+    from gpu_step import machine_rates, matmul_params
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.fixtures.pretrained import save_smollm2
+    from primitives.fixtures.tasks import TASKS
+    from primitives.model.prompts import encode_prompts
+
+    job = yaml.safe_load(open(config))
+    path = save_smollm2(os.path.join(os.path.expanduser("~/.cache/rayrl"), "smollm2-135m-instruct"))
+    items = TASKS[job["data"]["task"]](**job["data"].get("task_kwargs", {})).train[:256]
+    prompt_tokens = float(np.mean([len(ids) for ids in encode_prompts(AutoTokenizer.from_pretrained(path),
+                                                                      [it.prompt for it in items])]))
+    n_matmul = matmul_params(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    flops, bandwidth = machine_rates(torch.device("cpu"), torch.float32)
+    group = job["generation"]["group_size"]
+    return [step_floor(r, prompt_tokens, group, n_matmul, flops, bandwidth) for r in steps]
 
 
 if __name__ == "__main__":
