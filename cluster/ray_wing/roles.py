@@ -251,7 +251,7 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
     gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
     pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
-    return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo", "torch"), (), pad_id, 0,
+    return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo"), (), pad_id, 0,
                      cfg.call_timeout_s, address, {"trainer": RoleFactory(TrainerWorker, roles[0], trainer_args)},
                      reused=tuple(reused))
 
