@@ -23,10 +23,9 @@ two share.
   therefore makes the largest shard's count (``passes``); a rank with fewer rows (or none) makes the
   rest as padding passes, a one-token forward whose loss is multiplied by zero (``padding_backward``),
   and under ZeRO-3 forward-only work is padded the same way (``pad_forwards``).
-* **One rank runs without ZeRO.** A group of one rank in fp32 runs ZeRO-1/2 as DeepSpeed's stage 0
-  (``engine_stage``): no gradient bucket or flat partition to copy through, no reduction over a
-  world of one, and torch's clip. Its checkpoints hold one optimizer state, not ZeRO shards;
-  a checkpoint loads in a group of the size and stage that wrote it, as before.
+* **One rank runs without ZeRO.** One fp32 rank runs ZeRO-1/2 as DeepSpeed's stage 0 (``engine_stage``):
+  no gradient bucket or flat partition to copy through, no reduction, torch's clip; its checkpoint
+  holds one optimizer state (a checkpoint loads in a group of the size and stage that wrote it).
 * **Checkpoints.** Every rank writes its DeepSpeed shard (optimizer included) and RNG state into one
   temporary directory that rank 0 renames into the checkpoint (``atomic_directory``): never half-written.
 * **Snapshots.** ``snapshot`` is that checkpoint of one rank in memory, its files as byte arrays in the
@@ -95,11 +94,9 @@ def engine_stage(zero_stage: int, world_size: int, bf16: bool) -> int:
     a world of one, into a flat partition; the weights back from a flat master copy) made our
     1-rank SmolLM2 train step 1.3x a plain PyTorch loop's on CPU (docs/benchmarks.md).
 
-    ZeRO-3 stays ZeRO-3: its forwards gather and count as a larger group's do. bf16 stays too:
-    DeepSpeed's stage 0 in bf16 accumulates gradients in bf16, and on CPU its first update landed
-    8x further from fp32's than ZeRO-2's (``test_one_rank_bf16_updates_as_fp32_does``); its fp32-
-    accumulating optimizer (stage 1 with ``grad_accum_dtype`` fp32) matched ZeRO-2 there, but
-    whether it is faster can only be measured on a GPU."""
+    ZeRO-3 stays ZeRO-3 (its forwards gather and count as a larger group's do), and bf16 stays:
+    DeepSpeed's stage 0 accumulates bf16 gradients in bf16, and its first update landed 8x further
+    from fp32's than ZeRO-2's on CPU (``test_one_rank_bf16_updates_as_fp32_does``)."""
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
     return 0 if world_size == 1 and zero_stage in (1, 2) and not bf16 else zero_stage
@@ -203,12 +200,11 @@ class DeepSpeedRank:
         trained = [p for p in module.parameters() if p.requires_grad]
         self.frozen = len(trained) < len(list(module.parameters()))
         optimizer = adamw(trained, self.config)
-        ds_config = deepspeed_config(self.config, self.world_size, self.bf16)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size, self.bf16))
         self.device = self.engine.device
-        if self.stage == 0:  # one rank: nothing to reduce (DeepSpeed would flatten each gradient and copy it back)
-            self.engine.enable_backward_allreduce = False
-        self.clipped = trained if self.stage == 0 else None  # clipped here, not by DeepSpeed
+        # stage 0 (one rank): nothing to reduce (DeepSpeed would copy each gradient out and back); the rank clips
+        self.engine.enable_backward_allreduce, self.clipped = (False, trained) if self.stage == 0 else (True, None)
 
     def release(self) -> None:
         """Let go of this group (its actor is kept for another job: ``rl_actors.reuse.Reusable``):
@@ -295,12 +291,11 @@ class DeepSpeedRank:
         """Step the engine (after the last micro-batch's backward) and add the reduced
         ``grad_norm`` and the ``lr``, under ``metric_prefix``."""
         self.set_lr(lr)
-        if self.clipped is not None:  # torch's clip, as DeepSpeed's engine would clip these gradients
-            norm = torch.nn.utils.clip_grad_norm_(self.clipped, self.config.max_grad_norm or float("inf"))
+        clipped = None if self.clipped is None else \
+            torch.nn.utils.clip_grad_norm_(self.clipped, self.config.max_grad_norm or float("inf"))  # as DeepSpeed
         self.engine.step()
         self.steps += 1
-        if self.clipped is None:
-            norm = self.engine.get_global_grad_norm()
+        norm = self.engine.get_global_grad_norm() if clipped is None else clipped
         metrics[self.metric_prefix + "grad_norm"] = float(norm) if norm is not None else float("nan")
         metrics[self.metric_prefix + "lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
@@ -400,10 +395,10 @@ class DeepSpeedRank:
         shards = len(glob.glob(os.path.join(path, "deepspeed", "engine", "*zero_pp_rank_*optim_states.pt")))
         if shards != (self.world_size if self.stage else 0):
             wrote = f"{shards} ZeRO optimizer shard(s)" if shards else "one optimizer state, no ZeRO shards (one rank)"
-            raise ValueError(f"{self.role} {self.rank}: {path} holds {wrote}; this group of {self.world_size} "
-                             f"rank(s) under zero_stage {self.config.zero_stage} runs "
-                             f"{'ZeRO-' + str(self.stage) if self.stage else 'without ZeRO'}: load it in a group of "
-                             f"the size and zero_stage that wrote it")
+            runs = f"ZeRO-{self.stage}" if self.stage else "without ZeRO"
+            raise ValueError(f"{self.role} {self.rank}: {path} holds {wrote}; this group of {self.world_size} rank(s) "
+                             f"under zero_stage {self.config.zero_stage} runs {runs}: load it in a group of the size "
+                             f"and zero_stage that wrote it")
         _, client = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="engine",
                                                 load_module_strict=not self.frozen)
         self.steps = int((client or {}).get("steps", 0))
