@@ -35,7 +35,7 @@ def main():
           {r["step"] + 1: round(r["eval/accuracy"], 3) for r in rows if "eval/accuracy" in r})
     phases = ["time/generate", "time/reward", "time/train", "time/sync", "time/step"]
     print(table([[k, f"{np.median([r[k] for r in steps]):.2f}"] for k in phases], ["phase", "median s"]))
-    floors = step_floors(steps, config)
+    floors = step_floors(steps, os.path.join(summary["out"], "config.yaml"))  # the job's, overrides included
     ratio = np.median([r["time/step"] / f for r, f in zip(steps, floors)])
     print(f"step floor {np.median(floors):.2f} s; step / floor {ratio:.2f} (median of the steps)")
     print(f"accuracy {summary['accuracy_before_rl']:.3f} -> {summary['accuracy_after_rl']:.3f} "
@@ -53,7 +53,8 @@ def step_floor(row: dict, prompt_tokens: float, group: int, n_matmul: int, flops
 
 
 def step_floors(steps: list, config: str) -> list:
-    """``step_floor`` of each logged step, with the prompts' mean length under the chat template, the
+    """``step_floor`` of each logged step of the job whose resolved ``config`` (its output's
+    config.yaml) is given, with the prompts' mean length under the chat template, the
     model's matmul parameters and the machine's rates measured now (float32, this process's threads)."""
     import torch
     import yaml
@@ -66,7 +67,7 @@ def step_floors(steps: list, config: str) -> list:
 
     job = yaml.safe_load(open(config))
     path = save_smollm2(os.path.join(os.path.expanduser("~/.cache/rayrl"), "smollm2-135m-instruct"))
-    items = TASKS[job["data"]["task"]](**job["data"].get("task_kwargs", {})).train[:256]
+    items = TASKS[job["data"]["task"]](**(job["data"].get("task_kwargs") or {})).train[:256]
     prompt_tokens = float(np.mean([len(ids) for ids in encode_prompts(AutoTokenizer.from_pretrained(path),
                                                                       [it.prompt for it in items])]))
     n_matmul = matmul_params(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))

@@ -3,9 +3,10 @@ group (target: at least 80 % of raw), into HF generator workers or into vLLM.
 
 Run:  python benchmarks/bench_weight_sync.py [--backend hf|vllm --model qwen100m|smollm2
                                               --generators 2 --bucket-mb 64 --repeats 5]
-The source is trainer rank 0 of a 1-rank DeepSpeed ZeRO-2 group. HF receivers copy every
-bucket into their model; vLLM receives inside its worker process (our gloo engine) and loads
-each bucket through vLLM's layerwise reload, and its raw broadcast is received there too.
+The source is trainer rank 0 of a 1-rank DeepSpeed group (ZeRO-2 configured; one fp32 rank runs
+without ZeRO). HF receivers copy every bucket into their model; vLLM receives inside its worker
+process (our weight-transfer engine, over gloo here) and loads each bucket through vLLM's
+layerwise reload, and its raw broadcast is received there too.
 ``qwen100m`` is a random ~100M-parameter Qwen2; ``smollm2`` the embedded 135M model.
 """
 import tempfile

@@ -10,7 +10,8 @@ In one process, on this machine's device (CUDA when there is one; bf16 there, fp
   the project's sampler, logprobs included) against HF ``model.generate`` of the same prompts, as
   many samples, the same budget and temperature (no logprobs: the least a plain loop needs). Seconds
   per generated token, since the two samplers stop at different tokens.
-* **train**: our 1-rank DeepSpeed ZeRO-2 ``train_step`` against a plain loop on a second copy of the
+* **train**: our 1-rank ``train_step`` (ZeRO-2 configured: on a GPU in bf16 ZeRO-2, in fp32 stage 0,
+  ``rl_actors.deepspeed_rank.engine_stage``) against a plain loop on a second copy of the
   model: micro-batches of the same rows, logprobs of the completion tokens, the PPO-clip GRPO loss
   (seq-mean-token-mean), backward, the gradient clipped, AdamW. Both train on the same ``Batch``
   (the rollouts generated above), so their losses and gradient norms must agree (printed: a
@@ -51,6 +52,7 @@ from primitives.env.rewards import score_rollouts  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
 from primitives.maths.algorithms import grpo  # noqa: E402
 from primitives.maths.batching import make_batch  # noqa: E402
+from primitives.model import static_decode  # noqa: E402
 from primitives.model.prompts import encode_prompts  # noqa: E402
 from primitives.model.static_decode import decode_mode  # noqa: E402
 from primitives.padding import position_ids_from_mask  # noqa: E402
@@ -200,6 +202,8 @@ def step(args) -> dict:
                                   lambda: plain_generate(gen_model, tokenizer, items, gen, device, decode != "eager"),
                                   device, args.repeats)
     rollouts = ours[-1][1]
+    kept = trainer.ds.module.__dict__.get(static_decode.STATE, {}).get("cache")  # the static path really ran
+    static_shape = "x".join(map(str, kept[0])) if kept else "none"
     ours_per_token = statistics.median(t / max(sum(r.num_tokens for r in out), 1) for t, out in ours)
     plain_per_token = statistics.median(t / max(n, 1) for t, n in plain_runs)
 
@@ -226,7 +230,8 @@ def step(args) -> dict:
         "model": f"{args.model} ({n_matmul / 1e6:.1f}M matmul parameters)",
         "rollouts": len(rollouts), "micro_batch": args.micro_batch, "repeats": args.repeats,
         "matmul_tflops": flops / 1e12, "memory_gb_s": bandwidth / 1e9,
-        "decode": decode, "generate ours s": statistics.median(t for t, _ in ours),
+        "decode": decode, "static cache rows x positions": static_shape,
+        "generate ours s": statistics.median(t for t, _ in ours),
         "generate ours tokens": sum(r.num_tokens for r in rollouts),
         "generate plain s": statistics.median(t for t, _ in plain_runs), "generate plain tokens": plain_runs[-1][1],
         "generate ours/plain (s per token)": ours_per_token / plain_per_token,

@@ -293,6 +293,9 @@ class DeepSpeedRank:
         self.set_lr(lr)
         clipped = None if self.clipped is None else \
             torch.nn.utils.clip_grad_norm_(self.clipped, self.config.max_grad_norm or float("inf"))  # as DeepSpeed
+        if clipped is not None and not torch.isfinite(clipped):  # no update, as ZeRO-1/2 skip it (AdamW skips
+            for p in self.clipped:  # a parameter without a gradient: weights and moments stay)
+                p.grad = None
         self.engine.step()
         self.steps += 1
         norm = self.engine.get_global_grad_norm() if clipped is None else clipped
@@ -407,33 +410,30 @@ class DeepSpeedRank:
 
     # --------------------------------------------------------------- in-memory snapshots
     def state_bytes(self) -> int:
-        """An upper bound of this rank's snapshot: the trained parameters at their size, plus fp32
-        master weights and two Adam moments for its share of them (frozen ones are left out)."""
+        """An upper bound of this rank's snapshot: trained parameters, fp32 masters and Adam moments."""
         params = sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
         return int(params * (4 + 12 / self.world_size))
 
     def snapshot(self) -> dict:
-        """This rank's part of the group's state: its DeepSpeed checkpoint files (weights and
-        optimizer shards, as ``save`` writes them) as bytes, the step count and the RNG. All ranks
-        call it together (the save is collective); returned to the driver, the part lives in
-        the object store and outlives this process (``restore``)."""
+        """This rank's part of the group's state: its DeepSpeed checkpoint files (as ``save`` writes them)
+        as bytes, the step count and the RNG. All ranks call it together (the save is collective); the
+        part lives in the driver's object store and outlives this process (``restore``)."""
         with scratch(f"snapshot-{self.role}{self.rank}", self.state_bytes(), self.world_size) as tmp:
             self.engine.save_checkpoint(tmp, tag="engine", client_state={"steps": self.steps}, save_latest=False,
                                         exclude_frozen_parameters=self.frozen)
             files = read_tree(tmp)
         return {"rank": self.rank, "world_size": self.world_size, "zero_stage": self.config.zero_stage,
-                "files": files, "steps": self.steps, "rng": capture_rng_state()}
+                "engine_stage": self.stage, "files": files, "steps": self.steps, "rng": capture_rng_state()}
 
     def restore(self, parts: Sequence[dict]) -> None:
-        """Become rank ``self.rank`` of the group whose ``snapshot`` parts (one per rank, any
-        order) are given: weights, optimizer, step count and RNG exactly as they were. All ranks
-        call it together, in a group of the snapshot's size and ZeRO stage."""
+        """Become rank ``self.rank`` of the group whose ``snapshot`` parts (one per rank, any order) are given,
+        exactly as it was. All ranks call it together, in a group of the snapshot's size and stages."""
         self.check_closed("a snapshot is restored")
-        ranks = sorted(p["rank"] for p in parts)
-        if ranks != list(range(self.world_size)) or {p["zero_stage"] for p in parts} != {self.config.zero_stage}:
-            raise ValueError(f"{self.role} {self.rank}: a snapshot of ranks {ranks} (ZeRO "
-                             f"{sorted({p['zero_stage'] for p in parts})}) does not fit a group of {self.world_size} "
-                             f"ranks under ZeRO-{self.config.zero_stage}")
+        ranks, stages = sorted(p["rank"] for p in parts), sorted({(p["zero_stage"], p["engine_stage"]) for p in parts})
+        if ranks != list(range(self.world_size)) or stages != [(self.config.zero_stage, self.stage)]:
+            raise ValueError(f"{self.role} {self.rank}: a snapshot of ranks {ranks} (ZeRO stage, stage run: {stages}) "
+                             f"does not fit a group of {self.world_size} ranks under ZeRO-{self.config.zero_stage}, "
+                             f"run at stage {self.stage}")
         # every rank writes the whole group's files: its peers on the machine fill shared memory as much
         with scratch(f"restore-{self.role}{self.rank}", sum(snapshot_bytes(p["files"]) for p in parts),
                      self.world_size) as tmp:

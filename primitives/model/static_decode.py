@@ -25,7 +25,6 @@ transformers model whose class supports a static cache, else ``eager``.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -34,7 +33,9 @@ from primitives.types import DECODE_MODES
 
 MODES = DECODE_MODES
 LENGTH_STEP = 64  # cache positions are rounded up to a multiple of this
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled forward
+RECOMPILES = 64  # shapes torch.compile may specialise one forward's code for (its default, 8, is a few buckets)
+# held in the model's own __dict__ (a cycle the collector frees with the model, not a global that keeps it)
+STATE = "_rayrl_static_decode"
 
 
 def bucket_rows(rows: int) -> int:
@@ -48,14 +49,23 @@ def bucket_positions(positions: int) -> int:
 
 
 def supports_static_cache(model) -> bool:
-    """A transformers model whose class declares it can run with a static cache under
-    ``torch.compile`` (``_can_compile_fullgraph``; PEFT wrappers are looked through)."""
+    """A transformers 5 model whose class declares it can run with a static cache under
+    ``torch.compile`` (``_can_compile_fullgraph``; PEFT wrappers are looked through) and whose
+    layers all attend over every position: a sliding-window layer's eager cache keeps only the
+    window, and linear-attention layers keep no keys, so neither copies into this cache."""
     try:
+        import transformers
         from transformers import PreTrainedModel
     except ImportError:
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return isinstance(base, PreTrainedModel) and bool(getattr(base, "_can_compile_fullgraph", False))
+    if int(transformers.__version__.split(".")[0]) < 5 or not isinstance(base, PreTrainedModel):
+        return False
+    config = base.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    full = set(layer_types) <= {"full_attention"} if layer_types is not None else \
+        not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+    return full and bool(getattr(base, "_can_compile_fullgraph", False))
 
 
 def decode_mode(model, requested: str, device: torch.device) -> str:
@@ -65,23 +75,61 @@ def decode_mode(model, requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "captured" if device.type == "cuda" and supports_static_cache(model) else "eager"
     if requested != "eager" and not supports_static_cache(model):
-        raise ValueError(f"GenerationConfig.decode={requested!r}: {type(model).__name__} does not declare static-"
-                         f"cache support (transformers' _can_compile_fullgraph); use decode='eager'")
+        raise ValueError(f"GenerationConfig.decode={requested!r}: {type(model).__name__} does not take a static "
+                         f"cache (transformers 5, _can_compile_fullgraph, full attention in every layer); use "
+                         f"decode='eager'")
     return requested
 
 
+class DecodeState(dict):
+    """What decoding keeps on a model: its compiled forwards and its last static cache. A copy of
+    the model (a reference made by ``copy.deepcopy``, a pickle) starts without them."""
+
+    def __init__(self):
+        super().__init__(compiled={}, cache=None)
+
+    def __deepcopy__(self, memo):
+        return DecodeState()
+
+    def __reduce__(self):
+        return DecodeState, ()
+
+
+def _state(model) -> DecodeState:
+    state = model.__dict__.get(STATE)
+    if state is None:
+        state = model.__dict__[STATE] = DecodeState()
+    return state
+
+
 def compiled_forward(model, backend: Optional[str] = None) -> Callable:
-    """``model``'s forward compiled once per model (its buckets recompile it a few times, not per
-    call): ``reduce-overhead`` (CUDA graphs) on CUDA, else inductor's default; ``backend`` picks
-    another torch.compile backend (the CPU tests trace with ``eager``)."""
-    key = (backend or "default")
-    cached = _COMPILED.get(model, {})
-    if key not in cached:
+    """``model``'s forward compiled once per model (each bucket specialises it once, not each call):
+    ``reduce-overhead`` (CUDA graphs) on CUDA, else inductor's default; ``backend`` picks another
+    torch.compile backend (the CPU tests trace with ``eager``)."""
+    compiled, key = _state(model)["compiled"], backend or "default"
+    if key not in compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
         cuda = next(model.parameters()).device.type == "cuda"
         kwargs = {"backend": backend} if backend else {"mode": "reduce-overhead" if cuda else "default"}
-        cached[key] = torch.compile(model.forward, dynamic=False, **kwargs)
-        _COMPILED[model] = cached
-    return cached[key]
+        compiled[key] = torch.compile(model.forward, dynamic=False, **kwargs)
+    return compiled[key]
+
+
+def static_cache(model, rows: int, length: int):
+    """A ``StaticCache`` of ``rows`` x ``length`` for ``model``, emptied: the last one, when it has
+    that shape (its tensors keep their addresses, so a captured step replays instead of capturing
+    again), else a new one that replaces it (one cache per model, the memory of one batch)."""
+    from transformers import StaticCache
+
+    state = _state(model)
+    kept = state["cache"]
+    if kept is not None and kept[0] == (rows, length):
+        kept[1].reset()
+        return kept[1]
+    state["cache"] = None  # the old one's memory goes before the new one's comes
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    state["cache"] = ((rows, length), cache)
+    return cache
 
 
 class StaticSteps:
@@ -90,15 +138,13 @@ class StaticSteps:
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, prefill: Callable,
                  forward: Optional[Callable] = None):
-        from transformers import StaticCache
-
         from primitives.padding import position_ids_from_mask
 
         self.model, self.prefill, self.forward = model, prefill, forward or model
         self.rows, width = ids.shape
         self.padded = bucket_rows(self.rows)
         length = bucket_positions(width + max_new_tokens)
-        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.cache = static_cache(model, self.padded, length)
         extra = self.padded - self.rows  # rows that repeat row 0, never sampled
         self.take = torch.cat([torch.arange(self.rows), torch.zeros(extra, dtype=torch.long)]).to(ids.device)
         self.ids, self.width, self.step = ids, width, 0

@@ -32,7 +32,8 @@ def test_gpu_step_compares_the_same_work_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(proc.stdout.split("FIGURES", 1)[1])
     assert fig["dtype"] == "float32" and fig["rollouts"] == 12 and fig["micro_batch"] == 5
-    assert fig["decode"] == "static"  # our static cache on the trainer rank, HF generate's beside it
+    # our static cache on the trainer rank (12 rows: 16; 6 + 6 tokens: 64 positions), HF generate's beside it
+    assert fig["decode"] == "static" and fig["static cache rows x positions"] == "16x64"
     # 12 rows in micro-batches of 5 (5, 5, 2) in both loops: the same loss and gradient
     assert fig["first update loss ours"] == pytest.approx(fig["first update loss plain"], abs=1e-6)
     assert fig["first update grad_norm ours"] > 0

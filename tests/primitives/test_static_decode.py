@@ -77,6 +77,43 @@ def test_a_traced_step_compiles_once_per_bucket(tiny_model, tokenizer, monkeypat
     torch._dynamo.reset()
 
 
+def test_one_cache_per_model_reused_by_its_bucket_and_freed_with_it(tokenizer):
+    """Batches of one bucket decode into the same cache tensors (a captured step replays rather
+    than captures again); another bucket replaces the cache. A copy of the model starts without
+    them, and a model that decoded, compiled too, is freed once dropped."""
+    import copy
+    import gc
+    import weakref
+
+    from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=2)
+    _rollouts(model, tokenizer, "static", n=1)  # 4 rows
+    (shape, cache) = model.__dict__[static_decode.STATE]["cache"]
+    address = cache.layers[0].keys.data_ptr()
+    _rollouts(model, tokenizer, "static", n=1, prompts=PROMPTS[:3])  # 3 rows: the same bucket
+    assert model.__dict__[static_decode.STATE]["cache"][1] is cache and cache.layers[0].keys.data_ptr() == address
+    _rollouts(model, tokenizer, "static", n=2)  # 8 rows
+    assert model.__dict__[static_decode.STATE]["cache"][0] == (8, shape[1])
+    assert copy.deepcopy(model).__dict__[static_decode.STATE]["cache"] is None
+    static_decode.compiled_forward(model, backend="eager")
+    dead = weakref.ref(model)
+    del model, cache
+    gc.collect()
+    assert dead() is None
+
+
+def test_models_whose_layers_do_not_all_attend_everywhere_decode_eagerly(tokenizer):
+    from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=2)
+    assert static_decode.supports_static_cache(model)
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    assert decode_mode(model, "auto", torch.device("cuda")) == "eager"
+    with pytest.raises(ValueError, match="full attention in every layer"):
+        decode_mode(model, "static", torch.device("cpu"))
+
+
 def test_modes(tiny_model):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert decode_mode(tiny_model, "auto", cpu) == "eager"
@@ -89,7 +126,7 @@ def test_modes(tiny_model):
         pass
 
     assert decode_mode(Custom(), "auto", cuda) == "eager"
-    with pytest.raises(ValueError, match=r"decode='static': Custom does not declare static-cache support"):
+    with pytest.raises(ValueError, match=r"decode='static': Custom does not take a static cache"):
         decode_mode(Custom(), "static", cpu)
 
 

@@ -214,3 +214,31 @@ def test_one_rank_bf16_updates_as_fp32_does(ray_local, tiny_model_path):
         moved = np.concatenate([(weights[n] - start[n]).ravel() for n in start])
         assert np.abs(moved).mean() == pytest.approx(np.abs(fp32_moved).mean(), rel=0.05), world
         assert np.abs(moved - fp32_moved).mean() < 1e-4, world
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_non_finite_gradient_updates_nothing(ray_local, tiny_model_path, world):
+    """A NaN in the loss (here an advantage): ZeRO-2 over 2 ranks skips the update, and so does one
+    rank without ZeRO (its own clip sees the NaN norm): weights unchanged, the norm logged as it is,
+    and the next step trains from the untouched weights and Adam state as a first step would."""
+    rollouts, tok = scored_rollouts(tiny_model_path)
+    algo = grpo(kl_coef=0.0)
+    batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
+    poisoned = batch._replace(advantages=batch.advantages.copy())
+    poisoned.advantages[0] = np.nan
+    actors = _trainer_group(ray_local, tiny_model_path, 2, world)
+    try:
+        before = ray_local.get(actors[0].full_state.remote())
+        bad = ray_local.get([a.train_step.remote(poisoned, algo, 1.0) for a in actors], timeout=300)[0][0]
+        after_bad = ray_local.get(actors[0].full_state.remote())
+        good = ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)
+        after_good = ray_local.get(actors[0].full_state.remote())
+    finally:
+        done(ray_local, actors)
+    assert not np.isfinite(bad["grad_norm"])
+    for name, value in before.items():
+        assert np.array_equal(after_bad[name], value), name
+    ref_loss, ref_norm, ref_weights = _single_process(tiny_model_path, batch, algo)
+    assert sum(u[0]["loss/policy"] for u in good) == pytest.approx(ref_loss, abs=1e-6)
+    assert good[0][0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    _compare_weights(after_good, ref_weights, f"after a skipped update, {world} rank(s)")

@@ -36,6 +36,26 @@ def test_the_backend_decides_where_buckets_land():
         assert (info.host, info.port, info.world_size, info.rank, info.backend) == ("10.0.0.1", 1234, 3, 2, backend)
 
 
+def test_the_engine_joins_the_named_backend_with_buffers_on_the_workers_gpu(monkeypatch):
+    """What differs on a GPU, with the group itself faked (NCCL cannot run here): the engine joins an
+    nccl group at the init info's address and receives into buffers on its worker's GPU; the same
+    engine on a CPU worker refuses nccl by name before joining anything."""
+    import rl_actors.vllm_transfer as transfer
+
+    joined = []
+    monkeypatch.setattr(transfer, "init_sync_group", lambda address, rank, timeout_s: joined.append((address, rank))
+                        or "group")
+    config = SimpleNamespace(parallel_config=None, model_config=None)
+    gpu = BucketWeightTransferEngine(None, config, torch.device("cuda", 0), Receiver())
+    gpu.init_transfer_engine(BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, "nccl"), 2)))
+    assert joined == [(SyncAddress("10.0.0.1", 1234, 3, "nccl"), 2)]
+    assert (gpu.group, gpu.rank, gpu.buffers) == ("group", 2, torch.device("cuda", 0))
+    cpu = BucketWeightTransferEngine(None, config, torch.device("cpu"), Receiver())
+    with pytest.raises(ValueError, match="an nccl sync group needs a vLLM worker on a GPU"):
+        cpu.init_transfer_engine(BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, "nccl"), 2)))
+    assert len(joined) == 1
+
+
 class Receiver(torch.nn.Module):
     """What the engine needs of vLLM's model: parameters and ``load_weights((name, tensor), ...)``."""
 
