@@ -87,7 +87,8 @@ def test_one_cache_per_model_reused_by_its_bucket_and_freed_with_it(tokenizer):
 
     from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
 
-    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=2)
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    model = build_tiny_model(tokenizer, spec, seed=2)
     _rollouts(model, tokenizer, "static", n=1)  # 4 rows
     (shape, cache) = model.__dict__[static_decode.STATE]["cache"]
     address = cache.layers[0].keys.data_ptr()
@@ -106,7 +107,8 @@ def test_one_cache_per_model_reused_by_its_bucket_and_freed_with_it(tokenizer):
 def test_models_whose_layers_do_not_all_attend_everywhere_decode_eagerly(tokenizer):
     from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
 
-    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=2)
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    model = build_tiny_model(tokenizer, spec, seed=2)
     assert static_decode.supports_static_cache(model)
     model.config.layer_types = ["full_attention", "sliding_attention"]
     assert decode_mode(model, "auto", torch.device("cuda")) == "eager"
