@@ -294,7 +294,7 @@ class DeepSpeedRank:
         clipped = None if self.clipped is None else \
             torch.nn.utils.clip_grad_norm_(self.clipped, self.config.max_grad_norm or float("inf"))  # as DeepSpeed
         if clipped is not None and not torch.isfinite(clipped):  # no update, as ZeRO-1/2 skip it (AdamW skips
-            for p in self.clipped:  # a parameter without a gradient: weights and moments stay)
+            for p in self.clipped or ():  # a parameter without a gradient: weights and moments stay)
                 p.grad = None
         self.engine.step()
         self.steps += 1
