@@ -181,8 +181,9 @@ def test_one_rank_without_zero_checkpoints_and_restores_exactly(ray_local, tiny_
             assert np.array_equal(resumed[name], value), (resume, name)
     actors = _trainer_group(ray_local, tiny_model_path, 2, world=2)
     try:
-        with pytest.raises(ray_local.exceptions.RayTaskError, match=r"trainer [01]: .*ckpt holds one optimizer state, no "
-                           r"ZeRO shards \(one rank\); this group of 2 rank\(s\) under zero_stage 2 runs ZeRO-2"):
+        with pytest.raises(ray_local.exceptions.RayTaskError,
+                           match=r"trainer [01]: .*ckpt holds one optimizer state, no ZeRO shards \(one rank\); "
+                                 r"this group of 2 rank\(s\) under zero_stage 2 runs ZeRO-2"):
             ray_local.get([a.load_checkpoint.remote(path) for a in actors], timeout=300)
     finally:
         done(ray_local, actors)
