@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow  # vLLM's import alone takes seconds: the full suite's, not the edit-test loop's
 
 from rl_actors.vllm_transfer import (  # noqa: E402
     BACKEND,
