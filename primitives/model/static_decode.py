@@ -31,7 +31,6 @@ import torch
 
 from primitives.types import DECODE_MODES
 
-MODES = DECODE_MODES
 LENGTH_STEP = 64  # cache positions are rounded up to a multiple of this
 RECOMPILES = 64  # shapes torch.compile may specialise one forward's code for (its default, 8, is a few buckets)
 # held in the model's own __dict__ (a cycle the collector frees with the model, not a global that keeps it)
@@ -70,8 +69,8 @@ def supports_static_cache(model) -> bool:
 
 def decode_mode(model, requested: str, device: torch.device) -> str:
     """The mode a batch decodes in: ``requested``, with ``auto`` resolved (see the module)."""
-    if requested not in MODES:
-        raise ValueError(f"GenerationConfig.decode must be one of {MODES}, got {requested!r}")
+    if requested not in DECODE_MODES:
+        raise ValueError(f"GenerationConfig.decode must be one of {DECODE_MODES}, got {requested!r}")
     if requested == "auto":
         return "captured" if device.type == "cuda" and supports_static_cache(model) else "eager"
     if requested != "eager" and not supports_static_cache(model):
