@@ -13,8 +13,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from primitives.model.generation import GenerationOutput, pack_rollout
+from primitives.model.generation import pack_rollout
 from primitives.model.prompts import encode_prompts
+from primitives.model.vllm_generation import PROCESSED, completion_output, sampling_params
 from primitives.types import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from rl_actors.common import gpu_visible
 from rl_actors.hf_engine import sampler_key
@@ -123,7 +124,7 @@ class VLLMEngine:
         # processed logprobs: after temperature (vLLM's default, raw, is before it), which the
         # trainer's importance weight compares with; top-k / top-p renormalise them (see above)
         self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
-                       trust_remote_code=config.trust_remote_code, logprobs_mode="processed_logprobs",
+                       trust_remote_code=config.trust_remote_code, logprobs_mode=PROCESSED,
                        max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
                        **self.weights.llm_kwargs(), **device_kwargs)
         self.device = torch.device("cuda" if self.on_gpu else "cpu")
@@ -131,26 +132,11 @@ class VLLMEngine:
         self.asleep = False
         self._sleep()
 
-    def _sampling_params(self, gen: GenerationConfig, seed: int):
-        from vllm import SamplingParams
-
-        return SamplingParams(n=1, max_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                              top_p=gen.top_p, top_k=gen.top_k if gen.top_k > 0 else -1,
-                              stop=list(gen.stop) or None, stop_token_ids=list(gen.stop_token_ids) or None,
-                              include_stop_str_in_output=True, logprobs=0, seed=seed)
-
     def _outputs(self, prompt_ids: Sequence[np.ndarray], gen: GenerationConfig, base_seed: int) -> list:
         prompts = [{"prompt_token_ids": ids.tolist()} for ids in prompt_ids]
-        params = [self._sampling_params(gen, s) for s in vllm_seeds(base_seed, len(prompts))]
+        params = [sampling_params(gen, s) for s in vllm_seeds(base_seed, len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.weights.lora_request)
-        results = []
-        for out in outs:
-            c = out.outputs[0]
-            ids = np.asarray(c.token_ids, dtype=np.int64)
-            logp = np.asarray([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
-            reason = "length" if c.finish_reason == "length" else "stop"
-            results.append(GenerationOutput(ids, logp, reason, c.text))
-        return results
+        return [completion_output(out) for out in outs]
 
     @contextmanager
     def serving(self):

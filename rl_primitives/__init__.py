@@ -30,6 +30,7 @@ from primitives.maths.kl import (
     create_reference_model,
     create_truncated_kl,
 )
+from primitives.model.vllm_generation import vllm_generator
 from primitives.types import Conversation, Generation, Message, ModelConfig, Rollout, RolloutBatch
 from rl_primitives.api import (
     Batch,
@@ -157,5 +158,5 @@ __all__ = [
     "prompt_source_from_loader", "quick_start_training", "reinforce", "run_rl_training", "run_sft_training",
     "safe_calculate", "save_checkpoint", "sync_weights_to_engines", "top_bottom_pairs", "track_tool_calls",
     "track_tool_stats", "train", "training_iteration", "training_step", "update_ema_metrics", "update_reference_model",
-    "validate_batch", "weighted_sum_aggregator",
+    "validate_batch", "vllm_generator", "weighted_sum_aggregator",
 ]

@@ -42,7 +42,10 @@ def create_rollouts(model, tokenizer, prompt: Any, gen_config: GenerationConfig 
     backend, also accepted as ``generator=`` as the seeds pass it) generates instead of the model's
     own sampler, once per completion: it returns the completion's ``token_ids``, ``text``,
     ``finish_reason`` and per-token ``logprobs`` (floats, or vLLM's ``Logprob`` records). Logprobs it
-    does not return are the policy ``model``'s own of those tokens at the config's temperature.
+    does not return are the policy ``model``'s own of those tokens at the config's temperature. It is
+    called with ``n`` 1 and, where ``gen_config.seed`` is set, completion k gets ``seed + k``, so a
+    seeded group's completions differ. ``primitives.model.vllm_generation.vllm_generator`` is one
+    for a vLLM ``LLM``.
 
     ``tool_parser(text) -> [ToolCall]`` (single-turn tool tracking, the seeds' extension point):
     sets ``tool_calls`` from each completion's text, before the reward so it can read them; nothing
@@ -110,8 +113,10 @@ def custom_rollout(generate_fn: Callable, model, tokenizer, item: PromptItem, ge
     import numpy as np
 
     name = getattr(generate_fn, "__name__", repr(generate_fn))
-    out = generate_fn(model, tokenizer, item.prompt, gen_config._replace(n=1))
-    ids = np.asarray(list(getattr(out, "token_ids", None) or []), dtype=np.int64)
+    seed = None if gen_config.seed is None else gen_config.seed + sample  # a group's completions differ
+    out = generate_fn(model, tokenizer, item.prompt, gen_config._replace(n=1, seed=seed))
+    token_ids = getattr(out, "token_ids", None)  # a list or an array
+    ids = np.asarray([] if token_ids is None else list(token_ids), dtype=np.int64)
     if ids.size == 0:
         raise ValueError(f"generate_fn {name} returned no token_ids: a rollout is trained on its tokens, so the "
                          f"function must return them (a Generation(text, logprobs, token_ids, finish_reason))")
@@ -121,7 +126,7 @@ def custom_rollout(generate_fn: Callable, model, tokenizer, item: PromptItem, ge
         logprobs = np.asarray([float(getattr(lp, "logprob", lp)) for lp in raw], dtype=np.float32)
         if logprobs.shape != ids.shape:
             raise ValueError(f"generate_fn {name} returned {len(logprobs)} logprobs for {len(ids)} tokens")
-    prompt_ids = encode_prompts(tokenizer, [item.prompt])[0]
+    prompt_ids = encode_prompts(tokenizer, [item.prompt], gen_config.template_kwargs)[0]
     text = getattr(out, "text", None)
     rollout = pack_rollout(item, prompt_ids, GenerationOutput(
         ids, logprobs if logprobs is not None else np.zeros(len(ids), dtype=np.float32),

@@ -157,6 +157,47 @@ def test_tool_turns_through_vllm_are_masked(vllm_cluster, items):
     assert policy_gap < PARITY, policy_gap
 
 
+def _vllm_generator_rollouts(worker, prompts, gen) -> list:
+    """Run inside the generator actor: the seeds' ``create_rollouts(llm, ..., generator=vllm_generator)``
+    on the worker's own vLLM ``LLM`` (built with processed logprobs) and tokenizer."""
+    from rl_primitives import create_rollouts, vllm_generator
+
+    engine = worker.engine
+    with engine.serving():
+        return [r for p in prompts
+                for r in create_rollouts(engine.llm, engine.tokenizer, p, gen, generator=vllm_generator)]
+
+
+def test_vllm_generator_samples_and_scores_as_the_trainer(vllm_cluster, items, tiny_model_path):
+    """The seeds' ``vllm_generator`` on a real vLLM ``LLM``: a seeded group's completions differ and the
+    same seed samples them again; the prompt is tokenised as the HF sampler does; the logprobs are the
+    trainer's of the same tokens at T 0.7, and not at T 1; a stop string ends a completion, kept."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from primitives.model.prompts import encode_prompts
+
+    sync_weights(vllm_cluster, version=12)
+    actor = vllm_cluster.generators.group.actors[0]
+    prompts = [it.prompt for it in items[:2]]
+    gen = GenerationConfig(max_new_tokens=6, n=3, temperature=0.7, seed=5)
+    rollouts = ray.get(actor.__ray_call__.remote(_vllm_generator_rollouts, prompts, gen), timeout=300)
+    again = ray.get(actor.__ray_call__.remote(_vllm_generator_rollouts, prompts, gen), timeout=300)
+    assert len(rollouts) == 6 and [r.uid for r in rollouts[:3]] == ["e0/i0/s0", "e0/i0/s1", "e0/i0/s2"]
+    assert [r.completion_ids.tolist() for r in rollouts] == [r.completion_ids.tolist() for r in again]
+    assert len({tuple(r.completion_ids.tolist()) for r in rollouts[:3]}) > 1
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert [r.prompt_ids.tolist() for r in rollouts[::3]] == [ids.tolist() for ids in encode_prompts(tok, prompts)]
+    trainer = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 0.7)], vllm_cluster.timeout_s)[0]
+    assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts)) < PARITY
+    other = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.0)], vllm_cluster.timeout_s)[0]
+    assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(other, rollouts)) > 100 * PARITY
+
+    stop = GenerationConfig(max_new_tokens=6, n=2, seed=5, stop=tuple(string.printable[:94]))
+    for r in ray.get(actor.__ray_call__.remote(_vllm_generator_rollouts, prompts[:1], stop), timeout=300):
+        assert r.finish_reason == "stop" and r.text and r.text[-1] in string.printable[:94]
+
+
 def test_asynchronous_rl_with_a_vllm_generator(vllm_cluster, items):
     """max_staleness 1: step k trains rollouts vLLM sampled with version k - 1 while step k - 1
     trained; every prompt is trained once; after the run vLLM holds the trainer's weights."""

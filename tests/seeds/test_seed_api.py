@@ -4,6 +4,7 @@ the seeds' configs and factories, ``quick_start_training`` and the debugging uti
 import copy
 import os
 import pickle
+import re
 
 import cloudpickle
 import numpy as np
@@ -493,3 +494,71 @@ def test_the_seeds_model_loaders_and_reward_model_function(tiny_model, tokenizer
     other.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match=r"this tokenizer's vocabulary is not the reward model's"):
         create_rm_reward_fn(rm, other)
+
+
+def test_a_generation_backend_gets_one_seed_per_completion(tiny_model, tokenizer):
+    """A seeded group of a user's backend: completion k is asked with ``seed + k`` and ``n`` 1, so a
+    seeded backend (vLLM's) samples a group whose completions differ; unseeded it gets None. Token
+    ids may come as an array (vllm_generator's)."""
+    from primitives.types import Generation
+    from rl_primitives import GenerationConfig, create_rollouts
+
+    asked = []
+
+    def backend(model, tok, prompt, cfg):
+        asked.append((cfg.seed, cfg.n))
+        ids = np.asarray(tok("7 + 8", add_special_tokens=False).input_ids)  # an array, of several tokens
+        assert len(ids) > 1
+        return Generation("7 + 8", None, ids, "length")
+
+    for config in (GenerationConfig(max_new_tokens=2, n=3, seed=40), GenerationConfig(max_new_tokens=2, n=2)):
+        create_rollouts(tiny_model, tokenizer, "12+34=", config, generator=backend)
+    assert asked == [(40, 1), (41, 1), (42, 1), (None, 1), (None, 1)]
+
+
+class _LLMBuiltWith:
+    """What ``vllm_generator`` reads of a vLLM ``LLM`` before it samples: how its logprobs are made.
+    Sampling fails the test: every case here must be refused first."""
+
+    def __init__(self, logprobs_mode):
+        self.model_config = type("ModelConfig", (), {"logprobs_mode": logprobs_mode})()
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("sampled before the refusal")
+
+
+@pytest.mark.parametrize("mode, config, says", [
+    ("raw_logprobs", dict(temperature=0.7), "before temperature 0.7"),  # the seeds' LLM(model)
+    ("raw_logprobs", dict(temperature=1.3, top_p=0.9), "before temperature 1.3"),
+    ("processed_logprobs", dict(temperature=0.7, top_p=0.9), "top_p 0.9 vLLM's processed logprobs are renormalised"),
+    ("processed_logprobs", dict(temperature=1.0, top_k=20), "top_k 20 vLLM's processed logprobs are renormalised"),
+    ("processed_logits", dict(temperature=1.0), "returns logits, not logprobs"),
+    ("raw_logits", dict(temperature=0.0), "returns logits, not logprobs"),
+])
+def test_vllm_generator_refuses_logprobs_of_another_distribution(tokenizer, mode, config, says):
+    """The seeds' ``vllm_generator`` on an ``LLM`` whose sampled-token logprobs are not
+    ``log_softmax(logits / T)``: refused by name, before sampling, with the ``LLM`` to build."""
+    from rl_primitives import GenerationConfig, create_rollout, vllm_generator
+
+    with pytest.raises(ValueError, match=f"vllm_generator: .*{re.escape(says)}"):
+        create_rollout(_LLMBuiltWith(mode), tokenizer, "12+34=", GenerationConfig(**config), generator=vllm_generator)
+
+
+def test_vllm_generator_takes_the_configs_whose_logprobs_vllm_returns():
+    """The other side of the refusals: raw logprobs at T 1 (truncation is after them) or greedy
+    (scored at T 1), processed ones at any T without top-p / top-k, or greedy."""
+    from primitives.model.vllm_generation import behaviour_logprob_error
+    from rl_primitives import GenerationConfig
+
+    fine = [("raw_logprobs", dict(temperature=1.0)), ("raw_logprobs", dict(temperature=1.0, top_p=0.9, top_k=5)),
+            ("raw_logprobs", dict(temperature=0.0, top_p=0.5)), ("processed_logprobs", dict(temperature=0.7)),
+            ("processed_logprobs", dict(temperature=1.6)), ("processed_logprobs", dict(temperature=0.0, top_k=3))]
+    assert [behaviour_logprob_error(mode, GenerationConfig(**c)) for mode, c in fine] == [None] * len(fine)
+
+
+def test_vllm_generator_tells_a_transformers_model_to_sample_itself(tiny_model, tokenizer):
+    from rl_primitives import GenerationConfig, create_rollout, vllm_generator
+
+    with pytest.raises(TypeError, match="vllm_generator samples with a vLLM LLM .* got Qwen2ForCausalLM; a "
+                                        "transformers model samples with create_rollout's own sampler"):
+        create_rollout(tiny_model, tokenizer, "12+34=", GenerationConfig(), generator=vllm_generator)
