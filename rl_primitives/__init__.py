@@ -10,6 +10,7 @@ loop and the local backend, and nothing imports it. Training runs in this proces
 from primitives.env.rewards import (
     compute_scalar_reward,
     compute_vector_reward,
+    keyword_reward,
     lexicographic_aggregator,
     max_aggregator,
     mean_aggregator,
@@ -85,6 +86,7 @@ from rl_primitives.plan_rl import (
     RLTrainingConfig,
     RolloutConfig,
     SampleBatch,
+    SGLangEngine,
     compute_advantages,
     compute_reward,
     generate_rollout_batches,
@@ -93,22 +95,28 @@ from rl_primitives.plan_rl import (
     sync_weights_to_engines,
 )
 from rl_primitives.ref_cache import ReferenceLogprobCache, cached_ref_logprobs
+from rl_primitives.seed_data import compute_loss_mask, load_sft_samples, tokenize_conversation
 from rl_primitives.seed_maths import (
     compute_batch_kl,
     compute_dapo_loss,
     compute_dapo_pairs,
     compute_forward_kl,
+    compute_kl,
     compute_loss_by_algorithm,
     compute_policy_gradient_loss,
     compute_ppo_loss,
     compute_reinforce_loss,
     compute_reverse_kl,
+    copy_params,
     create_dapo_config,
+    create_ema_model,
     create_grpo_config,
     create_kl_schedule,
     create_ppo_config,
     get_algorithm_config,
+    get_algorithm_for_iteration,
     normalize_rewards,
+    reset_if_needed,
 )
 from rl_primitives.seed_models import (
     compute_logprobs_for_tokens,
@@ -116,6 +124,7 @@ from rl_primitives.seed_models import (
     parse_thinking,
     update_reference_model,
 )
+from rl_primitives.seed_rewards import combine_rewards, length_reward, safety_check_reward
 from rl_primitives.seed_tools import (
     apply_chat_template,
     apply_reward_shaping,
@@ -131,32 +140,35 @@ from rl_primitives.seed_tools import (
 )
 from rl_primitives.utilities import inspect_rollout, plot_training_curves, validate_batch
 
+select_top_bottom_pairs = top_bottom_pairs  # the seeds' name (seeds/000, example 4)
 create_adaptive_kl = create_confidence_masked_kl  # the seeds' name (seeds/003): k3 on tokens the policy is sure of
 
 __all__ = [
-    "AsyncRolloutManager", "Batch", "Conversation", "DataBuffer", "Generation", "GenerationConfig",
-    "HFInferenceEngine", "Message", "ModelConfig", "PromptItem", "PyTorchTrainingBackend", "RLTrainingConfig",
-    "RayTrainingBackend", "ReferenceLogprobCache", "Rollout", "RolloutBatch", "RolloutConfig", "Sample", "SampleBatch",
+    "AsyncRolloutManager", "Batch", "Conversation", "DataBuffer", "Generation", "GenerationConfig", "HFInferenceEngine",
+    "Message", "ModelConfig", "PromptItem", "PyTorchTrainingBackend", "RLTrainingConfig", "RayTrainingBackend",
+    "ReferenceLogprobCache", "Rollout", "RolloutBatch", "RolloutConfig", "SGLangEngine", "Sample", "SampleBatch",
     "ToolCall", "ToolConfig", "ToolResult", "TrainFuture", "TrainingConfig", "TrainingState", "TrainingStats",
     "aggregate_vector_rewards", "apply_chat_template", "apply_reward_shaping", "batch_generate", "cached_ref_logprobs",
-    "collate_batch", "compute_advantages", "compute_batch_kl", "compute_batch_rewards", "compute_dapo_loss",
-    "compute_dapo_pairs", "compute_forward_kl", "compute_grpo_advantages", "compute_grpo_loss",
-    "compute_logprobs_for_tokens", "compute_loss_by_algorithm", "compute_per_token_kl", "compute_policy_gradient_loss",
-    "compute_ppo_advantages", "compute_ppo_loss", "compute_reinforce_loss", "compute_reverse_kl", "compute_reward",
-    "compute_reward_model_score", "compute_scalar_reward", "compute_vector_reward", "create_adaptive_kl",
-    "create_algorithm_config", "create_batch_rollouts", "create_confidence_masked_kl", "create_dapo_config",
+    "collate_batch", "combine_rewards", "compute_advantages", "compute_batch_kl", "compute_batch_rewards",
+    "compute_dapo_loss", "compute_dapo_pairs", "compute_forward_kl", "compute_grpo_advantages", "compute_grpo_loss",
+    "compute_kl", "compute_logprobs_for_tokens", "compute_loss_by_algorithm", "compute_loss_mask",
+    "compute_per_token_kl", "compute_policy_gradient_loss", "compute_ppo_advantages", "compute_ppo_loss",
+    "compute_reinforce_loss", "compute_reverse_kl", "compute_reward", "compute_reward_model_score",
+    "compute_scalar_reward", "compute_vector_reward", "copy_params", "create_adaptive_kl", "create_algorithm_config",
+    "create_batch_rollouts", "create_confidence_masked_kl", "create_dapo_config", "create_ema_model",
     "create_ema_updater", "create_grpo_config", "create_kl_schedule", "create_multiturn_rollout",
     "create_periodic_updater", "create_ppo_config", "create_ref_update_fn", "create_reference_model",
     "create_rm_reward_fn", "create_rollout", "create_rollouts", "create_truncated_kl", "dapo",
     "execute_and_track_tools", "execute_tools", "extract_tool_calls", "format_prompt", "generate",
     "generate_conversation_turn", "generate_rollout_batches", "generate_with_logprobs", "get_algorithm",
-    "get_algorithm_config", "get_reference_logprobs", "grpo", "grpo_loss", "inspect_rollout",
-    "lexicographic_aggregator", "load_checkpoint", "load_model", "load_reward_model", "load_tokenizer",
-    "log_to_console", "log_to_wandb", "make_prompt_source", "max_aggregator", "mean_aggregator", "min_aggregator",
-    "min_threshold_aggregator", "nll_loss", "normalize_rewards", "online_dpo", "parse_thinking", "parse_tool_calls",
-    "piecewise_schedule", "plot_training_curves", "prepare_grpo_batch", "prepare_sft_batch",
-    "prompt_source_from_loader", "quick_start_training", "reinforce", "run_rl_training", "run_sft_training",
-    "safe_calculate", "save_checkpoint", "sync_weights_to_engines", "top_bottom_pairs", "track_tool_calls",
-    "track_tool_stats", "train", "training_iteration", "training_step", "update_ema_metrics", "update_reference_model",
-    "validate_batch", "vllm_generator", "weighted_sum_aggregator",
+    "get_algorithm_config", "get_algorithm_for_iteration", "get_reference_logprobs", "grpo", "grpo_loss",
+    "inspect_rollout", "keyword_reward", "length_reward", "lexicographic_aggregator", "load_checkpoint", "load_model",
+    "load_reward_model", "load_sft_samples", "load_tokenizer", "log_to_console", "log_to_wandb", "make_prompt_source",
+    "max_aggregator", "mean_aggregator", "min_aggregator", "min_threshold_aggregator", "nll_loss", "normalize_rewards",
+    "online_dpo", "parse_thinking", "parse_tool_calls", "piecewise_schedule", "plot_training_curves",
+    "prepare_grpo_batch", "prepare_sft_batch", "prompt_source_from_loader", "quick_start_training", "reinforce",
+    "reset_if_needed", "run_rl_training", "run_sft_training", "safe_calculate", "safety_check_reward",
+    "save_checkpoint", "select_top_bottom_pairs", "sync_weights_to_engines", "tokenize_conversation",
+    "top_bottom_pairs", "track_tool_calls", "track_tool_stats", "train", "training_iteration", "training_step",
+    "update_ema_metrics", "update_reference_model", "validate_batch", "vllm_generator", "weighted_sum_aggregator",
 ]

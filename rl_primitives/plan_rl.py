@@ -167,6 +167,44 @@ class HFInferenceEngine:
         return self.weight_version
 
 
+class SGLangEngine:
+    """An SGLang server the plan syncs (seeds/004: ``SGLangEngine(base_url="http://localhost:30000")``):
+    at each sync it is told to reload its weights from the checkpoint directory, through SGLang's
+    ``POST /update_weights_from_disk``. The directory must be readable on the server's machine (a
+    shared filesystem on several nodes). A refusal or an unreachable server raises naming the URL
+    and SGLang's message; nothing is retried, so a sync that did not happen is never counted."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        if not str(base_url).startswith(("http://", "https://")):
+            raise ValueError(f"SGLangEngine(base_url={base_url!r}): an http(s) URL of the server, e.g. "
+                             "http://localhost:30000")
+        self.base_url, self.timeout_s = str(base_url).rstrip("/"), timeout_s
+        self.weight_version = 0
+
+    def update_weights_from_checkpoint(self, path: str) -> int:
+        import json
+        import urllib.error
+        import urllib.request
+
+        hf = os.path.join(path, "hf") if os.path.isfile(os.path.join(path, "hf", "config.json")) else path
+        url = f"{self.base_url}/update_weights_from_disk"
+        request = urllib.request.Request(url, json.dumps({"model_path": hf}).encode(),
+                                         {"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                answer = json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"SGLang at {url} refused the weights of {hf}: HTTP {e.code} "
+                               f"{e.read().decode(errors='replace')[:300]}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RuntimeError(f"SGLang at {url} did not answer ({reason}); is the server up?") from None
+        if not answer.get("success", False):
+            raise RuntimeError(f"SGLang at {url} did not load {hf}: {answer.get('message', answer)}")
+        self.weight_version += 1
+        return self.weight_version
+
+
 async def sync_weights_to_engines(engines: Sequence[Any], checkpoint_path: str) -> int:
     """Every engine takes the weights of ``checkpoint_path``; how many did."""
     for engine in engines:

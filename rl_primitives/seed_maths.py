@@ -67,6 +67,34 @@ def compute_reverse_kl(logprobs, ref_logprobs, valid_mask=None, kl_fn: Optional[
     return _kl(sequence_forward_kl, logprobs, ref_logprobs, valid_mask, kl_fn, swap=True)
 
 
+def compute_kl(logprobs, ref_logprobs, kl_fn: Optional[Callable] = None, valid_mask=None):
+    """The seeds' ``compute_kl(logprobs, ref_logprobs, kl_fn=...)`` (seeds/001): KL(policy || ref) of
+    each sequence, the sum over its (masked) tokens of ``kl_fn(logp, ref_logp, mask)``, a per-token
+    KL function of ours (``create_truncated_kl(1.0)``, ``create_confidence_masked_kl(0.1)``,
+    ``primitives.maths.kl.get_kl_fn('k1')``; Schulman's k3 without one). A function that returns one
+    value per sequence (``(B,)``) is taken as it is. A list or 1-d sequence gives a float, ``[B, T]``
+    a ``[B]`` tensor. Anything else (the seeds' float-list ``truncated_kl``) is refused by name."""
+    from primitives.hooks import fn_name
+    from primitives.maths.kl import get_kl_fn
+
+    logp, ref, mask, one = _as_rows(logprobs, ref_logprobs, valid_mask)
+    fn = kl_fn if kl_fn is not None else get_kl_fn("k3")
+    try:
+        out = fn(logp, ref, mask)
+    except Exception as e:
+        raise ValueError(f"compute_kl: kl_fn {fn_name(fn)} failed on [B, T] tensors ({type(e).__name__}: {e}); the "
+                         "documented signature is kl_fn(logp, ref_logp, mask) -> (B, T), e.g. create_truncated_kl("
+                         "1.0), not the seeds' truncated_kl of float lists (seeds README error 2)") from None
+    shape = tuple(getattr(out, "shape", ()))
+    if shape == tuple(logp.shape):
+        out = (out * mask).sum(-1)
+    elif shape != tuple(logp.shape[:1]):
+        got = f"shape {shape}" if hasattr(out, "shape") else type(out).__name__
+        raise ValueError(f"compute_kl: kl_fn {fn_name(fn)} returned {got} for "
+                         f"{tuple(logp.shape)} logprobs; it must return per-token (B, T) or per-sequence (B,) values")
+    return float(out[0]) if one else out
+
+
 def compute_batch_kl(batch, kl_fn: Optional[Callable] = None) -> list:
     """One KL(policy || ref) per rollout of ``batch`` (a ``RolloutBatch`` or rollouts), over its
     loss tokens (tool output masked out): ``kl_fn(logprobs, ref_logprobs)`` of each, or
@@ -150,6 +178,34 @@ def get_algorithm_config(iteration: int, switch_strategy: Callable[[int], str]) 
     if not isinstance(name, str):
         raise TypeError(f"get_algorithm_config: switch_strategy({iteration}) returned {name!r}, not an algorithm name")
     return create_algorithm_config(name)
+
+
+def get_algorithm_for_iteration(iteration: int, switch_strategy: Optional[Callable[[int], str]] = None):
+    """The seeds' ``get_algorithm_for_iteration(iteration)`` (seeds/003): ``get_algorithm_config``,
+    which needs the schedule it reads - the seeds call it without one, and no schedule is right
+    for every run, so that is refused naming the form."""
+    if switch_strategy is None:
+        raise TypeError(f"get_algorithm_for_iteration({iteration}): which algorithm an iteration runs is the caller's "
+                        "schedule; pass it: get_algorithm_for_iteration(iteration, lambda i: 'grpo' if i < 50 else "
+                        "'ppo'), or give train(...) algorithm_schedule=piecewise_schedule(...) to switch mid-training")
+    return get_algorithm_config(iteration, switch_strategy)
+
+
+def _reference_helper(name: str, form: str):
+    def refused(*args, **kwargs):
+        raise TypeError(f"{name}(...) is a helper of the seeds' update_fn(ref, policy) examples, a shape that "
+                        f"changes the reference in place out of the loop's sight (seeds README 9); here a reference "
+                        f"update is ref_update_fn(ref_state, policy_weights, step, kl) -> ref_state: {form}")
+
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = f"Refused: the seeds' ``{name}``; use {form}."
+    return refused
+
+
+create_ema_model = _reference_helper("create_ema_model", "create_ref_update_fn('ema', decay=0.999)")
+copy_params = _reference_helper("copy_params", "create_ref_update_fn('periodic', reset_every=1) (the policy's "
+                                "weights every step)")
+reset_if_needed = _reference_helper("reset_if_needed", "create_ref_update_fn('periodic', reset_every=N)")
 
 
 _LOSS_FROM_ROLLOUTS = ("{name}: the seeds' shape builds the loss from the rollouts' stored logprobs (floats from "

@@ -426,6 +426,22 @@ def length_window_reward(min_tokens: int, max_tokens: int, reward: float = 1.0) 
     return reward_fn
 
 
+def keyword_reward(keywords: Sequence[str], reward: float = 1.0, case_sensitive: bool = False) -> Callable:
+    """``reward`` times the fraction of ``keywords`` the completion contains as whole words
+    (``"because"`` counts in "because," but not in "becauses"); a phrase matches as written."""
+    words = [str(k) for k in keywords]
+    if not words or any(not w.strip() for w in words):
+        raise ValueError(f"keyword_reward needs non-empty keywords, got {list(keywords)!r}")
+    flags = 0 if case_sensitive else re.IGNORECASE
+    patterns = [re.compile(rf"(?<!\w){re.escape(w.strip())}(?!\w)", flags) for w in words]
+
+    def reward_fn(rollout) -> float:
+        return reward * sum(1 for p in patterns if p.search(rollout.text)) / len(patterns)
+
+    reward_fn.__qualname__ = f"keyword_reward({words!r})"
+    return reward_fn
+
+
 def tool_usage_reward(per_success: float = 0.5, per_error: float = -0.5, max_total: float = 1.0) -> Callable:
     """Reward successful tool results, penalise failed ones; clipped to ``[-max_total, max_total]``."""
 
@@ -562,6 +578,7 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "math_verify": math_verify_reward,
     "regex_format": regex_format_reward,
     "length_window": length_window_reward,
+    "keywords": keyword_reward,
     "tool_usage": tool_usage_reward,
     "reward_model": reward_model_reward,
     "http": create_http_reward_fn,

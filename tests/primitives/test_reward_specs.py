@@ -182,8 +182,8 @@ def test_with_weights_one_per_reward():
 
 @pytest.mark.parametrize("specs, message", [
     ([RewardSpec("exact_matc")], r"unknown reward 'exact_matc'; did you mean 'exact_match'\? Valid rewards: "
-                                 r"exact_match, math_verify, regex_format, length_window, tool_usage, reward_model, "
-                                 r"http; or a user function as module:function"),
+                                 r"exact_match, math_verify, regex_format, length_window, keywords, tool_usage, "
+                                 r"reward_model, http; or a user function as module:function"),
     ([RewardSpec("bleu")], r"unknown reward 'bleu'\. Valid rewards: exact_match, .*module:function"),
     ([RewardSpec("length_window", kwargs={"min_tokens": 1, "max_token": 4})],
      r"reward 'length_window': unknown argument 'max_token'; did you mean 'max_tokens'\? "
