@@ -237,11 +237,14 @@ def compute_reward(sample, reward_fn: Optional[Callable] = None) -> float:
     return 1.0 if meta.get("correct", False) else 0.0
 
 
-def compute_advantages(rewards: Sequence[float], baseline: float = 0.0) -> list:
+def compute_advantages(rewards: Sequence[float], baseline: float = 0.0, normalize: Optional[bool] = None,
+                       advantage_fn: Optional[Callable] = None) -> list:
     """``reward - baseline`` for each (the plan's REINFORCE baseline). seeds/001's
-    ``compute_advantages(rollouts, normalize, advantage_fn)`` is refused: one mean over the whole
-    batch, normalised over padded positions (seeds README 8)."""
-    if any(not isinstance(r, (int, float, np.floating, np.integer)) or isinstance(r, bool) for r in rewards):
+    ``compute_advantages(rollouts, normalize, advantage_fn)`` is refused, with its keywords or
+    with rollouts: one mean over the whole batch, normalised over padded positions (seeds README 8)."""
+    seeds_001 = normalize is not None or advantage_fn is not None
+    if seeds_001 or any(not isinstance(r, (int, float, np.floating, np.integer)) or isinstance(r, bool)
+                        for r in rewards):
         raise ValueError("compute_advantages(rewards, baseline) takes numbers. seeds/001's compute_advantages("
                          "rollouts, normalize=...) subtracts one mean over the whole batch and normalises over padded "
                          "positions (seeds README 8): use compute_grpo_advantages(batch) (within each prompt's group), "
