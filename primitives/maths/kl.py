@@ -124,8 +124,12 @@ class RefState(NamedTuple):
 
 
 def create_reference_model(policy_model, ref_model_fn: Optional[Callable] = None):
-    """A frozen copy of the policy (or ``ref_model_fn(policy_model)``), in eval mode."""
+    """A frozen copy of the policy (or ``ref_model_fn(policy_model)``), in eval mode. A
+    ``ref_model_fn`` that returns the policy itself (the seeds' "shared parameters", ``lambda m:
+    m``) gets it back untouched: freezing it would freeze the policy, which then never trains."""
     ref = ref_model_fn(policy_model) if ref_model_fn is not None else copy.deepcopy(policy_model)
+    if ref is policy_model:
+        return ref
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)

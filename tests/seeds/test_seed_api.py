@@ -484,7 +484,9 @@ def test_the_seeds_model_loaders_and_reward_model_function(tiny_model, tokenizer
     assert load_tokenizer(config, tokenizer_loader=lambda c: c.model_name_or_path) == str(tmp_path / "rm")
     ref = create_reference_model(tiny_model)
     assert ref is not tiny_model and not any(p.requires_grad for p in ref.parameters())
+    trainable = [p.requires_grad for p in tiny_model.parameters()]
     assert create_reference_model(tiny_model, ref_model_fn=lambda m: m) is tiny_model
+    assert [p.requires_grad for p in tiny_model.parameters()] == trainable == [True] * len(trainable)  # not frozen
     rm = load_reward_model(config)
     assert load_reward_model(config, loader=lambda c: "mine") == "mine"
     r = rollout(prompt="2+2=", text="4. yes")
