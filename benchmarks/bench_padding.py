@@ -98,7 +98,7 @@ def _set_variant(name: str):
     import primitives.model.logprobs as lp
 
     lp.PACK_MIN_SHARE = 0.0 if name.startswith("packed") else float("inf")
-    lp._takes_logits_to_keep = (lambda model: False) if name == "padded, full logits" else _TAKES
+    lp.takes_logits_to_keep = (lambda model: False) if name == "padded, full logits" else _TAKES
     share = name != "packed, prompts apart"
     lp.plan_for = lambda model, ids, mask, prompt_len, *_: _PLAN_FOR(model, ids, mask, prompt_len, share)
 
@@ -208,6 +208,6 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     import primitives.model.logprobs as _lp
 
-    _TAKES = _lp._takes_logits_to_keep
+    _TAKES = _lp.takes_logits_to_keep
     _PLAN_FOR = _lp.plan_for
     main()

@@ -21,8 +21,8 @@ def rollout_sampler(seed: int, rank: int, version: int, items: Sequence,
     version, first prompt): the same call after a resume, on a replacement actor, or on the
     local backend samples the same tokens.
 
-    It lives on ``device``, the device of the model it samples for: ``torch.multinomial``
-    refuses a generator on another device than its probabilities ("Expected a 'cuda' device
+    It lives on ``device``, the device of the model it samples for: torch's random draws
+    refuse a generator on another device than its probabilities ("Expected a 'cuda' device
     type for generator"). The same key gives the same stream on the same kind of device (a
     CUDA generator draws other numbers than a CPU one seeded alike)."""
     return torch.Generator(device=device).manual_seed(sampler_key(seed, rank, version, items))

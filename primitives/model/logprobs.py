@@ -122,7 +122,7 @@ def use_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
                                                      prompt_len, share_prompts) >= PACK_MIN_SHARE
 
 
-def _takes_logits_to_keep(model) -> bool:
+def takes_logits_to_keep(model) -> bool:
     module = getattr(model, "module", model)  # a DeepSpeed engine's model
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
@@ -131,7 +131,7 @@ def _padded_logprobs(model, ids, mask, prompt_len: int, temperature: float, with
     """The (B, P + T) rows as they are: position ids from the mask, padding masked out."""
     T = ids.shape[1] - prompt_len
     # logits only where they predict a completion token (the last T + 1 positions, less the last)
-    keep = {"logits_to_keep": T + 1} if _takes_logits_to_keep(model) else {}
+    keep = {"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                    use_cache=False, **keep).logits
     pred = logits[:, -(T + 1): -1]  # position P-1+t predicts completion token t

@@ -12,9 +12,11 @@ from primitives.env.rollouts import create_rollout, create_rollouts
 from primitives.io.data import PromptItem
 from primitives.model.generation import (
     GenerationOutput,
+    draw,
     filter_logits,
     generate_rollouts,
     generate_tokens,
+    inverse_cdf,
     pack_rollout,
 )
 from primitives.model.logprobs import completion_logprobs, rollout_logprobs, token_entropy
@@ -39,6 +41,30 @@ def test_filter_logits_top_k_top_p():
     probs = torch.tensor([[0.5, 0.3, 0.2]]).log()
     assert torch.isfinite(filter_logits(probs, top_p=0.6)).tolist() == [[True, True, False]]
     assert torch.isfinite(filter_logits(probs, top_p=0.5)).tolist() == [[True, False, False]]
+
+
+def test_inverse_cdf_by_hand_and_never_a_token_without_mass():
+    """Boundaries of [0.1, 0, 0.6, 0.3, 0, 0]: cumulative 0.1, 0.1, 0.7, 1.0; u = 1 (past every
+    boundary) and unnormalised rows land on the last token with mass, never on a zero."""
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0]]).expand(7, 6)
+    u = torch.tensor([[0.0], [0.0999], [0.1001], [0.6999], [0.7001], [0.9999], [1.0]], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [0, 0, 2, 2, 3, 3, 3]
+    assert inverse_cdf(torch.tensor([[0.0, 2.0, 6.0, 0.0]]), torch.tensor([[0.3]], dtype=torch.float64)).tolist() == [2]
+
+
+def test_draw_samples_each_token_at_its_probability():
+    """200k draws from a skewed row (masses down to 1e-3, zeros between): every frequency within
+    5 standard errors of its probability, no zero-mass token drawn; the same generator seed
+    draws the same tokens."""
+    p = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.0, 0.1, 0.024, 0.001])
+    n = 200_000
+    tokens = draw(p.expand(n, -1), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=len(p)).double() / n
+    se = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * se + 1e-12).all(), (freq.tolist(), p.tolist())
+    assert freq[p == 0].sum() == 0
+    again = draw(p.expand(n, -1), torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
 
 
 def test_generation_logprobs_equal_recomputed_with_left_padding(tiny_model, tokenizer):

@@ -1,4 +1,4 @@
-"""The generator's sampler lives on its model's device: ``torch.multinomial`` refuses a CPU
+"""The generator's sampler lives on its model's device: torch's random draws refuse a CPU
 generator for CUDA probabilities ("Expected a 'cuda' device type for generator"), which crashed
 generator workers and generation hosted on trainer ranks on GPUs at the first sampled token.
 CI has no GPU: the meta device stands in for CUDA (a model moves there, though it cannot run),
