@@ -104,6 +104,9 @@ class ModelConfig(NamedTuple):
     lora: LoraConfig = LoraConfig()  # train low-rank adapters instead of every weight (rank > 0)
 
 
+VLLM_MIN_TEMPERATURE = 0.01  # vllm.sampling_params raises a temperature in (0, 0.01) to 0.01, with a warning
+
+
 class VLLMConfig(NamedTuple):
     """The vLLM engine's settings a user tunes (``cluster.vllm``); they apply where a generator
     worker runs vLLM (``cluster.generator_backend: vllm``, or auto with GPUs)."""

@@ -170,35 +170,50 @@ class HFInferenceEngine:
 class SGLangEngine:
     """An SGLang server the plan syncs (seeds/004: ``SGLangEngine(base_url="http://localhost:30000")``):
     at each sync it is told to reload its weights from the checkpoint directory, through SGLang's
-    ``POST /update_weights_from_disk``. The directory must be readable on the server's machine (a
-    shared filesystem on several nodes). A refusal or an unreachable server raises naming the URL
-    and SGLang's message; nothing is retried, so a sync that did not happen is never counted."""
+    ``POST /update_weights_from_disk``. The directory is sent as an absolute path and must be
+    readable on the server's machine (a shared filesystem on several nodes); ``api_key`` is the
+    server's ``--api-key``. A refusal (SGLang answers 400 with its message), a reply that is not
+    SGLang's, a timeout or an unreachable server raises naming the URL; nothing is retried, so a
+    sync that did not happen is never counted."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: Optional[str] = None):
         if not str(base_url).startswith(("http://", "https://")):
             raise ValueError(f"SGLangEngine(base_url={base_url!r}): an http(s) URL of the server, e.g. "
                              "http://localhost:30000")
-        self.base_url, self.timeout_s = str(base_url).rstrip("/"), timeout_s
+        self.base_url, self.timeout_s, self.api_key = str(base_url).rstrip("/"), timeout_s, api_key
         self.weight_version = 0
 
     def update_weights_from_checkpoint(self, path: str) -> int:
         import json
+        import socket
         import urllib.error
         import urllib.request
 
         hf = os.path.join(path, "hf") if os.path.isfile(os.path.join(path, "hf", "config.json")) else path
+        hf = os.path.abspath(hf)  # the server resolves a relative path against its own directory
         url = f"{self.base_url}/update_weights_from_disk"
-        request = urllib.request.Request(url, json.dumps({"model_path": hf}).encode(),
-                                         {"Content-Type": "application/json"}, method="POST")
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, json.dumps({"model_path": hf}).encode(), headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"SGLang at {url} refused the weights of {hf}: HTTP {e.code} "
+                body = response.read()
+        except urllib.error.HTTPError as e:  # SGLang answers a failed load with 400 and its message
+            raise RuntimeError(f"SGLang at {url} did not load {hf}: HTTP {e.code} "
                                f"{e.read().decode(errors='replace')[:300]}") from None
+        except (socket.timeout, TimeoutError):
+            raise RuntimeError(f"SGLang at {url} gave no answer within {self.timeout_s} s while loading {hf}; it "
+                               "may still be loading: raise timeout_s") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise RuntimeError(f"SGLang at {url} did not answer ({reason}); is the server up?") from None
+        try:
+            answer = json.loads(body or b"{}")
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise RuntimeError(f"SGLang at {url} answered {body[:200]!r}, not SGLang's JSON: is it an SGLang server?")
         if not answer.get("success", False):
             raise RuntimeError(f"SGLang at {url} did not load {hf}: {answer.get('message', answer)}")
         self.weight_version += 1

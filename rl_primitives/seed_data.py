@@ -10,8 +10,14 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from primitives.io.data import PromptFormat, SFTFields, check_chat_template, load_records, prepare_sft_chat
-from primitives.io.data import load_sft_samples as _load_sft_samples
+from primitives.io.data import (
+    PromptFormat,
+    SFTFields,
+    check_chat_template,
+    load_records,
+    prepare_sft_chat,
+    sft_samples_from_records,
+)
 from rl_primitives.plan import Sample
 
 
@@ -57,13 +63,13 @@ def load_sft_samples(path: str, tokenizer=None, fields: Optional[SFTFields] = No
     if tokenizer is None:
         raise TypeError(f"load_sft_samples({path!r}): a Sample holds token ids, so loading needs the tokenizer: "
                         f"load_sft_samples({path!r}, tokenizer)")
-    if fields is None:
-        rows = load_records(path, split).rows
-        chat = bool(rows) and "messages" in rows[0]
+    records = load_records(path, split)
+    if fields is None:  # a file of chats has messages in its first row; a row without them is then named
+        chat = bool(records.rows) and "messages" in records.rows[0]
         fields = SFTFields(messages="messages") if chat else SFTFields()
         fmt = fmt or PromptFormat(chat=chat)
     out = []
-    for s in _load_sft_samples(path, tokenizer, fields, fmt or PromptFormat(), max_len, split):
+    for s in sft_samples_from_records(records, tokenizer, fields, fmt or PromptFormat(), max_len):
         ids = torch.as_tensor(s.input_ids)
         out.append(Sample(ids, ids.clone(), torch.as_tensor(np.asarray(s.loss_mask, dtype=np.float32))))
     return out

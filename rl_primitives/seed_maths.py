@@ -29,7 +29,11 @@ def _as_rows(logprobs, ref_logprobs, valid_mask) -> tuple:
         raise ValueError(f"logprobs {tuple(logp.shape)} and ref_logprobs {tuple(ref.shape)} differ in shape: the "
                          "reference must score the same tokens the policy sampled (seeds README error 3)")
     one = logp.dim() == 1
-    mask = torch.ones_like(logp) if valid_mask is None else torch.as_tensor(valid_mask).to(logp.dtype)
+    mask = torch.ones_like(logp) if valid_mask is None else \
+        torch.as_tensor(np.asarray(valid_mask) if not torch.is_tensor(valid_mask) else valid_mask).to(logp)
+    if mask.shape != logp.shape:
+        raise ValueError(f"valid_mask {tuple(mask.shape)} and logprobs {tuple(logp.shape)} differ in shape: one mask "
+                         "value per token")
     if one:
         logp, ref, mask = logp[None], ref[None], mask.reshape(1, -1)
     return logp.float(), ref.float(), mask.float(), one
@@ -87,7 +91,7 @@ def compute_kl(logprobs, ref_logprobs, kl_fn: Optional[Callable] = None, valid_m
                          "1.0), not the seeds' truncated_kl of float lists (seeds README error 2)") from None
     shape = tuple(getattr(out, "shape", ()))
     if shape == tuple(logp.shape):
-        out = (out * mask).sum(-1)
+        out = (out * (mask > 0)).sum(-1)  # our kl_fns weight by the mask already: keep, do not weight twice
     elif shape != tuple(logp.shape[:1]):
         got = f"shape {shape}" if hasattr(out, "shape") else type(out).__name__
         raise ValueError(f"compute_kl: kl_fn {fn_name(fn)} returned {got} for "

@@ -4,6 +4,7 @@
 list is not a safety check, so it is refused naming what to pass instead."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 from primitives.env.rewards import compute_vector_reward, weighted_sum_aggregator
@@ -19,8 +20,8 @@ def combine_rewards(*reward_fns: Callable, weights: Optional[Sequence[float]] = 
         raise TypeError(f"combine_rewards(*reward_fns, weights=...) takes reward functions rollout -> float, got "
                         f"{[type(f).__name__ for f in reward_fns] or 'none'}")
     w = [1.0] * len(reward_fns) if weights is None else [float(x) for x in weights]
-    if len(w) != len(reward_fns):
-        raise ValueError(f"combine_rewards: {len(reward_fns)} reward functions but {len(w)} weights")
+    if len(w) != len(reward_fns) or not all(math.isfinite(x) for x in w):
+        raise ValueError(f"combine_rewards: {len(reward_fns)} reward functions need as many finite weights, got {w}")
     aggregate = weighted_sum_aggregator(w)
 
     def reward_fn(rollout) -> float:

@@ -14,7 +14,7 @@ from primitives.io.data import (
     FieldMap,
     PromptFormat,
 )
-from primitives.types import DECODE_MODES
+from primitives.types import DECODE_MODES, VLLM_MIN_TEMPERATURE
 from rl_actors.common import GENERATE_ON_ZERO3
 
 
@@ -295,11 +295,16 @@ def behaviour_logprob_errors(job: RLJob, record) -> list:
                                         (f"generation.top_k {gen.top_k}", gen.top_k > 0)) if on]
     vllm = cluster.generator_backend == "vllm" or (cluster.generator_backend == "auto" and cluster.generator_gpus > 0
                                                    and not cluster.generate_on_trainers)
-    if not (truncation and vllm and record.is_level != "off" and not pairwise(record)):
-        return []
     backend = "vllm" if cluster.generator_backend == "vllm" else \
         f"auto (vLLM on generator workers with cluster.generator_gpus {cluster.generator_gpus})"
-    return [f"{' and '.join(truncation)} with cluster.generator_backend {backend} and algorithm.is_level "
+    errors = [f"generation.temperature {gen.temperature} with cluster.generator_backend {backend}: vLLM raises a "
+              f"temperature below {VLLM_MIN_TEMPERATURE} to {VLLM_MIN_TEMPERATURE} (a warning), so it would sample "
+              f"at {VLLM_MIN_TEMPERATURE} while the trainer and the reference score at {gen.temperature}; use 0 "
+              f"(greedy) or at least {VLLM_MIN_TEMPERATURE}"] \
+        if vllm and 0 < gen.temperature < VLLM_MIN_TEMPERATURE else []
+    if not (truncation and vllm and record.is_level != "off" and not pairwise(record)):
+        return errors
+    return errors + [f"{' and '.join(truncation)} with cluster.generator_backend {backend} and algorithm.is_level "
             f"{record.is_level}: vLLM's behaviour logprobs are renormalised over the tokens top-p/top-k keep, the "
             "trainer's are of the full softmax(logits / T), so the importance weight would be the kept probability "
             "mass, not the gap between the policies; use generation.top_p 1 and generation.top_k 0, or "

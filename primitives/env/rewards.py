@@ -429,9 +429,12 @@ def length_window_reward(min_tokens: int, max_tokens: int, reward: float = 1.0) 
 def keyword_reward(keywords: Sequence[str], reward: float = 1.0, case_sensitive: bool = False) -> Callable:
     """``reward`` times the fraction of ``keywords`` the completion contains as whole words
     (``"because"`` counts in "because," but not in "becauses"); a phrase matches as written."""
-    words = [str(k) for k in keywords]
-    if not words or any(not w.strip() for w in words):
-        raise ValueError(f"keyword_reward needs non-empty keywords, got {list(keywords)!r}")
+    if isinstance(keywords, str) or not isinstance(keywords, (list, tuple)) \
+            or not all(isinstance(k, str) and k.strip() for k in keywords) or not keywords:
+        raise ValueError(f"keyword_reward needs a list of non-empty strings (keywords: [because, therefore]), got "
+                         f"{keywords!r}; a bare string would be its letters, and YAML reads yes/no as booleans: quote "
+                         "them")
+    words = list(keywords)
     flags = 0 if case_sensitive else re.IGNORECASE
     patterns = [re.compile(rf"(?<!\w){re.escape(w.strip())}(?!\w)", flags) for w in words]
 

@@ -124,11 +124,13 @@ class RefState(NamedTuple):
 
 
 def create_reference_model(policy_model, ref_model_fn: Optional[Callable] = None):
-    """A frozen copy of the policy (or ``ref_model_fn(policy_model)``), in eval mode. A
-    ``ref_model_fn`` that returns the policy itself (the seeds' "shared parameters", ``lambda m:
-    m``) gets it back untouched: freezing it would freeze the policy, which then never trains."""
+    """A frozen copy of the policy (or ``ref_model_fn(policy_model)``), in eval mode. A reference
+    that shares any parameter with the policy (the seeds' "shared parameters", ``lambda m: m``, or
+    a wrapper or submodule of it) is returned untouched: freezing it, or switching its dropout off,
+    would do it to the policy, which then never trains."""
     ref = ref_model_fn(policy_model) if ref_model_fn is not None else copy.deepcopy(policy_model)
-    if ref is policy_model:
+    policy_params = {id(p) for p in policy_model.parameters()}
+    if ref is policy_model or any(id(p) in policy_params for p in ref.parameters()):
         return ref
     ref.eval()
     for p in ref.parameters():

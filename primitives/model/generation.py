@@ -89,16 +89,31 @@ def draw(probs: torch.Tensor, generator=None) -> torch.Tensor:
     would misweigh rare tokens). ``torch.multinomial`` draws V exponentials per row instead, which
     on a CPU cost 45 ms a decode step for 32 rows of a 49k vocabulary, against about 3 here. A token
     of probability 0 is never drawn: rounding that lands past the last boundary takes the last
-    token with mass."""
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
-    return inverse_cdf(probs, u)
+    token with mass. On a device without float64 (Apple's MPS) the uniform is drawn there in
+    float32 and the sums are taken on the CPU."""
+    wide = float64_device(probs.device)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device,
+                   dtype=torch.float64 if wide == probs.device else torch.float32)
+    return inverse_cdf(probs.to(wide), u.to(wide, torch.float64)).to(probs.device)
+
+
+def float64_device(device: torch.device) -> torch.device:
+    """``device``, or the CPU where ``device`` has no float64 (MPS)."""
+    return torch.device("cpu") if device.type == "mps" else device
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token of each row whose cumulative mass first exceeds ``u`` (B, 1; in [0, 1]) times the
-    row's total; (B,) int64."""
+    row's total; (B,) int64. A row with a NaN or an infinity, or without mass, is refused: it would
+    draw one fixed token again and again (``torch.multinomial`` refused it too)."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
+    bad = ~torch.isfinite(total) | (total <= 0) | (probs < 0).any(-1, keepdim=True)
+    if bad.any():
+        rows = bad.squeeze(-1).nonzero().squeeze(-1).tolist()
+        raise ValueError(f"sampling: the probabilities of row(s) {rows[:8]} hold a NaN, an infinity or a negative "
+                         "value, or no mass at all (logits gone non-finite: a diverged update, an overflow in a "
+                         "half-precision forward, a broken checkpoint)")
     tokens = torch.searchsorted(cdf, u * total, right=True).clamp(max=probs.shape[-1] - 1)
     last = (cdf < total).sum(-1, keepdim=True)  # the first index reaching the total: the last with mass
     empty = probs.gather(-1, tokens) <= 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from primitives.model.generation import GenerationOutput
 from primitives.model.prompts import encode_prompts
-from primitives.types import Generation, GenerationConfig
+from primitives.types import VLLM_MIN_TEMPERATURE, Generation, GenerationConfig
 
 PROCESSED = "processed_logprobs"
 
@@ -51,6 +51,10 @@ def behaviour_logprob_error(logprobs_mode: str, gen: GenerationConfig) -> Option
     greedy = gen.temperature == 0
     truncated = [name for name, on in ((f"top_p {gen.top_p}", gen.top_p < 1), (f"top_k {gen.top_k}", gen.top_k > 0))
                  if on]
+    if 0 < gen.temperature < VLLM_MIN_TEMPERATURE:
+        return (f"vLLM raises a temperature below {VLLM_MIN_TEMPERATURE} to {VLLM_MIN_TEMPERATURE} (a warning, not an "
+                f"error), so it would sample and score at {VLLM_MIN_TEMPERATURE}, not at {gen.temperature}, where the "
+                f"trainer scores; use temperature 0 (greedy) or at least {VLLM_MIN_TEMPERATURE}")
     if logprobs_mode.endswith("_logits"):
         return (f"the LLM was built with logprobs_mode '{logprobs_mode}', which returns logits, not logprobs; "
                 f"build it with LLM(..., logprobs_mode='{PROCESSED}')")

@@ -229,8 +229,13 @@ REFUSED = "with cluster.generator_backend"
     ({"generation": {"top_p": 0.9}, "cluster": {"generator_gpus": 1, "generate_on_trainers": True, "generators": 0}},
      None),  # generation on the trainer ranks: HF
     ({"cluster": {"generator_backend": "vllm"}}, None),  # no truncation: vLLM's logprobs are the full ones
+    ({"generation": {"temperature": 0.005}, "cluster": {"generator_backend": "vllm"}},
+     "generation.temperature 0.005 with cluster.generator_backend vllm: vLLM raises a temperature below 0.01"),
+    ({"generation": {"temperature": 0.005}, "cluster": {"generator_backend": "hf"}}, None),  # HF samples at 0.005
+    ({"generation": {"temperature": 0.0}, "cluster": {"generator_backend": "vllm"}}, None),  # greedy
+    ({"generation": {"temperature": 0.01}, "cluster": {"generator_backend": "vllm"}}, None),
 ], ids=["vllm-top_k", "vllm-both-sequence", "auto-gpus", "hf", "is_level-off", "online_dpo", "auto-cpu",
-        "on-trainers", "vllm-untruncated"])
+        "on-trainers", "vllm-untruncated", "vllm-below-0.01", "hf-below-0.01", "vllm-greedy", "vllm-0.01"])
 def test_which_generator_and_truncation_go_together(changes, refused):
     from cluster.jobs.checks import rl_errors
 

@@ -14,10 +14,12 @@ from primitives.model.generation import (
     GenerationOutput,
     draw,
     filter_logits,
+    float64_device,
     generate_rollouts,
     generate_tokens,
     inverse_cdf,
     pack_rollout,
+    sample_next,
 )
 from primitives.model.logprobs import completion_logprobs, rollout_logprobs, token_entropy
 from primitives.model.prompts import encode_prompts, render_prompt
@@ -50,6 +52,24 @@ def test_inverse_cdf_by_hand_and_never_a_token_without_mass():
     u = torch.tensor([[0.0], [0.0999], [0.1001], [0.6999], [0.7001], [0.9999], [1.0]], dtype=torch.float64)
     assert inverse_cdf(probs, u).tolist() == [0, 0, 2, 2, 3, 3, 3]
     assert inverse_cdf(torch.tensor([[0.0, 2.0, 6.0, 0.0]]), torch.tensor([[0.3]], dtype=torch.float64)).tolist() == [2]
+
+
+@pytest.mark.parametrize("row", [[0.5, float("nan"), 0.5], [float("inf"), 0.1, 0.1], [0.0, 0.0, 0.0], [0.6, -0.1, 0.5]],
+                         ids=["nan", "inf", "no mass", "negative"])
+def test_a_row_that_is_not_a_distribution_is_refused(row):
+    """Logits gone non-finite must not draw one fixed token with a NaN logprob, step after step."""
+    probs = torch.tensor([[0.2, 0.3, 0.5], row])
+    with pytest.raises(ValueError, match=r"sampling: the probabilities of row\(s\) \[1\] hold a NaN"):
+        draw(probs, torch.Generator().manual_seed(0))
+    logits = torch.tensor([[0.0, 1.0, float("nan")]])
+    with pytest.raises(ValueError, match="logits gone non-finite"):
+        sample_next(logits, GenerationConfig(temperature=0.7), torch.Generator().manual_seed(0))
+
+
+def test_float64_sums_leave_a_device_without_float64():
+    assert float64_device(torch.device("mps")) == torch.device("cpu")
+    assert float64_device(torch.device("cpu")) == torch.device("cpu")
+    assert float64_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
 
 
 def test_draw_samples_each_token_at_its_probability():

@@ -487,6 +487,8 @@ def test_the_seeds_model_loaders_and_reward_model_function(tiny_model, tokenizer
     trainable = [p.requires_grad for p in tiny_model.parameters()]
     assert create_reference_model(tiny_model, ref_model_fn=lambda m: m) is tiny_model
     assert [p.requires_grad for p in tiny_model.parameters()] == trainable == [True] * len(trainable)  # not frozen
+    create_reference_model(tiny_model, ref_model_fn=lambda m: m.model)  # a submodule: the policy's own weights
+    assert [p.requires_grad for p in tiny_model.parameters()] == trainable
     rm = load_reward_model(config)
     assert load_reward_model(config, loader=lambda c: "mine") == "mine"
     r = rollout(prompt="2+2=", text="4. yes")
@@ -536,6 +538,7 @@ class _LLMBuiltWith:
     ("processed_logprobs", dict(temperature=1.0, top_k=20), "top_k 20 vLLM's processed logprobs are renormalised"),
     ("processed_logits", dict(temperature=1.0), "returns logits, not logprobs"),
     ("raw_logits", dict(temperature=0.0), "returns logits, not logprobs"),
+    ("processed_logprobs", dict(temperature=0.005), "vLLM raises a temperature below 0.01 to 0.01"),
 ])
 def test_vllm_generator_refuses_logprobs_of_another_distribution(tokenizer, mode, config, says):
     """The seeds' ``vllm_generator`` on an ``LLM`` whose sampled-token logprobs are not

@@ -45,6 +45,10 @@ def test_compute_kl_refuses_the_seeds_float_list_kl_and_other_shapes():
         rp.compute_kl([-1.0, -2.0], [-1.5, -1.0], kl_fn=lambda lp, ref, m: (lp - ref).sum())
     with pytest.raises(ValueError, match="differ in shape"):
         rp.compute_kl([-1.0, -2.0], [-1.5])
+    with pytest.raises(ValueError, match=r"valid_mask \(3,\) and logprobs \(2,\) differ in shape"):
+        rp.compute_kl([-1.0, -2.0], [-1.5, -1.0], valid_mask=[1, 1, 0])
+    half = rp.compute_kl([-1.0, -2.0], [-1.5, -1.0], valid_mask=[1.0, 0.5])  # k3 weighted by the mask once
+    assert half == pytest.approx(K3[0] + 0.5 * K3[1], abs=1e-6)
 
 
 def _rollout(text: str) -> Rollout:
@@ -61,8 +65,9 @@ def test_keyword_and_length_rewards_by_hand():
     assert rp.keyword_reward(["it rains"], reward=2.0)(said) == 2.0  # a phrase as written
     assert [rp.length_reward(min_length=m)(said) for m in (33, 34)] == [1.0, 0.0]
     assert rp.length_reward(10, max_length=32)(said) == 0.0 and rp.length_reward(10, 33, reward=0.5)(said) == 0.5
-    with pytest.raises(ValueError, match="non-empty keywords"):
-        rp.keyword_reward([])
+    for bad in ([], "because", ["because", True], ["  "]):  # a string is its letters; YAML's yes is True
+        with pytest.raises(ValueError, match="keyword_reward needs a list of non-empty strings"):
+            rp.keyword_reward(bad)
     with pytest.raises(ValueError, match=r"length_reward: the window \[5, 2\] is empty"):
         rp.length_reward(5, 2)
 
@@ -75,8 +80,9 @@ def test_combine_rewards_as_seeds_003_composes_them():
     assert reward_fn(said) == pytest.approx(0.5 + 0.2)
     assert rp.combine_rewards(rp.length_reward(min_length=10), rp.keyword_reward(["so"]))(said) == 1.0  # weights 1
     assert "0.5*length_reward(10, None)" in reward_fn.__qualname__
-    with pytest.raises(ValueError, match="combine_rewards: 2 reward functions but 3 weights"):
-        rp.combine_rewards(rp.length_reward(), rp.keyword_reward(["a"]), weights=[1, 2, 3])
+    for weights in ([1, 2, 3], [1, float("nan")]):
+        with pytest.raises(ValueError, match="combine_rewards: 2 reward functions need as many finite weights"):
+            rp.combine_rewards(rp.length_reward(), rp.keyword_reward(["a"]), weights=weights)
     with pytest.raises(TypeError, match=r"combine_rewards\(\*reward_fns, weights=...\) takes reward functions"):
         rp.combine_rewards([rp.length_reward()])
     with pytest.raises(Exception, match="nan_reward"):
@@ -148,18 +154,25 @@ def test_load_sft_samples_reads_chats_and_pairs_into_the_plans_samples(tokenizer
 
 
 class _SGLang(http.server.BaseHTTPRequestHandler):
-    """SGLang's ``POST /update_weights_from_disk`` as the server answers it: ``{"success", "message"}``."""
+    """SGLang's ``POST /update_weights_from_disk`` as its server answers: 200 ``{"success": true,
+    "message"}`` when the weights load, 400 ``{"success": false, "message"}`` when they do not
+    (``mode`` "fail"); "garbage" answers what no SGLang server does."""
 
     loaded: list = []
-    fail = False
+    headers_seen: list = []
+    mode = "ok"
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ok = self.path == "/update_weights_from_disk" and not type(self).fail
+        type(self).headers_seen.append(self.headers.get("Authorization"))
+        ok = self.path == "/update_weights_from_disk" and type(self).mode == "ok"
         if ok:
             type(self).loaded.append(body["model_path"])
-        answer = json.dumps({"success": ok, "message": "ok" if ok else "model_path: shapes do not match"}).encode()
-        self.send_response(200)
+        answer = json.dumps({"success": ok, "message": "Succeeded to update model weights." if ok else
+                             "Failed to get weights iterator: shapes do not match"}).encode()
+        if type(self).mode == "garbage":
+            answer = b"<html>not found</html>"
+        self.send_response(200 if ok or type(self).mode == "garbage" else 400)
         self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
         self.wfile.write(answer)
@@ -172,28 +185,34 @@ class _SGLang(http.server.BaseHTTPRequestHandler):
 def sglang_server():
     server = http.server.HTTPServer(("127.0.0.1", 0), _SGLang)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    _SGLang.loaded, _SGLang.fail = [], False
+    _SGLang.loaded, _SGLang.headers_seen, _SGLang.mode = [], [], "ok"
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
 
 
-def test_sglang_engines_reload_the_checkpoint_at_each_sync(sglang_server, tmp_path):
+def test_sglang_engines_reload_the_checkpoint_at_each_sync(sglang_server, tmp_path, monkeypatch):
     """seeds/004's ``sync_weights_to_engines([SGLangEngine(base_url=...)], ckpt)``: the server is told to
-    load the checkpoint's HF directory; a server that says no, or none at all, is an error naming it."""
+    load the checkpoint's HF directory, by absolute path (the server's working directory is not ours);
+    a refusal (400), a reply that is not SGLang's, or no server at all is an error naming it."""
     import asyncio
 
+    monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "step_10"
     (ckpt / "hf").mkdir(parents=True)
     (ckpt / "hf" / "config.json").write_text("{}")
-    engine = rp.SGLangEngine(base_url=sglang_server + "/")
-    assert asyncio.run(rp.sync_weights_to_engines([engine], str(ckpt))) == 1
+    engine = rp.SGLangEngine(base_url=sglang_server + "/", api_key="sk-1")
+    assert asyncio.run(rp.sync_weights_to_engines([engine], "step_10")) == 1  # relative, as a backend writes it
     assert _SGLang.loaded == [str(ckpt / "hf")] and engine.weight_version == 1
-    _SGLang.fail = True
+    assert _SGLang.headers_seen == ["Bearer sk-1"]
+    _SGLang.mode = "fail"
     with pytest.raises(RuntimeError, match=rf"SGLang at {sglang_server}/update_weights_from_disk did not load "
-                                           r".*hf: model_path: shapes do not match"):
+                                           r".*hf: HTTP 400 .*shapes do not match"):
         engine.update_weights_from_checkpoint(str(ckpt))
-    assert engine.weight_version == 1
+    _SGLang.mode = "garbage"
+    with pytest.raises(RuntimeError, match=r"answered b'<html>not found</html>', not SGLang's JSON"):
+        engine.update_weights_from_checkpoint(str(ckpt))
+    assert engine.weight_version == 1  # no failed sync is counted
     with pytest.raises(RuntimeError, match="did not answer .*is the server up"):
         rp.SGLangEngine("http://127.0.0.1:9", timeout_s=5).update_weights_from_checkpoint(str(ckpt))
     with pytest.raises(ValueError, match=r"SGLangEngine\(base_url='localhost:30000'\): an http\(s\) URL"):

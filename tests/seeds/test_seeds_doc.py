@@ -91,7 +91,8 @@ def test_everything_rl_primitives_exports_exists():
 # A status that says the seed's call is refused and quotes the message: "refused: `...`", "refused (README 4):
 # `...`", "refused before ... (by `train`, ...): `...`", "refused: it has no temperature (`...`)". A `...` in a
 # quote stands for elided text. Shorter quotes are names, not messages (`algorithm.critic_lr`).
-REFUSAL_QUOTE = re.compile(r"refused(?: \([^)]*\))?[^`|]{0,80}?(?:\([^)]*\))?:\s*(?:[^`|(]{0,40}\()?`([^`]+)`")
+REFUSAL_QUOTE = re.compile(r"refused(?: \([^)]*\))?[^`|]{0,80}?(?:\([^)]*\))?:\s*(?:[^`|(]{0,40}\()?`([^`]+)`",
+                           re.IGNORECASE)
 EXCEPTION_PREFIX = re.compile(r"^([A-Z]\w*(?:Error|Exception|Warning)): ")
 
 
@@ -181,6 +182,32 @@ def _ema_update(ref_model, policy_model, decay):  # the seeds' model-to-model up
     return ref_model
 
 
+def _loop_train_with_a_loader(fx):
+    """Our loop's ``train`` given the seeds' ``prompt_loader(iteration)`` where a prompt source goes."""
+    from cluster.local import LocalBackend
+    from cluster.loop.train import RLRun, train
+    from primitives.maths.algorithms import constant_schedule, grpo
+
+    def load_prompts(iteration):
+        return ["What is 2+2?", "What color is the sky?"]
+
+    backend = LocalBackend(fx.tiny_model_path, lambda rollout: 1.0, seed=0)
+    run = RLRun(rp.GenerationConfig(max_new_tokens=4, n=2), num_steps=1, prompts_per_step=2,
+                lr_schedule=lambda it: 1e-3, progress=False)
+    return train(backend, load_prompts, constant_schedule(grpo(kl_coef=0.0)), run)
+
+
+class _LLMBuiltWith:
+    """What ``vllm_generator`` reads of a vLLM ``LLM`` before sampling (``model_config.logprobs_mode``);
+    sampling raises, so only a refusal before it passes."""
+
+    def __init__(self, logprobs_mode: str):
+        self.model_config = type("ModelConfig", (), {"logprobs_mode": logprobs_mode})()
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("vllm_generator sampled before refusing")
+
+
 def _plan_backend(fx):
     model = copy.deepcopy(fx.tiny_model)
     return rp.PyTorchTrainingBackend(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -238,6 +265,12 @@ REFUSALS = {
                                                                            kl_fn=_truncated_kl),
     "create_ema_model(m, decay)": lambda fx: rp.create_ema_model(torch.nn.Linear(1, 1), 0.999),
     "get_algorithm_for_iteration(iteration)": lambda fx: rp.get_algorithm_for_iteration(7),
+    "prompt_loader(iteration) -> prompts": lambda fx: _loop_train_with_a_loader(fx),
+    "truncated_kl(logprobs, ref_logprobs)": lambda fx: _seed_train(
+        fx, algorithm_config=rp.create_algorithm_config("grpo", {"kl_coef": 0.1, "kl_fn": _truncated_kl})),
+    "vllm_generator(model, tokenizer, prompt, config)": lambda fx: rp.create_rollout(
+        _LLMBuiltWith("raw_logprobs"), fx.tokenizer, "12+34=", rp.GenerationConfig(temperature=0.7),
+        generator=rp.vllm_generator),
     "get_reference_logprobs(ref_model, tokenizer, prompt, token_ids)": lambda fx: rp.get_reference_logprobs(
         _model(fx), fx.tokenizer, "What color is the sky?", [5, 6, 7]),
     "compute_grpo_loss(batch, advantages, kl_coef=)": lambda fx: rp.compute_grpo_loss(
