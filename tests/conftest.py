@@ -1,6 +1,8 @@
 """Shared fixtures: the embedded tiny tokenizer and a randomly initialised tiny Qwen2."""
+import contextlib
 import os
 import sys
+import threading
 
 import pytest
 
@@ -186,3 +188,18 @@ def tool_caller(tmp_path_factory):
     backend = LocalBackend(inputs.job.model, inputs.reward_fn, seed=job.seed)
     train_sft_stage(backend, inputs, logger=lambda metrics: None)
     return os.path.join(backend.save(os.path.join(out, "sft"), TrainState()), "policy")
+
+
+@contextlib.contextmanager
+def local_http_server(handler):
+    """An ``http.server.HTTPServer`` with ``handler`` on a free loopback port, served from a thread:
+    yields the server (``server.server_port``), shut down after."""
+    from http.server import HTTPServer
+
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -2,8 +2,7 @@
 import itertools
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from primitives.env import rewards as R
 from primitives.env.tools import ToolResult
 from primitives.types import Rollout
+from tests.conftest import local_http_server
 
 
 def _rollout(text="", n_tokens=3, answer=None, tool_results=(), uid="e0/i0/s0"):
@@ -174,12 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def reward_server():
-    server = HTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     _Handler.calls, _Handler.fail_first = 0, 0
-    yield server
-    server.shutdown()
+    with local_http_server(_Handler) as server:
+        yield server
 
 
 def test_http_reward_with_retries(reward_server):

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import threading
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import torch
 import rl_primitives as rp
 from primitives.io.data import prepare_sft_chat
 from primitives.types import Rollout
+from tests.conftest import local_http_server
 
 # k3 = r - 1 - log r with r = exp(ref - lp), worked by hand for lp [-1, -2], ref [-1.5, -1]
 K3 = [math.exp(-0.5) - 1 + 0.5, math.e - 1 - 1]  # 0.106531, 0.718282
@@ -183,12 +183,9 @@ class _SGLang(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def sglang_server():
-    server = http.server.HTTPServer(("127.0.0.1", 0), _SGLang)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     _SGLang.loaded, _SGLang.headers_seen, _SGLang.mode = [], [], "ok"
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with local_http_server(_SGLang) as server:
+        yield f"http://127.0.0.1:{server.server_port}"
 
 
 def test_sglang_engines_reload_the_checkpoint_at_each_sync(sglang_server, tmp_path, monkeypatch):
