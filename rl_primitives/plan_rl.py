@@ -118,6 +118,12 @@ class AsyncRolloutManager:
         self.batches.close()
 
 
+def hf_directory(path: str) -> str:
+    """A checkpoint's Hugging Face directory: ``path/hf`` where a Ray trainer checkpoint keeps it,
+    else ``path`` (a one-process checkpoint)."""
+    return os.path.join(path, "hf") if os.path.isfile(os.path.join(path, "hf", "config.json")) else path
+
+
 class HFInferenceEngine:
     """An inference engine in this process: a copy of the policy (``model_path``) sampling at
     ``gen_config`` (one completion per prompt unless ``gen_config.n`` says more), rewarded by
@@ -157,7 +163,7 @@ class HFInferenceEngine:
         """The weights of the HF model at ``path`` (or its ``hf/``: a Ray trainer's checkpoint)."""
         from transformers import AutoModelForCausalLM
 
-        hf = os.path.join(path, "hf") if os.path.isfile(os.path.join(path, "hf", "config.json")) else path
+        hf = hf_directory(path)
         state = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:  # a tied head is saved once
@@ -189,7 +195,7 @@ class SGLangEngine:
         import urllib.error
         import urllib.request
 
-        hf = os.path.join(path, "hf") if os.path.isfile(os.path.join(path, "hf", "config.json")) else path
+        hf = hf_directory(path)
         hf = os.path.abspath(hf)  # the server resolves a relative path against its own directory
         url = f"{self.base_url}/update_weights_from_disk"
         headers = {"Content-Type": "application/json"}
