@@ -74,13 +74,11 @@ def tiny_model(tokenizer):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """The test run's Ray (``ray_up``), for a module of tests that start actors; actors an earlier
-    module's last job kept (``RAYRL_REUSE_ACTORS``) free their bundles for this module's own."""
-    from cluster.ray_wing.pool import release_unclaimed
-
-    ray = ray_up()
-    release_unclaimed()
-    return ray
+    """The test run's Ray (``ray_up``), for a module of tests that start actors. The actors the last
+    job kept (``RAYRL_REUSE_ACTORS``) stay for this module's first cluster, across the module boundary:
+    it takes the groups of its shape and frees the others before it asks for bundles of its own
+    (``cluster.ray_wing.pool``). Actors a test starts by hand reserve no CPU, or one."""
+    return ray_up()
 
 
 @pytest.fixture(scope="session")
@@ -125,10 +123,18 @@ def lora_numel(path, rank):
 
 def pytest_collection_modifyitems(config, items):
     """A test on the run's Ray fixture is a Ray test (``-m "not ray"`` leaves it out); a module or test
-    that starts Ray by other means carries the ``ray`` mark itself."""
+    that starts Ray by other means carries the ``ray`` mark itself.
+
+    Tests marked ``own_ray`` shut the run's Ray down (a simulated cluster of their own, a real head
+    for ``ray job submit``, a check that no Ray is left running): they run last, in their order, so
+    that Ray, and the actors kept from job to job, serve every other test of the run. Each shutdown
+    in the middle of the run cost the Ray's start and new processes for every actor shape after it."""
     for item in items:
         if "ray_local" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+    own = [item for item in items if item.get_closest_marker("own_ray")]
+    if own:
+        items[:] = [item for item in items if not item.get_closest_marker("own_ray")] + own
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -22,7 +22,7 @@ import yaml
 from tests.chaos import ROLE_CLASSES, Nodes, actor_pids, our_scratch
 from tests.conftest import run_job
 
-pytestmark = pytest.mark.ray  # three simulated nodes of its own
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # three simulated nodes of its own
 
 STEPS = 12
 # the default job's task and model, every role an actor of its own, PPO (a critic) with a KL reference

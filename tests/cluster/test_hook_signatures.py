@@ -28,6 +28,7 @@ def test_a_two_parameter_reference_update_is_named_by_the_local_backend(tmp_path
     assert REF_UPDATE in str(e.value)
 
 
+@pytest.mark.own_ray  # shuts the run's Ray down: the check must come before any Ray starts
 def test_a_two_parameter_reference_update_is_named_before_ray_starts(tmp_path):
     import ray
 

@@ -192,6 +192,7 @@ def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path
 
 
 @pytest.mark.ray
+@pytest.mark.own_ray  # shuts the run's Ray down: no Ray may be left running
 def test_an_error_found_while_ray_starts_leaves_no_ray_running(tmp_path, tiny_model_path, monkeypatch):
     """run_rl starts Ray beside the model's loading, after every value check: a prompt too long
     for the tokenizer is found then, and the job stops with its message and shuts Ray down."""

@@ -14,6 +14,8 @@ import pytest
 from rl_actors.weight_sync import free_port
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.own_ray  # a real head of its own, the run's Ray shut down first
+
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 

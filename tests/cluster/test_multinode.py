@@ -21,7 +21,7 @@ from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.chaos import Nodes
 
-pytestmark = pytest.mark.ray  # a simulated cluster of its own
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # a simulated cluster of its own
 
 
 @pytest.fixture(scope="module")
