@@ -15,15 +15,11 @@ from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig, planned_rollouts
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread_plus_exact
 from tests.rl_actors.test_cluster_sync import _kill_and_wait as kill_and_wait
 
 GEN = GenerationConfig(max_new_tokens=4, n=4, temperature=0.9)
 STEPS, PROMPTS, LR = 3, 4, 1e-3
-
-
-def spread_reward(rollout) -> float:
-    """Varies with the sampled tokens, so a random model's groups have spread to learn from."""
-    return float(int(rollout.completion_ids.sum()) % 3) + arithmetic_reward(rollout)
 
 
 def _train(backend, steps=STEPS, state=None, algo=None):
@@ -47,7 +43,7 @@ def _comparable(m: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def local_metrics(tiny_model_path):
-    backend = LocalBackend(tiny_model_path, spread_reward, with_reference=True,
+    backend = LocalBackend(tiny_model_path, spread_plus_exact, with_reference=True,
                            trainer=TrainerConfig(lr=LR, max_grad_norm=1.0), seed=0)
     return _run(backend)
 
@@ -67,7 +63,8 @@ def test_local_backend_resumes_exactly(tiny_model_path, tmp_path):
     from primitives.maths.kl import create_ema_updater
 
     def backend():
-        return LocalBackend(tiny_model_path, spread_reward, with_reference=True, ref_update_fn=create_ema_updater(0.5),
+        return LocalBackend(tiny_model_path, spread_plus_exact, with_reference=True,
+                            ref_update_fn=create_ema_updater(0.5),
                             trainer=TrainerConfig(lr=LR), critic="policy", seed=0)
 
     algo = ppo(kl_coef=0.05)
@@ -82,7 +79,7 @@ def test_local_backend_resumes_exactly(tiny_model_path, tmp_path):
 def test_same_seed_same_metrics_on_local_and_ray(ray_local, tiny_model_path, local_metrics):
     cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
     cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0),
-                               spread_reward, with_reference=True, seed=0)
+                               spread_plus_exact, with_reference=True, seed=0)
     try:
         ray_metrics = _run(RayBackend(cluster))
     finally:
@@ -123,12 +120,12 @@ def test_ppo_critic_on_one_process_equals_two_trainer_and_two_critic_ranks(ray_l
     from cluster.ray_wing.roles import add_critics
     from primitives.types import ModelConfig
 
-    local = _run_ppo(LocalBackend(tiny_model_path, spread_reward, with_reference=True,
+    local = _run_ppo(LocalBackend(tiny_model_path, spread_plus_exact, with_reference=True,
                                   trainer=TrainerConfig(lr=LR, max_grad_norm=1.0), critic="policy", seed=0))
     assert all(m["critic/value_loss"] > 0 for m in local) and "critic/grad_norm" in local[0]
     cfg = ClusterConfig(generators=1, trainers=2, critics=2, reward_workers=1, zero_stage=2, call_timeout_s=300)
     trainer_cfg = TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0)
-    cluster = build_rl_cluster(tiny_model_path, cfg, trainer_cfg, spread_reward, with_reference=True, seed=0)
+    cluster = build_rl_cluster(tiny_model_path, cfg, trainer_cfg, spread_plus_exact, with_reference=True, seed=0)
     try:
         cluster = add_critics(cluster, ModelConfig(tiny_model_path), cfg, trainer_cfg)
         ray_metrics = _run_ppo(RayBackend(cluster))
@@ -149,7 +146,7 @@ def _train_async(backend, max_staleness, steps=4, items=None):
 
 
 def _local(tiny_model_path, cls=LocalBackend):
-    return cls(tiny_model_path, spread_reward, with_reference=True, trainer=TrainerConfig(lr=LR, max_grad_norm=1.0),
+    return cls(tiny_model_path, spread_plus_exact, with_reference=True, trainer=TrainerConfig(lr=LR, max_grad_norm=1.0),
                seed=0)
 
 
@@ -195,7 +192,7 @@ def test_async_rollouts_lag_one_version_and_each_prompt_trains_once(tiny_model_p
     assert all(m["staleness/mean"] == 1.0 and m["staleness/max"] == 1.0 and m["staleness/lag_1"] == 1.0
                for m in async_metrics[1:])
     _assert_each_prompt_once(backend.trained_uids, 4)
-    sync = RecordingLocal(tiny_model_path, spread_reward, with_reference=True,
+    sync = RecordingLocal(tiny_model_path, spread_plus_exact, with_reference=True,
                           trainer=TrainerConfig(lr=LR, max_grad_norm=1.0), seed=0)
     _train_async(sync, 0)
     assert [sorted(u.rsplit("/", 1)[0] for u in s) for s in sync.trained_uids] == \
@@ -234,7 +231,7 @@ def test_async_on_ray_equals_async_on_one_process(ray_local, tiny_model_path):
     local = list(_train_async(_local(tiny_model_path), 1).metrics_history)
     cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
     cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0),
-                               spread_reward, with_reference=True, seed=0)
+                               spread_plus_exact, with_reference=True, seed=0)
     try:
         backend = RayBackend(cluster)
         ray_metrics = list(_train_async(backend, 1).metrics_history)
@@ -323,7 +320,7 @@ def test_a_reward_worker_killed_under_the_filters_is_replaced_and_the_step_goes_
     runs = []
     for killing in (False, True):
         cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0),
-                                   spread_reward, with_reference=False, seed=0)
+                                   spread_plus_exact, with_reference=False, seed=0)
         backend = RewardKillingBackend(cluster, ray_local, kill=killing)
         try:
             state = train(backend, make_prompt_source(items, seed=5), constant_schedule(dapo()),

@@ -20,16 +20,12 @@ from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.maths.scaling import idle_scaling_policy, step_scaling_policy
 from primitives.types import GenerationConfig, TrainState, planned_rollouts
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread5_reward
 
 GEN = GenerationConfig(max_new_tokens=4, n=2, temperature=1.0)
 PROMPTS, LR, STEPS = 6, 1e-3, 6  # 6 prompts split evenly over 1, 2 or 3 workers
 COUNTS = [(0, 1), (2, 3), (4, 2)]
 TIMES = ("time/", "idle/", "sync/", "generators/", "recovery/", "faults/")  # what a resumed or resized run may change
-
-
-def spread_reward(rollout) -> float:
-    """A reward that varies with the sampled tokens, so that groups rarely tie."""
-    return float(int(rollout.completion_ids.sum()) % 5) / 4.0
 
 
 class Recording(RayBackend):
@@ -53,7 +49,7 @@ def items():
 def _run(ray, model, generators: int, items, policy=None, staleness: int = 0, resume=None, save_to=None,
          steps: int = STEPS) -> tuple:
     cfg = ClusterConfig(generators=generators, trainers=2, reward_workers=1, zero_stage=2, call_timeout_s=300)
-    backend = Recording(build_rl_cluster(model, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
+    backend = Recording(build_rl_cluster(model, cfg, TrainerConfig(zero_stage=2, lr=LR), spread5_reward,
                                          with_reference=False, seed=0), ray)
     try:
         state = backend.load(resume) if resume else TrainState(rng_seed=0)
@@ -191,7 +187,7 @@ def test_a_generator_that_died_before_a_shrink_serves_the_trained_weights(ray_lo
     from tests.rl_actors.test_cluster_sync import _kill_and_wait as kill_and_wait
 
     cfg = ClusterConfig(generators=3, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
-    backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
+    backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread5_reward,
                                           with_reference=False, seed=0))
     try:
         run = RLRun(GEN, num_steps=1, prompts_per_step=PROMPTS, lr_schedule=lambda s: LR, progress=False)
@@ -224,7 +220,7 @@ def test_shrink_then_grow_refills_the_start_bundles_and_added_workers_are_replac
     cfg = ClusterConfig(generators=3, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
     from primitives.maths.kl import create_ema_updater
 
-    backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread_reward,
+    backend = RayBackend(build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR), spread5_reward,
                                           with_reference=True, ref_update_fn=create_ema_updater(0.5), seed=0))
     try:
         at_start = live_groups()  # trainer, generator, reward, reference

@@ -17,7 +17,7 @@ from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import call, fan_out, gather
 from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster
 from primitives.env.tools import ToolCall, ToolConfig, calculator_tool, create_tool_executor
-from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task
+from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.hooks import with_traits
 from primitives.io.data import PromptItem, make_prompt_source
 from primitives.maths import advantages as adv
@@ -27,6 +27,7 @@ from primitives.maths.losses import token_mean
 from primitives.maths.objectives import online_dpo_objective, policy_objective
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread_and_exact
 
 GEN = GenerationConfig(max_new_tokens=4, n=4, temperature=1.0)
 PROMPTS = 4
@@ -34,9 +35,6 @@ EMA_DECAY = 0.5
 
 
 # ----------------------------------------------------------------------------- the user's functions
-def spread_reward(rollout):
-    """A vector reward: a component that varies with the sampled tokens, and exact match."""
-    return [float(int(rollout.completion_ids.sum()) % 3), arithmetic_reward(rollout)]
 
 
 def half_and_double(vector):
@@ -115,7 +113,7 @@ def stop_after_tool(conversation):
 @pytest.fixture(scope="module")
 def backend(ray_local, tiny_model_path):
     cfg = ClusterConfig(generators=1, trainers=2, reward_workers=1, zero_stage=2, call_timeout_s=300)
-    cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), spread_reward,
+    cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), spread_and_exact,
                                with_reference=True, ref_update_fn=create_ema_updater(EMA_DECAY),
                                aggregate_fn=half_and_double, seed=0)
     yield RayBackend(cluster)

@@ -26,6 +26,7 @@ from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.chaos import our_scratch, signal_when
+from tests.rewards import spread_reward
 
 
 @pytest.fixture(autouse=True)
@@ -40,14 +41,10 @@ ITEMS = make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, see
 STEPS = 6
 
 
-def _reward(rollout):
-    return float(int(rollout.completion_ids.sum()) % 3)
-
-
 def _build(path, trainers=2, zero=2, tracking=True, critic=False, timeout=120.0, on_trainers=False):
     cfg = ClusterConfig(generators=1, trainers=trainers, zero_stage=zero, critics=2, call_timeout_s=timeout,
                         reference_on_trainers=on_trainers, generate_on_trainers=on_trainers)
-    cluster = build_rl_cluster(path, cfg, TrainerConfig(zero_stage=zero, lr=1e-3, micro_batch_size=4), _reward,
+    cluster = build_rl_cluster(path, cfg, TrainerConfig(zero_stage=zero, lr=1e-3, micro_batch_size=4), spread_reward,
                                with_reference=True, ref_update_fn=create_ema_updater(0.5) if tracking else None,
                                reserve_critics=critic)
     if critic:

@@ -22,14 +22,10 @@ from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread_reward
 
 T = 0.7
 GEN = GenerationConfig(max_new_tokens=4, n=4, temperature=T)
-
-
-def spread_reward(rollout) -> float:
-    """Rewards that vary with the sampled tokens, so that groups have spread and the policy moves."""
-    return float(int(rollout.completion_ids.sum()) % 3)
 
 
 def _items():

@@ -51,12 +51,6 @@ RUNS = [
 ]
 
 
-def spread_reward(rollout) -> float:
-    """A reward that varies with the sampled tokens whatever the policy, so groups have spread and every
-    first update moves the adapters."""
-    return float(int(rollout.completion_ids.sum()) % 3)
-
-
 def lora_job(out: str, model: str, sft: str, generation: str, reference: str, zero: int, **more) -> RLJob:
     """A small job of the default task on ``model`` with rank-4 adapters in the given combination."""
     cluster = ClusterConfig(trainers=2, zero_stage=zero, generate_on_trainers=generation == "trainers",
@@ -66,7 +60,7 @@ def lora_job(out: str, model: str, sft: str, generation: str, reference: str, ze
     steps = 0 if sft == "off" else 3
     return RLJob(
         model=ModelConfig(model, lora=LoraConfig(rank=RANK)),
-        rewards=(RewardSpec("tests.cluster.test_lora_combinations:spread_reward"),),
+        rewards=(RewardSpec("tests.rewards:spread_reward"),),
         data=DataConfig(task="arithmetic", task_kwargs={"num_train": 64, "num_heldout": 8}),
         algorithm=RLConfig(steps=2, prompts_per_step=4, lr=1e-2, kl_coef=0.0 if reference == "none" else 0.05),
         reference=ReferenceConfig("ema", {"decay": 0.5}) if reference == "ema" else ReferenceConfig(),

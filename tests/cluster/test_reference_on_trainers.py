@@ -21,13 +21,9 @@ from primitives.maths.algorithms import constant_schedule, grpo, reinforce_pp
 from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread_reward
 
 T = 0.7  # a reference scored at 1.0 while the policy scores at 0.7 gives a KL that is not 0
-
-
-def spread_reward(rollout) -> float:
-    """Rewards that vary with the sampled tokens, so that groups have spread and the policy moves."""
-    return float(int(rollout.completion_ids.sum()) % 3)
 
 
 def _train(cluster, steps: int, start=None, algo=None):

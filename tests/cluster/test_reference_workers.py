@@ -16,6 +16,7 @@ from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.maths.kl import create_ema_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread_reward
 
 
 def test_one_reference_worker_by_default_and_n_when_asked():
@@ -34,12 +35,6 @@ def test_zero_reference_workers_is_a_config_error_naming_the_field(tmp_path):
 
     with pytest.raises(SystemExit, match="cluster.reference_workers must be at least 1, got 0"):
         run(["rl", "--data.task", "arithmetic", "--cluster.reference-workers", "0", "--logging.out", str(tmp_path)])
-
-
-def spread_reward(rollout) -> float:
-    """A reward that varies with the sampled tokens, so that groups have spread and the policy
-    moves (a random model never gets a sum right)."""
-    return float(int(rollout.completion_ids.sum()) % 3)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,9 @@ from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
 from primitives.io.evaluation import eval_metrics
 from primitives.types import GenerationConfig, Rollout
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import parity_reward
 
 K = 3
-
-
-def parity_reward(rollout) -> float:
-    """Varies with the sampled tokens (a random tiny model never gets a sum right)."""
-    return float(int(rollout.completion_ids.sum()) % 2)
 
 
 @pytest.fixture(scope="module")

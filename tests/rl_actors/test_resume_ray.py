@@ -15,18 +15,15 @@ from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig, TrainState
 from rl_actors.trainer import TrainerConfig
+from tests.rewards import spread_reward
 
 ITEMS = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
 KEYS = ("loss/policy", "reward/mean", "grad_norm", "kl/ref_k3", "batch/loss_tokens")
 
 
-def _reward(rollout):
-    return float(int(rollout.completion_ids.sum()) % 3)
-
-
 def _cluster(path):
     cfg = ClusterConfig(generators=2, trainers=2, zero_stage=2, call_timeout_s=300)
-    return build_rl_cluster(path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), _reward, with_reference=True)
+    return build_rl_cluster(path, cfg, TrainerConfig(zero_stage=2, lr=1e-3), spread_reward, with_reference=True)
 
 
 def _train(cluster, state, until):

@@ -24,6 +24,7 @@ from primitives.maths.kl import create_periodic_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.conftest import scored_rollouts
+from tests.rewards import spread_reward
 
 # measured on this CPU, fp32 (2026-11-25): vLLM's and the trainer's logprobs of the same tokens
 # differ by at most 4.8e-7 at T = 1 and at T = 0.7 (other kernels, the same weights); the bound
@@ -32,17 +33,12 @@ from tests.conftest import scored_rollouts
 PARITY = 1e-5
 
 
-def _spread_reward(rollout) -> float:
-    """Varies with the sampled tokens, so a random model's groups have spread and a step moves the weights."""
-    return float(int(rollout.completion_ids.sum()) % 3)
-
-
 @pytest.fixture(scope="module")
 def vllm_cluster(ray_local, tiny_model_path):
     cfg = ClusterConfig(generators=1, trainers=2, zero_stage=2, generator_backend="vllm", call_timeout_s=300)
     # a reference worker that tracks the policy (reset at every sync) joins the same gloo group
     cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=1e-3, micro_batch_size=16),
-                               _spread_reward, with_reference=True, ref_update_fn=create_periodic_updater(1),
+                               spread_reward, with_reference=True, ref_update_fn=create_periodic_updater(1),
                                bucket_mb=0.25)  # several buckets a sync
     yield cluster
     shutdown_cluster(cluster)
