@@ -30,6 +30,14 @@ HEARTBEAT_EVERY_S = 2.0
 _BEATING: set = set()  # the actor ids whose heartbeat thread runs in this process (one each)
 
 
+def ray_actor_id() -> str:
+    """This process's Ray actor id; empty outside a Ray actor (or where Ray is not imported)."""
+    ray_module = sys.modules.get("ray")  # None where Ray was blocked from importing (the GPU check does that)
+    if ray_module is None or not ray_module.is_initialized():
+        return ""
+    return ray_module.get_runtime_context().get_actor_id() or ""
+
+
 def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
     """In a Ray actor, a daemon thread that raises this actor's count in Ray's key-value store every
     ``every_s`` seconds, in a long call too. It stops when the process does not run: stopped
@@ -37,18 +45,14 @@ def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
     count has not moved for ``cluster.heartbeat_s`` for stuck (``cluster.ray_wing.groups``), long
     before ``cluster.call_timeout_s``. Outside an actor it does nothing (False); an actor rebuilt
     for another job (``Reusable``) keeps the thread it has."""
-    ray_module = sys.modules.get("ray")  # None where Ray was blocked from importing (the GPU check does that)
-    if ray_module is None or not ray_module.is_initialized():
+    actor = ray_actor_id()
+    if not actor:
         return False
     import threading
     import time
 
-    import ray
     from ray.experimental.internal_kv import _internal_kv_put
 
-    actor = ray.get_runtime_context().get_actor_id()
-    if not actor:
-        return False
     if actor in _BEATING:
         return True
     _BEATING.add(actor)

@@ -32,6 +32,43 @@ def test_rebuild_runs_the_constructor_afresh_and_release_drops_the_job():
     assert c.draw != seeded  # torch's global generator was seeded afresh, as a new process's is
 
 
+class Cyclic:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+class JobWithACycle(Reusable):
+    def __init__(self):
+        self.held = Cyclic()
+
+
+@pytest.mark.parametrize("in_actor", [True, False])
+def test_release_collects_the_jobs_cycles_and_freezes_what_survives_in_an_actor(monkeypatch, in_actor):
+    """In an actor, what survives a release (the process's imports) is frozen out of every later
+    collection; the next job's reference cycles are still collected at its own release. Outside
+    an actor the caller's heap is left unfrozen."""
+    import gc
+    import weakref
+
+    import rl_actors.reuse as reuse
+
+    monkeypatch.setattr(reuse, "ray_actor_id", lambda: "an actor" if in_actor else "")
+    gc.unfreeze()
+    try:
+        for _ in range(2):  # a first job, then a job on the kept actor
+            job = JobWithACycle()
+            cycle = weakref.ref(job.held)
+            gc.disable()  # no automatic collection in between: the release's own must free the cycle
+            try:
+                assert job.release() is True
+                assert cycle() is None
+            finally:
+                gc.enable()
+            assert (gc.get_freeze_count() > 0) is in_actor
+    finally:
+        gc.unfreeze()  # the test process's heap back as it was
+
+
 def batch(seed: int):
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, 40, size=(4, 10))
