@@ -15,9 +15,14 @@ from primitives.env.rewards import create_rm_reward_fn, load_reward_model, score
 from primitives.maths.filters import kept_indices
 from primitives.types import BatchPlan, planned_rollouts, summarize
 from rl_actors.common import actor_info, planned_inputs, setup_process
+from rl_actors.reuse import Reusable
 
 
-class RewardWorker:
+class RewardWorker(Reusable):
+    """Scores rollouts with the job's reward function (and reward model). Kept for the next job
+    like the other roles (``cluster.ray_wing.pool``): its start imports Ray and the module of the
+    reward function, a second or two of CPU, more when that module brings torch."""
+
     role = "reward"
 
     def __init__(self, reward_fn: Optional[Callable] = None, aggregate_fn: Optional[Callable] = None,

@@ -13,9 +13,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # Ray reads this when imported: a local Ray then binds 127.0.0.1 (tests stay on loopback)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
-# a job's trainers, generators and reference are kept for the next job of the same shape (cluster.ray_wing.pool):
-# a new actor's imports cost 6-8 s of CPU, most of a short test job. tests/cluster/test_kept_actors.py shows a
-# job on kept actors computes what it computes on new ones; the first job of each shape starts new actors.
+# a job's trainers, generators, reward workers and reference are kept for the next job of the same shape
+# (cluster.ray_wing.pool): a new actor's imports cost 6-8 s of CPU, most of a short test job.
+# tests/cluster/test_kept_actors.py shows a job on kept actors computes what it computes on new ones; the first
+# job of each shape starts new actors.
 os.environ.setdefault("RAYRL_REUSE_ACTORS", "1")
 
 
@@ -27,8 +28,9 @@ def ray_up():
     as the tests of starting and leaving Ray do): loopback, quiet, the checkout on every actor's path.
     Its variables reach the actors as the environment of Ray's own processes, as ``start_ray`` sets
     them, so actors take the worker processes Ray starts ahead. Each job or cluster removes its actors
-    and placement groups when it ends, or keeps its trainers, generators and reference for the next
-    cluster (``RAYRL_REUSE_ACTORS``, below); the next one joins this Ray (``start_ray`` joins a running one)."""
+    and placement groups when it ends, or keeps its trainers, generators, reward workers and reference for
+    the next cluster (``RAYRL_REUSE_ACTORS``, below); the next one joins this Ray (``start_ray`` joins a
+    running one)."""
     import ray
 
     if not ray.is_initialized():

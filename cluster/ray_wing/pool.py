@@ -1,21 +1,22 @@
 """Actors kept for the driver's next cluster of the same shape (``RAYRL_REUSE_ACTORS=1``).
 
 A trainer, generator or reference actor spends most of its start importing torch, transformers
-and DeepSpeed (6-8 s of CPU per process); a job of a few steps on a small model spends less than
-that on its steps. A driver that runs many such jobs one after the other (a sweep, a notebook,
-the test suite) can keep the actors of one cluster for the next: at shutdown each kept actor
-drops its job (``rl_actors.reuse.Reusable.release``: models, engines, process groups) and waits
-in its placement group; the next cluster whose role has the same actor class, count, bundle and
-strategy rebuilds those actors with its own keywords (``rebuild``) instead of starting new
-processes. A rebuilt actor computes what a new one would (the tests compare runs on kept and on
-new actors); what it keeps is its imports, and its Ray actor id.
+and DeepSpeed (6-8 s of CPU per process; a reward worker imports Ray and its reward's module); a
+job of a few steps on a small model spends less than that on its steps. A driver that runs many
+such jobs one after the other (a sweep, a notebook, the test suite) can keep the actors of one
+cluster for the next: at shutdown each kept actor drops its job (``rl_actors.reuse.Reusable.release``:
+models, engines, process groups) and waits in its placement group; the next cluster whose role has
+the same actor class, count, bundle and strategy rebuilds those actors with its own keywords
+(``rebuild``) instead of starting new processes. A rebuilt actor computes what a new one would
+(the tests compare runs on kept and on new actors); what it keeps is its imports, and its Ray
+actor id.
 
 Only the last cluster's actors wait: a cluster that does not take a kept group frees it (kills its
 actors, removes its placement group) before it asks for its own bundles, so kept actors never
-hold resources a new cluster needs. Reward workers and critics are not kept (they start cheaply
-or late), nor a vLLM generator (``reusable``), nor a group grown, shrunk or repaired into a
-placement group of its own while it ran, nor an actor that does not let go of its job in time,
-nor anything of a run that failed.
+hold resources a new cluster needs. Critics are not kept (they start after the other roles, which
+have freed what no role took by then), nor a vLLM generator (``reusable``), nor a group grown,
+shrunk or repaired into a placement group of its own while it ran, nor an actor that does not let
+go of its job in time, nor anything of a run that failed.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from cluster.ray_wing.placement import RoleSpec, create_placement_groups
 
 REUSE_ENV = "RAYRL_REUSE_ACTORS"  # "1": keep the actors of each cluster for the next of the same shape
 RELEASE_S = 30.0  # an actor that has not dropped its job by then is killed, not kept
-KEPT_ROLES = ("trainer", "generator", "reference")  # reward workers start in about a second; critics come late
+KEPT_ROLES = ("trainer", "generator", "reward", "reference")  # critics start late (add_critics), not kept
 
 
 class Kept(NamedTuple):

@@ -416,10 +416,10 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
 
 def shutdown_cluster(cluster: RLCluster, keep: bool = True) -> None:
     """Kill every actor and free its bundles (or, with ``RAYRL_REUSE_ACTORS``, keep the trainers,
-    generators and reference for the next cluster of their shape: ``cluster.ray_wing.pool``; not
-    with ``keep`` false, as after a failed run); then
-    remove the scratch directories that actors killed mid-snapshot left on this machine
-    (``rl_actors.scratch``; other nodes sweep at their next snapshot)."""
+    generators, reward workers and reference for the next cluster of their shape:
+    ``cluster.ray_wing.pool``; not with ``keep`` false, as after a failed run); then remove the scratch
+    directories that actors killed mid-snapshot left on this machine (``rl_actors.scratch``; other
+    nodes sweep at their next snapshot)."""
     from rl_actors.scratch import sweep
 
     own = [getattr(cluster.generators, "group", None), cluster.trainers, cluster.rewards,

@@ -1,7 +1,7 @@
 """Kept actors (``RAYRL_REUSE_ACTORS=1``, ``cluster.ray_wing.pool``): a job on actors an earlier
 job's cluster kept computes what it computes on new actors - every logged number of every SFT and
 RL step, and the final weights - across ZeRO stages (a trainer kept from a ZeRO-2 job rebuilt for
-ZeRO-3 and back), a generator worker, and a policy-tracking reference worker; kept actors that a
+ZeRO-3 and back), a generator worker, a reward worker and a policy-tracking reference worker; kept actors that a
 new cluster does not take are killed before it asks for its bundles; a kept actor that died while
 it waited is replaced by a new one, the job unchanged. (The rest of the suite runs
 with kept actors, ``tests/conftest.py``; this module compares them with new ones.)"""
@@ -57,13 +57,13 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     assert new3[0]["reused_roles"] == [] and kept_count() == 0
     monkeypatch.setenv(REUSE_ENV, "1")
     new2 = run(zero2, str(tmp_path / "new2"))
-    assert new2[0]["reused_roles"] == [] and kept_count() == 3  # two trainer ranks, one generator
+    assert new2[0]["reused_roles"] == [] and kept_count() == 4  # two trainer ranks, a generator, a reward worker
     kept3 = run(zero3, str(tmp_path / "kept3"), *ema)  # the ZeRO-2 job's trainers and generator
-    assert kept3[0]["reused_roles"] == ["trainer", "generator"]
+    assert kept3[0]["reused_roles"] == ["trainer", "generator", "reward"]
     assert kept3[0]["zero_stage"] == 3 and kept3[0]["reference"] == "workers"
     kept2 = run(zero2, str(tmp_path / "kept2"))  # the ZeRO-3 job's; its reference worker was killed
-    assert kept2[0]["reused_roles"] == ["trainer", "generator"]
-    assert kept_count() == 3  # kept2's own: the reference worker no role took was freed at its start
+    assert kept2[0]["reused_roles"] == ["trainer", "generator", "reward"]
+    assert kept_count() == 4  # kept2's own: the reference worker no role took was freed at its start
     same_run(new3, kept3)
     same_run(new2, kept2)
     assert new2[1] != new3[1]  # the two shapes differ (ZeRO-3 and a moving reference): the equality is not vacuous
@@ -71,5 +71,5 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     os.kill(actor_pids("TrainerWorker")[-1], signal.SIGKILL)
     time.sleep(1)
     after_death = run(zero2, str(tmp_path / "after_death"))
-    assert after_death[0]["reused_roles"] == ["generator"]
+    assert after_death[0]["reused_roles"] == ["generator", "reward"]
     same_run(new2, after_death)
