@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cluster.loop.train import Hooks, RLRun, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
-from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, ray_left_as_found, shutdown_cluster  # noqa: E402
 from primitives.env.rewards import parse_first_number  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
@@ -87,24 +87,22 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    import ray
-
     args, start = parse_args(argv), time.time()
     args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     logger, _ = run_logger(args.out, ["algorithm", "reward/mean", "data/prompts_drawn", "dpo/accuracy"], every=1)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     items, _ = make_arithmetic_task(ArithmeticTaskSpec(num_train=1024, num_heldout=1, seed=args.seed))
-    cluster = build_rl_cluster(model, CLUSTER, TrainerConfig(lr=LR), relative_error_reward, with_reference=True,
-                               seed=args.seed)
-    backend = RayBackend(cluster)
-    try:
-        state = train(backend, make_prompt_source(items, seed=args.seed), make_schedule(args),
-                      RLRun(GenerationConfig(max_new_tokens=6, n=args.group_size), num_steps=args.steps,
-                            prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR, progress=False),
-                      state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger))
-    finally:
-        shutdown_cluster(backend.cluster)
-        ray.shutdown()
+    with ray_left_as_found():  # a Ray of its own is shut down after; the caller's stays up
+        cluster = build_rl_cluster(model, CLUSTER, TrainerConfig(lr=LR), relative_error_reward, with_reference=True,
+                                   seed=args.seed)
+        backend = RayBackend(cluster)
+        try:
+            state = train(backend, make_prompt_source(items, seed=args.seed), make_schedule(args),
+                          RLRun(GenerationConfig(max_new_tokens=6, n=args.group_size), num_steps=args.steps,
+                                prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR, progress=False),
+                          state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger))
+        finally:
+            shutdown_cluster(backend.cluster)
     history = list(state.metrics_history)
     plot_curves(history, ["reward/mean", "data/prompts_drawn", "dpo/accuracy", "policy/entropy"],
                 os.path.join(args.out, "curves.png"), title=f"algorithm switching ({args.schedule})")

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cluster.loop.train import Hooks, RLRun, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
-from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, ray_left_as_found, shutdown_cluster  # noqa: E402
 from primitives.env.rewards import regex_format_reward  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
@@ -96,19 +96,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    import ray
-
     args, start = parse_args(argv), time.time()
     args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     logger, _ = run_logger(args.out, ("reference",) + KEYS, every=5)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     items, _ = make_arithmetic_task(ArithmeticTaskSpec(num_train=512, num_heldout=1, seed=args.seed))
     runs = {}
-    try:
+    with ray_left_as_found():  # a Ray of its own is shut down after; the caller's stays up
         for name, update in (("ema", create_ema_updater(args.ema_decay)), ("fixed", None)):
             runs[name] = run(args, model, items, update, lambda m, name=name: logger({**m, "reference": name}))
-    finally:
-        ray.shutdown()
     rows = [{"step": i, **{f"{k} ({name})": h[i][k] for name, h in runs.items() for k in KEYS}}
             for i in range(args.steps)]
     plot_curves(rows, [f"{k} ({name})" for k in KEYS for name in runs], os.path.join(args.out, "curves.png"),

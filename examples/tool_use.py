@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cluster.loop.train import Hooks, RLRun, collect, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
-from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, ray_left_as_found, shutdown_cluster  # noqa: E402
 from primitives.env.tools import (  # noqa: E402
     SandboxUnavailable,
     ToolConfig,
@@ -145,7 +145,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args, start = parse_args(argv), time.time()
@@ -166,17 +165,19 @@ def main(argv=None) -> dict:
     # a turn ends after a complete call (the tools answer next) or with the end of the assistant's message
     gen = GenerationConfig(max_new_tokens=64, n=GROUP_SIZE, stop=("</tool_call>",),
                            stop_token_ids=(tokenizer.convert_tokens_to_ids(IM_END),))
-    cluster = build_rl_cluster(sft_path, CLUSTER, TrainerConfig(lr=LR), final_answer_reward, with_reference=False,
-                               seed=args.seed)
-    backend = RayBackend(cluster)
-    try:
-        state = train(backend, make_prompt_source(train_items, seed=args.seed), constant_schedule(grpo(kl_coef=0.0)),
-                      RLRun(gen, num_steps=args.steps, prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR),
-                      state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger), tools=config)
-        samples, _ = collect(backend, heldout[:SAMPLES], gen._replace(n=1), with_ref=False, tools=config)
-    finally:
-        shutdown_cluster(backend.cluster)
-        ray.shutdown()
+    with ray_left_as_found():  # a Ray of its own is shut down after; the caller's stays up
+        cluster = build_rl_cluster(sft_path, CLUSTER, TrainerConfig(lr=LR), final_answer_reward,
+                                   with_reference=False, seed=args.seed)
+        backend = RayBackend(cluster)
+        try:
+            state = train(backend, make_prompt_source(train_items, seed=args.seed),
+                          constant_schedule(grpo(kl_coef=0.0)),
+                          RLRun(gen, num_steps=args.steps, prompts_per_step=PROMPTS_PER_STEP,
+                                lr_schedule=lambda step: LR),
+                          state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger), tools=config)
+            samples, _ = collect(backend, heldout[:SAMPLES], gen._replace(n=1), with_ref=False, tools=config)
+        finally:
+            shutdown_cluster(backend.cluster)
     write_jsonl_atomic(os.path.join(args.out, "samples.jsonl"), [sample_record(r) for r in samples])
     history = list(state.metrics_history)
     plot_curves(history, ["reward/mean", "tools/calls_per_rollout", "tools/success_rate", "response/len_mean"],

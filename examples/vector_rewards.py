@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cluster.loop.train import Hooks, RLRun, train  # noqa: E402
 from cluster.ray_wing.backend import RayBackend  # noqa: E402
 from cluster.ray_wing.config import ClusterConfig  # noqa: E402
-from cluster.ray_wing.roles import build_rl_cluster, shutdown_cluster  # noqa: E402
+from cluster.ray_wing.roles import build_rl_cluster, ray_left_as_found, shutdown_cluster  # noqa: E402
 from primitives.env.rewards import compute_vector_reward  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, arithmetic_reward, make_arithmetic_task  # noqa: E402
 from primitives.fixtures.tiny import save_tiny_model  # noqa: E402
@@ -78,26 +78,24 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    import ray
-
     args, start = parse_args(argv), time.time()
     args.out = output_dir(args.out)  # under ray job submit: $RAYRL_OUTPUT_ROOT, not Ray's temporary copy
     keys = ["reward/mean"] + [f"reward/{name}" for name in COMPONENTS]
     logger, _ = run_logger(args.out, keys, every=10)
     model = save_tiny_model(os.path.join(args.out, "base_model"), seed=args.seed)
     items, _ = make_arithmetic_task(ArithmeticTaskSpec(num_train=512, num_heldout=1, seed=args.seed))
-    cluster = build_rl_cluster(model, CLUSTER, TrainerConfig(lr=LR), multi_objective_reward, with_reference=False,
-                               aggregate_fn=correctness_first, seed=args.seed)
-    backend = RayBackend(cluster)
-    try:
-        state = train(backend, make_prompt_source(items, seed=args.seed), constant_schedule(grpo(kl_coef=0.0)),
-                      RLRun(GenerationConfig(max_new_tokens=6, n=GROUP_SIZE), num_steps=args.steps,
-                            prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR,
-                            component_names=list(COMPONENTS)),
-                      state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger))
-    finally:
-        shutdown_cluster(backend.cluster)
-        ray.shutdown()
+    with ray_left_as_found():  # a Ray of its own is shut down after; the caller's stays up
+        cluster = build_rl_cluster(model, CLUSTER, TrainerConfig(lr=LR), multi_objective_reward, with_reference=False,
+                                   aggregate_fn=correctness_first, seed=args.seed)
+        backend = RayBackend(cluster)
+        try:
+            state = train(backend, make_prompt_source(items, seed=args.seed), constant_schedule(grpo(kl_coef=0.0)),
+                          RLRun(GenerationConfig(max_new_tokens=6, n=GROUP_SIZE), num_steps=args.steps,
+                                prompts_per_step=PROMPTS_PER_STEP, lr_schedule=lambda step: LR,
+                                component_names=list(COMPONENTS)),
+                          state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger))
+        finally:
+            shutdown_cluster(backend.cluster)
     history = list(state.metrics_history)
     plot_curves(history, keys, os.path.join(args.out, "curves.png"), title="GRPO on a vector reward")
     summary = {"steps": args.steps, "aggregator": dict(zip(COMPONENTS, WEIGHTS)),

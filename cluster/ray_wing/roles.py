@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -173,6 +174,21 @@ def start_ray(cfg: ClusterConfig, roles) -> str:
         with environ(env_vars):
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return ray.get_runtime_context().gcs_address
+
+
+@contextlib.contextmanager
+def ray_left_as_found():
+    """A script's Ray session: a Ray this block started (``start_ray``, through ``build_rl_cluster``)
+    is shut down when it ends, however it ends; a Ray the caller had started or joined before it
+    (a notebook's, the test run's) stays up, with whatever else runs there."""
+    import ray
+
+    was_running = ray.is_initialized()
+    try:
+        yield
+    finally:
+        if not was_running:
+            ray.shutdown()
 
 
 def check_cluster_hooks(reward_fn: Callable, aggregate_fn: Optional[Callable], shaping_fn: Optional[Callable],

@@ -146,3 +146,22 @@ def test_the_process_start_is_read_to_a_clock_tick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, start = map(float, proc.stdout.split())
     assert spawned - 0.02 <= start <= first  # a clock tick (10 ms) of rounding, and some slack
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_script_shuts_down_only_the_ray_it_started(monkeypatch, running):
+    """``ray_left_as_found`` (the examples' ``main``): a Ray the block started goes down with it,
+    on an error too; one running before it (a notebook's, the test run's) stays up."""
+    import ray
+
+    from cluster.ray_wing.roles import ray_left_as_found
+
+    shutdowns = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: running)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    with pytest.raises(RuntimeError, match="in the block"):
+        with ray_left_as_found():
+            raise RuntimeError("in the block")
+    with ray_left_as_found():
+        pass
+    assert len(shutdowns) == (0 if running else 2)

@@ -1,7 +1,8 @@
 """The seeds' scenarios (examples/vector_rewards.py, algorithm_switching.py, tool_use.py,
-custom_kl_ema.py, custom_pipeline.py), each run for a few steps through its ``main`` on a
-local Ray cluster that ``main`` starts and shuts down. Each test asserts the scenario's
-defining behaviour from what was logged (and, for tool use, from the rollouts sampled)."""
+custom_kl_ema.py, custom_pipeline.py), each run for a few steps through its ``main`` on the
+test run's Ray (``main`` starts a Ray of its own, and shuts it down, only where none runs).
+Each test asserts the scenario's defining behaviour from what was logged (and, for tool use,
+from the rollouts sampled)."""
 import importlib
 import json
 import os
@@ -11,17 +12,21 @@ import pytest
 import torch
 
 from primitives.io.loggers import read_jsonl_metrics
+from tests.conftest import ray_up
 
 pytestmark = pytest.mark.ray  # each scenario on a local Ray
 
 
 def run_example(name: str, tmp_path, *flags) -> tuple:
-    """``(module, summary, metrics rows, out dir)`` of ``examples/<name>.py`` run with ``flags``.
+    """``(module, summary, metrics rows, out dir)`` of ``examples/<name>.py`` run with ``flags``,
+    on the test run's Ray (``ray_up``), which ``main`` joins and leaves up, as it would a notebook's.
     The module is imported as ``examples.<name>``: the Ray actors, which have the repository
     on their path, import the functions it sends them from there."""
+    ray = ray_up()
     module = importlib.import_module(f"examples.{name}")
     out = str(tmp_path / name)
     summary = module.main(["--out", out, *flags])
+    assert ray.is_initialized()  # main shut down no Ray it had not started
     with open(os.path.join(out, "summary.json")) as f:
         assert json.load(f) == summary
     return module, summary, read_jsonl_metrics(os.path.join(out, "metrics.jsonl")), out
