@@ -1,6 +1,6 @@
 """Which groups the driver keeps for its next cluster (``cluster.ray_wing.pool``), without Ray: a
 whole group of a kept role in its own placement group; not one that shrank, grew or was repaired
-into placement groups of its own, nor a reward group; shapes tell a generator's engines apart."""
+into placement groups of its own, nor a critic group; shapes tell a generator's engines apart."""
 from typing import NamedTuple
 
 import pytest
@@ -8,6 +8,7 @@ import pytest
 from cluster.ray_wing.groups import WorkerGroup, group_shape
 from cluster.ray_wing.placement import RoleSpec
 from cluster.ray_wing.pool import REUSE_ENV, keepable, reuse_enabled
+from rl_actors.critic import CriticWorker
 from rl_actors.generator import GeneratorWorker
 from rl_actors.reward import RewardWorker
 from rl_actors.trainer import TrainerWorker
@@ -26,14 +27,15 @@ def group(cls, role: str, count: int, actors: int, slots: tuple = (), variant: s
 def test_a_whole_group_of_a_kept_role_is_keepable():
     assert keepable(group(TrainerWorker, "trainer", 2, 2))
     assert keepable(group(GeneratorWorker, "generator", 3, 3))
+    assert keepable(group(RewardWorker, "reward", 1, 1))
 
 
 @pytest.mark.parametrize("made", [
     lambda: group(GeneratorWorker, "generator", 3, 2),  # shrunk 3 -> 2: its bundles say 3
     lambda: group(GeneratorWorker, "generator", 2, 3, slots=(None, None, ("pg", 0))),  # grown into a group of its own
-    lambda: group(RewardWorker, "reward", 1, 1),  # reward workers start in a second: never kept
+    lambda: group(CriticWorker, "critic", 2, 2),  # critics start after the other roles: never kept
     lambda: WorkerGroup("trainer", ("t0",), Bundles(1)),  # no shape: not made by create_group
-], ids=["shrunk", "grown", "reward", "no-shape"])
+], ids=["shrunk", "grown", "critic", "no-shape"])
 def test_other_groups_are_not_kept(made):
     assert not keepable(made())
 
