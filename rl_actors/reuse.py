@@ -29,12 +29,6 @@ class Reusable:
             ds.release()
         for name in list(vars(self)):
             delattr(self, name)
-        gc.collect()  # the job's reference cycles (DeepSpeed's hooks and closures make some)
-        if ray_actor_id():
-            # what survives is the process's imports (400k objects with torch, transformers and
-            # DeepSpeed: 0.4 s a full collection here): no collection scans them again, the next
-            # release's included. Only in an actor: the caller's own heap is not ours to freeze
-            gc.freeze()
         if "torch" in sys.modules:
             import torch
             import torch.distributed as dist
@@ -43,6 +37,13 @@ class Reusable:
                 dist.destroy_process_group()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # what the job's model and engine held goes back to the device
+        gc.collect()  # the job's reference cycles (DeepSpeed's hooks and closures, the process groups)
+        if ray_actor_id() and gc.get_freeze_count() == 0:
+            # at the first release, what survives is the process's imports (400k objects in a trainer
+            # with torch, transformers and DeepSpeed: 0.4 s a full collection here): no collection
+            # scans them again. Once only, so that nothing a later job leaves is frozen with them;
+            # only in an actor: the caller's own heap is not ours to freeze
+            gc.freeze()
         return True
 
     def reusable(self) -> bool:

@@ -9,7 +9,9 @@ models, engines, process groups) and waits in its placement group; the next clus
 the same actor class, count, bundle and strategy rebuilds those actors with its own keywords
 (``rebuild``) instead of starting new processes. A rebuilt actor computes what a new one would
 (the tests compare runs on kept and on new actors); what it keeps is its imports, and its Ray
-actor id.
+actor id. Among those imports, a kept reward worker keeps the module of a reward function named
+``package.module:fn`` as its first job imported it: edit that module and start new actors. A
+function from a ``file.py`` travels by value, and is new with every job.
 
 Only the last cluster's actors wait: a cluster that does not take a kept group frees it (kills its
 actors, removes its placement group) before it asks for its own bundles, so kept actors never

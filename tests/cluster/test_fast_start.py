@@ -156,12 +156,14 @@ def test_a_script_shuts_down_only_the_ray_it_started(monkeypatch, running):
 
     from cluster.ray_wing.roles import ray_left_as_found
 
-    shutdowns = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: running)
+    shutdowns, state = [], {"up": running}
+    monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
     monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
     with pytest.raises(RuntimeError, match="in the block"):
         with ray_left_as_found():
+            state["up"] = True  # the block started Ray (or joined the running one)
             raise RuntimeError("in the block")
+    state["up"] = running
     with ray_left_as_found():
-        pass
-    assert len(shutdowns) == (0 if running else 2)
+        state["up"] = True
+    assert len(shutdowns) == (0 if running else 2)  # decided by whether Ray ran before the block

@@ -44,9 +44,9 @@ class JobWithACycle(Reusable):
 
 @pytest.mark.parametrize("in_actor", [True, False])
 def test_release_collects_the_jobs_cycles_and_freezes_what_survives_in_an_actor(monkeypatch, in_actor):
-    """In an actor, what survives a release (the process's imports) is frozen out of every later
-    collection; the next job's reference cycles are still collected at its own release. Outside
-    an actor the caller's heap is left unfrozen."""
+    """In an actor, what survives the first release (the process's imports) is frozen out of every
+    later collection, once: the next job's reference cycles are collected at its own release, and
+    nothing it leaves is frozen. Outside an actor the caller's heap is left unfrozen."""
     import gc
     import weakref
 
@@ -55,7 +55,9 @@ def test_release_collects_the_jobs_cycles_and_freezes_what_survives_in_an_actor(
     monkeypatch.setattr(reuse, "ray_actor_id", lambda: "an actor" if in_actor else "")
     gc.unfreeze()
     try:
+        frozen, survivor = [], []
         for _ in range(2):  # a first job, then a job on the kept actor
+            survivor.append(Cyclic())  # what a job leaves alive (a cache it filled)
             job = JobWithACycle()
             cycle = weakref.ref(job.held)
             gc.disable()  # no automatic collection in between: the release's own must free the cycle
@@ -64,7 +66,11 @@ def test_release_collects_the_jobs_cycles_and_freezes_what_survives_in_an_actor(
                 assert cycle() is None
             finally:
                 gc.enable()
-            assert (gc.get_freeze_count() > 0) is in_actor
+            frozen.append(gc.get_freeze_count())
+            assert (frozen[-1] > 0) is in_actor
+        assert frozen[1] <= frozen[0]  # the second release froze nothing more (frozen objects freed leave)
+        tracked = {id(o) for o in gc.get_objects()}  # the collector's generations, not the frozen ones
+        assert (id(survivor[0]) in tracked) is not in_actor and id(survivor[1]) in tracked
     finally:
         gc.unfreeze()  # the test process's heap back as it was
 
