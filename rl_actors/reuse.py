@@ -29,15 +29,12 @@ class Reusable:
             ds.release()
         for name in list(vars(self)):
             delattr(self, name)
-        if "torch" in sys.modules:
-            import torch
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # what the job's model and engine held goes back to the device
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         gc.collect()  # the job's reference cycles (DeepSpeed's hooks and closures, the process groups)
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the job's model and engine held, cycles included, goes back to the device
         if ray_actor_id() and gc.get_freeze_count() == 0:
             # at the first release, what survives is the process's imports (400k objects in a trainer
             # with torch, transformers and DeepSpeed: 0.4 s a full collection here): no collection

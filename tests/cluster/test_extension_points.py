@@ -35,8 +35,6 @@ EMA_DECAY = 0.5
 
 
 # ----------------------------------------------------------------------------- the user's functions
-
-
 def half_and_double(vector):
     """The user's aggregator: 0.5 * first + 2 * second."""
     return 0.5 * vector[0] + 2.0 * vector[1]
