@@ -511,6 +511,9 @@ def test_a_user_task_is_a_function(tmp_path, tiny_model_path):
         prepare_rl(job._replace(data=DataConfig(task=f"{tmp_path}/my_task.py:task", task_kwargs={"m": 1})))
 
 
+LORA_SFT_STEPS = 100  # the LoRA job's own stage, on top of the default job's 1500
+
+
 def _sampled_reward(model_dir: str, items, n: int, seed: int = 0) -> float:
     """Mean exact-match reward of ``n`` completions per item sampled at temperature 1 in one process."""
     import torch
@@ -527,19 +530,26 @@ def _sampled_reward(model_dir: str, items, n: int, seed: int = 0) -> float:
 
 
 @pytest.mark.slow
-def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path):
-    """The default job with adapters as a user types it (``--model.lora.rank 16 --algorithm.lr 3e-3``), its
-    SFT stage included (1000 steps here, 1500 as shipped): the stage trains every weight of the random tiny model
-    (``sft.full_weights`` decides so), and RL trains rank-16 adapters on the SFT'd model, generating in an HF
-    generator worker that receives the adapters after every step. The first RL step samples as the SFT'd
-    model does (its reward is the one-process model's on the same prompts, to sampling noise), from the
-    reference (KL 0); held-out accuracy rises by 10 points or more; what trains and what is frozen are counted
-    by hand; the merged final model's greedy accuracy is the one the job logged.
+def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, sft_policy):
+    """The default job with adapters (``--model.lora.rank 16 --algorithm.lr 3e-3``), its SFT stage included:
+    the stage trains every weight (``sft.full_weights``) and RL trains rank-16 adapters on the model it leaves,
+    generating in an HF generator worker that receives the adapters after every step.
 
-    The same job generating on the trainer ranks ran here too until it was cut for time (issue 32): that
-    placement's start from the SFT stage (KL 0), its sampling with the trained adapters (< 1e-5) and its
-    empty sync are checked by ``test_lora_combinations`` (full weights, trainers, EMA, ZeRO-1), and the
-    update is the one this worker run takes (same trainer ranks, same maths)."""
+    It starts from the default job's SFT'd policy (``sft_policy``, 1500 steps) and its own stage runs 100 more
+    steps at a higher rate, so the stage's model is a different one (checked), and RL must start from that
+    one, not from the model the job was given (a LoRA job once did, after its own stage: 0.578 -> 0.0):
+
+    * the merged final model is the stage's model plus the final adapters, as PEFT merges them (1e-5),
+      and not the given model plus them;
+    * the first RL step samples as the stage's model does (its reward is the one-process model's on the
+      same prompts, to sampling noise), from the reference (KL 0);
+    * held-out accuracy rises by 10 points or more; what trains and what is frozen are counted by hand;
+      the merged final model's greedy accuracy is the one the job logged.
+
+    Until issue 32 this job ran its own 1000-step stage from the random model (about 90 s more). The
+    stage's default (every weight for the random ``tiny`` model, adapters for any other) is
+    ``test_lora_combinations``' case, and the same job generating on the trainer ranks is one of its runs."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from primitives.env.rewards import exact_match
@@ -549,14 +559,34 @@ def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path):
 
     out = str(tmp_path / "lora")
     layout = ["--cluster.generate-on-trainers", "False", "--cluster.generators", "1"]
-    summary = run_job(["rl", DEFAULT, "--logging.out", out, "--model.lora.rank", "16", "--algorithm.lr", "3e-3",
-                       "--sft.steps", "1000", "--algorithm.steps", "30", "--eval.final-pass-k", "0",
+    summary = run_job(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path", sft_policy,
+                       "--model.lora.rank", "16", "--algorithm.lr", "3e-3", "--sft.full-weights", "True",
+                       "--sft.steps", str(LORA_SFT_STEPS), "--sft.lr", "3e-3", "--sft.warmup", "10",
+                       "--algorithm.steps", "30", "--eval.final-pass-k", "0",
                        "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7", *layout])
     sft = os.path.join(out, "sft_model", "hf")
     assert summary["sft_model"] == os.path.dirname(sft) and summary["generation"] == "workers"
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10, summary
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert len([r for r in rows if r.get("phase") == "sft" and "loss/sft" in r]) == 1000
+    assert len([r for r in rows if r.get("phase") == "sft" and "loss/sft" in r]) == LORA_SFT_STEPS
+
+    def weights(path):
+        return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+    given, stage = weights(sft_policy), weights(sft)
+    final = os.path.join(out, "final_model")
+
+    def merged_onto(path):
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
+                                         os.path.join(final, "adapter")).merge_and_unload().state_dict()
+
+    def furthest(a, b):
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    assert furthest(stage, given) > 1e-2  # the stage trained every weight: its model is not the one given
+    merged = weights(os.path.join(final, "hf"))
+    assert furthest(merged_onto(sft), merged) < 1e-5  # RL's adapters sat on the stage's model...
+    assert furthest(merged_onto(sft_policy), merged) > 1e-2  # ... not on the model the job was given
     first = next(r for r in rows if "reward/mean" in r)
     assert first["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
     task = arithmetic_task(seed=0, num_heldout=128)
@@ -570,9 +600,8 @@ def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path):
         p.numel() for p in AutoModelForCausalLM.from_pretrained(sft).parameters())
     syncs = {r["sync/bytes"] for r in rows if "sync/bytes" in r}
     assert syncs == {4.0 * lora_numel(sft, 16)}  # the adapters alone, after every step
-    final = os.path.join(out, "final_model")
     assert os.path.isfile(os.path.join(final, "adapter", "adapter_model.safetensors"))
-    merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "hf"))
-    accuracy = greedy_accuracy(merged, AutoTokenizer.from_pretrained(os.path.join(final, "hf")), task.eval,
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(final, "hf"))
+    accuracy = greedy_accuracy(model, AutoTokenizer.from_pretrained(os.path.join(final, "hf")), task.eval,
                                exact_match("first_number"), max_new_tokens=5)
     assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)
