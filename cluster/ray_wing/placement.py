@@ -5,6 +5,7 @@ starts, and says what is missing and what to change.
 """
 from __future__ import annotations
 
+import uuid
 from typing import NamedTuple, Optional, Sequence
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -78,8 +79,9 @@ def create_placement_groups(roles: Sequence[RoleSpec], timeout_s: float = 60.0) 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pgs = {r.name: placement_group([r.bundle()] * r.count, strategy=r.strategy, name=f"rayrl-{r.name}")
-           for r in roles}
+    # named by role for `ray list placement-groups`; unique, as kept groups of the same role wait beside them
+    pgs = {r.name: placement_group([r.bundle()] * r.count, strategy=r.strategy,
+                                   name=f"rayrl-{r.name}-{uuid.uuid4().hex[:8]}") for r in roles}
     checks = {r.name: pgs[r.name].ready() for r in roles}
     _, pending = ray.wait(list(checks.values()), num_returns=len(checks), timeout=timeout_s)
     if pending:

@@ -13,17 +13,20 @@ actor id. Among those imports, a kept reward worker keeps the module of a reward
 ``package.module:fn`` as its first job imported it: edit that module and start new actors. A
 function from a ``file.py`` travels by value, and is new with every job.
 
-Only the last cluster's actors wait: a cluster that does not take a kept group frees it (kills its
-actors, removes its placement group) before it asks for its own bundles, so kept actors never
-hold resources a new cluster needs. Critics are not kept (they start after the other roles, which
-have freed what no role took by then), nor a vLLM generator (``reusable``), nor a group grown,
-shrunk or repaired into a placement group of its own while it ran, nor an actor that does not let
-go of its job in time, nor anything of a run that failed.
+Kept groups of several shapes wait side by side, up to ``RAYRL_KEPT_MAX`` actors in all (8 by
+default: each holds its imports, about 0.55 GB for a torch actor here); past that the group kept
+longest ago goes first. A new cluster takes the groups of its shapes, then frees the oldest of the
+others (kills their actors, removes their placement groups) until its own bundles fit in what the
+Ray has free, before it asks for them, so kept actors never hold resources a new cluster needs. On
+a Ray of several nodes it frees every group it does not take: what is free in all may not be free
+where a bundle must go. Critics are kept too (``add_critics`` takes them). Not kept: a vLLM
+generator (``reusable``), a group grown, shrunk or repaired into a placement group of its own while
+it ran, an actor that does not let go of its job in time, and anything of a run that failed.
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from cluster.ray_wing.groups import (
     Call,
@@ -35,11 +38,13 @@ from cluster.ray_wing.groups import (
     group_shape,
     kill_group,
 )
-from cluster.ray_wing.placement import RoleSpec, create_placement_groups
+from cluster.ray_wing.placement import RoleSpec, create_placement_groups, total_request
 
 REUSE_ENV = "RAYRL_REUSE_ACTORS"  # "1": keep the actors of each cluster for the next of the same shape
 RELEASE_S = 30.0  # an actor that has not dropped its job by then is killed, not kept
-KEPT_ROLES = ("trainer", "generator", "reward", "reference")  # critics start late (add_critics), not kept
+KEPT_ROLES = ("trainer", "generator", "reward", "reference", "critic")
+KEPT_MAX_ENV = "RAYRL_KEPT_MAX"  # most actors kept at once, over every shape
+KEPT_MAX = 8
 
 
 class Kept(NamedTuple):
@@ -63,6 +68,39 @@ def _address() -> str:
         return ""
     context = ray.get_runtime_context()
     return f"{context.gcs_address}/{context.get_node_id()}/{context.get_job_id()}"
+
+
+def kept_max() -> int:
+    """``RAYRL_KEPT_MAX``, else ``KEPT_MAX``: the most actors kept at once."""
+    value = os.environ.get(KEPT_MAX_ENV, "").strip()
+    if not value:
+        return KEPT_MAX
+    if not value.isdigit():
+        raise ValueError(f"{KEPT_MAX_ENV}={value!r}: give a whole number of actors (0 or more)")
+    return int(value)
+
+
+def held(shape) -> dict:
+    """The resources a kept group of ``shape`` holds in its placement group: its bundle, once per actor."""
+    return {key: amount * shape.size for key, amount in shape.bundle}
+
+
+def fits(need: dict, free: dict) -> bool:
+    return all(free.get(key, 0.0) >= amount - 1e-9 for key, amount in need.items())
+
+
+def oldest_to_free(holding: Sequence[dict], need: dict, free: dict) -> int:
+    """How many kept groups, oldest first (``holding``: the resources each holds, in the order they were
+    kept), must go before bundles needing ``need`` in all fit in ``free`` (what the Ray has free now):
+    the fewest that make room for every resource, or all of them where even that is not enough."""
+    room = dict(free)
+    for n in range(len(holding) + 1):
+        if fits(need, room):
+            return n
+        if n < len(holding):
+            for key, amount in holding[n].items():
+                room[key] = room.get(key, 0.0) + amount
+    return len(holding)
 
 
 def keepable(group: WorkerGroup) -> bool:
@@ -91,18 +129,58 @@ def free_groups(groups: Sequence, timeout_s: float = RELEASE_S, keep: bool = Tru
             except Exception:  # dead, stuck or raising: not kept
                 pass
         kill_group(group)
+    while _KEPT and (kept_count() > kept_max() or 2 * _kept_cpus() > _ray_cpus()):  # the oldest go first
+        kill_group(_KEPT.pop(0).group)
     return kept
 
 
-def release_unclaimed() -> int:
-    """Kill every kept group no role took (in the Ray this driver is connected to; those of a Ray
-    that has gone are forgotten). Returns how many actors it killed."""
-    here, killed = _address(), 0
-    while _KEPT:
-        kept = _KEPT.pop()
-        if here and kept.address == here:
-            kill_group(kept.group)
-            killed += kept.group.size
+def _kept_cpus() -> float:
+    return sum(held(k.group.shape).get("CPU", 0.0) for k in _KEPT)
+
+
+def _ray_cpus() -> float:
+    """The Ray's CPUs: kept groups hold at most half, the rest is for actors started outside a
+    cluster (a test's, a user's own), which no kept group makes room for."""
+    import ray
+
+    return ray.cluster_resources().get("CPU", 0.0) if ray.is_initialized() else 0.0
+
+
+def release_unclaimed(need: Optional[dict] = None) -> int:
+    """Kill the kept groups no role took (in the Ray this driver is connected to; those of a Ray that
+    has gone are forgotten): every one, or with ``need`` (the resources of the bundles a new cluster
+    is about to ask for) the oldest until those fit in what the Ray has free (all of them on a Ray of
+    several nodes). Returns how many actors it killed."""
+    here = _address()
+    _KEPT[:] = [k for k in _KEPT if here and k.address == here]
+    count = len(_KEPT)
+    if need is not None and _KEPT:
+        import ray
+
+        if len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+            count = oldest_to_free([held(k.group.shape) for k in _KEPT], need, ray.available_resources())
+    killed = 0
+    for kept in _KEPT[:count]:
+        kill_group(kept.group)
+        killed += kept.group.size
+    del _KEPT[:count]
+    return killed
+
+
+def make_room(specs: Sequence[RoleSpec], wait_s: float = 10.0) -> int:
+    """Before new bundles of ``specs`` are asked for (a cluster's roles, its critics, generators added
+    while it runs): free kept groups of other shapes, oldest first, until those bundles fit in what
+    the Ray has free (``release_unclaimed``), and give Ray up to ``wait_s`` to count what they held
+    as free. Returns how many actors it killed."""
+    import time
+
+    import ray
+
+    need = total_request(specs)
+    killed = release_unclaimed(need)
+    deadline = time.monotonic() + wait_s
+    while killed and not fits(need, ray.available_resources()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return killed
 
 
@@ -120,12 +198,13 @@ class Wanted(NamedTuple):
     variant: str = ""
 
 
-def start_groups(wanted: dict, timeout_s: float) -> tuple:
+def start_groups(wanted: dict, timeout_s: float, check: Optional[Callable] = None) -> tuple:
     """``({role: WorkerGroup}, [roles rebuilt from kept actors])``: each role a kept group of its shape
-    serves is rebuilt there (every role's actors at once, then waited for); the kept groups left,
-    and any that failed to rebuild, are freed; the other roles get new placement groups (requested
-    together) and new actors (a role whose kept group failed gets new ones: their error, if any,
-    names the cause)."""
+    serves is rebuilt there (every role's actors at once, then waited for); any that failed to
+    rebuild are freed, and the oldest of the kept groups left as far as the new bundles need
+    (``make_room``); the other roles get new placement groups (requested together) and new actors
+    (a role whose kept group failed gets new ones: their error, if any, names the cause). ``check``,
+    given, is called with the new roles' specs once the room is made, before they are asked for."""
     here = _address() if reuse_enabled() else None
     rebuilding: dict = {}  # role -> (kept group, its rebuild calls)
     for name, w in wanted.items():
@@ -143,8 +222,10 @@ def start_groups(wanted: dict, timeout_s: float) -> tuple:
         except Exception:  # a kept actor that died or cannot rebuild: the role starts anew
             kill_group(group)
     reused = list(groups)
-    release_unclaimed()
     fresh = [w.spec for name, w in wanted.items() if name not in groups]
+    make_room(fresh)
+    if check is not None and fresh:
+        check(fresh)
     pgs = create_placement_groups(fresh) if fresh else {}
     for name, w in wanted.items():
         if name not in groups:

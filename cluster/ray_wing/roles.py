@@ -16,7 +16,6 @@ from cluster.ray_wing.groups import (
     RoleFactory,
     WorkerGroup,
     call,
-    create_group,
     fan_out,
     gather,
     kill_actor,
@@ -27,9 +26,8 @@ from cluster.ray_wing.placement import (
     RoleSpec,
     check_fits,
     cluster_resources,
-    create_placement_group,
 )
-from cluster.ray_wing.pool import RELEASE_S, Wanted, free_groups, start_groups
+from cluster.ray_wing.pool import RELEASE_S, Wanted, free_groups, make_room, start_groups
 from cluster.ray_wing.startup import UserFunctions, create_roles, start_roles, weight_sync_address
 from primitives.types import ModelConfig
 from rl_actors.common import environ
@@ -372,6 +370,7 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
     slots = [group.slots[r] if r < len(group.slots) else None for r in range(group.size)]
     if n > group.size:
         own = group.placement_group.bundle_count if group.placement_group is not None else 0
+        make_room([factory.spec._replace(count=n - max(group.size, own))] if n > max(group.size, own) else [])
         added = {r: placement_group([factory.spec.bundle()], strategy="PACK")
                  for r in range(max(group.size, own), n)}
         new, new_slots = [], []
@@ -418,21 +417,23 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
         raise ValueError("the cluster already has critics")
     import ray
 
+    def fits_now(specs):  # in what the other roles left (build_rl_cluster(reserve_critics=True))
+        check_fits(specs, ray.available_resources(), [ray.available_resources()])
+
     spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
-    free = ray.available_resources()  # what the other roles left (build_rl_cluster(reserve_critics=True))
-    check_fits([spec], free, [free])
     critic_args = lambda r: dict(model=model, rank=r, world_size=cfg.critics, config=critic_cfg,  # noqa: E731
                                  seed=seed, num_threads=cfg.threads_per_actor, init=init)
-    critics = create_group(CriticWorker, spec, create_placement_group(spec), critic_args)
+    groups, reused = start_groups({"critic": Wanted(CriticWorker, spec, critic_args)}, cluster.timeout_s, fits_now)
+    critics = groups["critic"]  # a kept critic group of its shape (RAYRL_REUSE_ACTORS), or new ranks
     master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]
     gather(fan_out(critics, "setup", *master), cluster.timeout_s)
     factories = {**(cluster.factories or {}), "critic": RoleFactory(CriticWorker, spec, critic_args)}
-    return cluster._replace(critics=critics, factories=factories)
+    return cluster._replace(critics=critics, factories=factories, reused=(*cluster.reused, *reused))
 
 
 def shutdown_cluster(cluster: RLCluster, keep: bool = True) -> None:
     """Kill every actor and free its bundles (or, with ``RAYRL_REUSE_ACTORS``, keep the trainers,
-    generators, reward workers and reference for the next cluster of their shape:
+    generators, reward workers, reference and critics for the next cluster of their shape:
     ``cluster.ray_wing.pool``; not with ``keep`` false, as after a failed run); then remove the scratch
     directories that actors killed mid-snapshot left on this machine (``rl_actors.scratch``; other
     nodes sweep at their next snapshot)."""

@@ -17,6 +17,7 @@ from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import call, fan_out, gather
+from cluster.ray_wing.pool import release_unclaimed
 from cluster.ray_wing.roles import add_critics, build_rl_cluster, shutdown_cluster
 from cluster.ray_wing.weights import sync_weights
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
@@ -65,6 +66,7 @@ def _run(path, kills=(), snapshot_every=1, prompts=4, n=2, algo=None, staleness=
     ``(step, class, method, signal)``: once step ``step`` is logged, the signal goes to the first
     actor of ``class`` seen running ``method``."""
     cluster = _build(path, **build)
+    release_unclaimed()  # a kill picks an actor by its class: no actor kept for another cluster may be among them
     backend = RayBackend(cluster, max_actor_restarts=4, snapshot_every=snapshot_every)
 
     def logger(m):

@@ -1,10 +1,12 @@
 """Kept actors (``RAYRL_REUSE_ACTORS=1``, ``cluster.ray_wing.pool``): a job on actors an earlier
 job's cluster kept computes what it computes on new actors - every logged number of every SFT and
 RL step, and the final weights - across ZeRO stages (a trainer kept from a ZeRO-2 job rebuilt for
-ZeRO-3 and back), a generator worker, a reward worker and a policy-tracking reference worker; kept actors that a
-new cluster does not take are killed before it asks for its bundles; a kept actor that died while
-it waited is replaced by a new one, the job unchanged. (The rest of the suite runs
-with kept actors, ``tests/conftest.py``; this module compares them with new ones.)"""
+ZeRO-3 and back), a generator worker, a reward worker and a policy-tracking reference worker. Kept
+actors that a new cluster does not take wait beside it for a later one, and past ``RAYRL_KEPT_MAX``
+actors the group kept longest ago is killed; a kept actor that died while it waited is replaced by
+a new one, the job unchanged. Kept critics: ``test_fault_recovery``'s PPO runs take them, and end
+with the weights of runs on new ones. (The rest of the suite runs with kept actors,
+``tests/conftest.py``; this module compares them with new ones.)"""
 import json
 import os
 import signal
@@ -14,7 +16,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from cluster.ray_wing.pool import REUSE_ENV, kept_count, release_unclaimed
+from cluster.ray_wing.pool import KEPT_MAX_ENV, REUSE_ENV, kept_count, release_unclaimed
 from tests.chaos import actor_pids
 from tests.conftest import DEFAULT_JOB, run_job
 
@@ -61,15 +63,22 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     kept3 = run(zero3, str(tmp_path / "kept3"), *ema)  # the ZeRO-2 job's trainers and generator
     assert kept3[0]["reused_roles"] == ["trainer", "generator", "reward"]
     assert kept3[0]["zero_stage"] == 3 and kept3[0]["reference"] == "workers"
-    kept2 = run(zero2, str(tmp_path / "kept2"))  # the ZeRO-3 job's; its reference worker was killed
+    kept2 = run(zero2, str(tmp_path / "kept2"))  # the ZeRO-3 job's; its reference worker waits beside it
     assert kept2[0]["reused_roles"] == ["trainer", "generator", "reward"]
-    assert kept_count() == 4  # kept2's own: the reference worker no role took was freed at its start
+    assert kept_count() == 5 and len(actor_pids("RefLogprobWorker")) == 1  # kept2's own 4, and the reference
     same_run(new3, kept3)
     same_run(new2, kept2)
     assert new2[1] != new3[1]  # the two shapes differ (ZeRO-3 and a moving reference): the equality is not vacuous
     # a kept actor that died while it waited: its role starts anew, and the job is the same
     os.kill(actor_pids("TrainerWorker")[-1], signal.SIGKILL)
     time.sleep(1)
+    monkeypatch.setenv(KEPT_MAX_ENV, "4")
     after_death = run(zero2, str(tmp_path / "after_death"))
     assert after_death[0]["reused_roles"] == ["generator", "reward"]
     same_run(new2, after_death)
+    # 5 kept would pass the limit of 4: the reference worker, kept longest ago, went
+    assert kept_count() == 4
+    deadline = time.monotonic() + 30  # its process exits a moment after the kill
+    while actor_pids("RefLogprobWorker") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert actor_pids("RefLogprobWorker") == []
