@@ -13,7 +13,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # Ray reads this when imported: a local Ray then binds 127.0.0.1 (tests stay on loopback)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
-# a job's trainers, generators, reward workers and reference are kept for the next job of the same shape
+# a job's trainers, generators, reward workers, reference and critics are kept for a later job of the same shape
 # (cluster.ray_wing.pool): a new actor's imports cost 6-8 s of CPU, most of a short test job.
 # tests/cluster/test_kept_actors.py shows a job on kept actors computes what it computes on new ones; the first
 # job of each shape starts new actors.
@@ -28,9 +28,9 @@ def ray_up():
     as the tests of starting and leaving Ray do): loopback, quiet, the checkout on every actor's path.
     Its variables reach the actors as the environment of Ray's own processes, as ``start_ray`` sets
     them, so actors take the worker processes Ray starts ahead. Each job or cluster removes its actors
-    and placement groups when it ends, or keeps its trainers, generators, reward workers and reference for
-    the next cluster (``RAYRL_REUSE_ACTORS``, below); the next one joins this Ray (``start_ray`` joins a
-    running one)."""
+    and placement groups when it ends, or keeps its trainers, generators, reward workers, reference and
+    critics for a later cluster of their shape (``RAYRL_REUSE_ACTORS``, below); the next one joins this Ray
+    (``start_ray`` joins a running one)."""
     import ray
 
     if not ray.is_initialized():
@@ -77,8 +77,8 @@ def tiny_model(tokenizer):
 @pytest.fixture(scope="module")
 def ray_local():
     """The test run's Ray (``ray_up``), for a module of tests that start actors. The actors the last
-    job kept (``RAYRL_REUSE_ACTORS``) stay for this module's first cluster, across the module boundary:
-    it takes the groups of its shape and frees the others before it asks for bundles of its own
+    jobs kept (``RAYRL_REUSE_ACTORS``) stay across the module boundary: a cluster takes the groups of
+    its shapes, and frees the oldest of the others only as far as its own bundles need the room
     (``cluster.ray_wing.pool``). Actors a test starts by hand reserve no CPU, or one."""
     return ray_up()
 

@@ -14,12 +14,13 @@ actor id. Among those imports, a kept reward worker keeps the module of a reward
 function from a ``file.py`` travels by value, and is new with every job.
 
 Kept groups of several shapes wait side by side, up to ``RAYRL_KEPT_MAX`` actors in all (8 by
-default: each holds its imports, about 0.55 GB for a torch actor here); past that the group kept
-longest ago goes first. A new cluster takes the groups of its shapes, then frees the oldest of the
-others (kills their actors, removes their placement groups) until its own bundles fit in what the
-Ray has free, before it asks for them, so kept actors never hold resources a new cluster needs. On
-a Ray of several nodes it frees every group it does not take: what is free in all may not be free
-where a bundle must go. Critics are kept too (``add_critics`` takes them). Not kept: a vLLM
+default: each holds its imports, about 0.55 GB for a torch actor here) and half the Ray's CPUs; past
+that the groups kept longest ago go first, and the last cluster's own stay whole. A new cluster takes
+the groups of its shapes, then frees the oldest of the others that hold what it lacks (kills their
+actors, removes their placement groups) until its own bundles fit in what the Ray has free, before
+it asks for them, so kept actors never hold resources a new cluster needs. On a Ray of several
+nodes it frees every group it does not take: what is free in all may not be free where a bundle
+must go. Critics are kept too (``add_critics`` takes them). Not kept: a vLLM
 generator (``reusable``), a group grown, shrunk or repaired into a placement group of its own while
 it ran, an actor that does not let go of its job in time, and anything of a run that failed.
 """
@@ -52,7 +53,7 @@ class Kept(NamedTuple):
     address: str  # the Ray the actors live in
 
 
-_KEPT: list = []  # Kept groups, from the last cluster that shut down
+_KEPT: list = []  # Kept groups, the one kept longest ago first
 
 
 def reuse_enabled() -> bool:
@@ -89,18 +90,20 @@ def fits(need: dict, free: dict) -> bool:
     return all(free.get(key, 0.0) >= amount - 1e-9 for key, amount in need.items())
 
 
-def oldest_to_free(holding: Sequence[dict], need: dict, free: dict) -> int:
-    """How many kept groups, oldest first (``holding``: the resources each holds, in the order they were
-    kept), must go before bundles needing ``need`` in all fit in ``free`` (what the Ray has free now):
-    the fewest that make room for every resource, or all of them where even that is not enough."""
-    room = dict(free)
-    for n in range(len(holding) + 1):
+def to_free(holding: Sequence[dict], need: dict, free: dict) -> list:
+    """Which kept groups (indices into ``holding``, the resources each holds, the one kept longest ago
+    first) must go before bundles needing ``need`` in all fit in ``free`` (what the Ray has free now):
+    oldest first, each only if it holds something still short; every one where even all of them would
+    not make the room."""
+    room, chosen = dict(free), list[int]()
+    for i, held_here in enumerate(holding):
         if fits(need, room):
-            return n
-        if n < len(holding):
-            for key, amount in holding[n].items():
+            return chosen
+        if any(room.get(key, 0.0) < need.get(key, 0.0) - 1e-9 and held_here.get(key, 0.0) > 0 for key in need):
+            chosen.append(i)
+            for key, amount in held_here.items():
                 room[key] = room.get(key, 0.0) + amount
-    return len(holding)
+    return chosen if fits(need, room) else list(range(len(holding)))
 
 
 def keepable(group: WorkerGroup) -> bool:
@@ -117,7 +120,7 @@ def free_groups(groups: Sequence, timeout_s: float = RELEASE_S, keep: bool = Tru
     is kept for the next cluster; every other group is killed. Returns how many actors were kept."""
     keeping = [g for g in groups if keep and reuse_enabled() and keepable(g)]
     asked = [(g, fan_out(g, "release")) for g in keeping]
-    kept = 0
+    kept, before = 0, len(_KEPT)
     for group in groups:
         calls = next((c for g, c in asked if g is group), None)
         if calls is not None:
@@ -129,8 +132,10 @@ def free_groups(groups: Sequence, timeout_s: float = RELEASE_S, keep: bool = Tru
             except Exception:  # dead, stuck or raising: not kept
                 pass
         kill_group(group)
-    while _KEPT and (kept_count() > kept_max() or 2 * _kept_cpus() > _ray_cpus()):  # the oldest go first
+    # past the limits the groups kept longest ago go first; this cluster's own stay whole, as the likeliest next
+    while before > 0 and (kept_count() > kept_max() or 2 * _kept_cpus() > _ray_cpus()):
         kill_group(_KEPT.pop(0).group)
+        before -= 1
     return kept
 
 
@@ -153,25 +158,27 @@ def release_unclaimed(need: Optional[dict] = None) -> int:
     several nodes). Returns how many actors it killed."""
     here = _address()
     _KEPT[:] = [k for k in _KEPT if here and k.address == here]
-    count = len(_KEPT)
+    going = list(range(len(_KEPT)))
     if need is not None and _KEPT:
         import ray
 
-        if len([n for n in ray.nodes() if n.get("Alive")]) == 1:
-            count = oldest_to_free([held(k.group.shape) for k in _KEPT], need, ray.available_resources())
+        if not any(need.values()):
+            going = []
+        elif len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+            going = to_free([held(k.group.shape) for k in _KEPT], need, ray.available_resources())
     killed = 0
-    for kept in _KEPT[:count]:
-        kill_group(kept.group)
-        killed += kept.group.size
-    del _KEPT[:count]
+    for i in reversed(going):
+        kill_group(_KEPT[i].group)
+        killed += _KEPT.pop(i).group.size
     return killed
 
 
 def make_room(specs: Sequence[RoleSpec], wait_s: float = 10.0) -> int:
     """Before new bundles of ``specs`` are asked for (a cluster's roles, its critics, generators added
     while it runs): free kept groups of other shapes, oldest first, until those bundles fit in what
-    the Ray has free (``release_unclaimed``), and give Ray up to ``wait_s`` to count what they held
-    as free. Returns how many actors it killed."""
+    the Ray has free (``release_unclaimed``), and give Ray up to ``wait_s`` to count what was freed
+    (by this, or by a kept group that failed to rebuild) before the caller checks or asks. Returns how
+    many actors it killed."""
     import time
 
     import ray
@@ -179,7 +186,7 @@ def make_room(specs: Sequence[RoleSpec], wait_s: float = 10.0) -> int:
     need = total_request(specs)
     killed = release_unclaimed(need)
     deadline = time.monotonic() + wait_s
-    while killed and not fits(need, ray.available_resources()) and time.monotonic() < deadline:
+    while not fits(need, ray.available_resources()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return killed
 
@@ -206,6 +213,8 @@ def start_groups(wanted: dict, timeout_s: float, check: Optional[Callable] = Non
     (a role whose kept group failed gets new ones: their error, if any, names the cause). ``check``,
     given, is called with the new roles' specs once the room is made, before they are asked for."""
     here = _address() if reuse_enabled() else None
+    if here is not None:
+        kept_max()  # a bad RAYRL_KEPT_MAX is named now, not at the end of the job
     rebuilding: dict = {}  # role -> (kept group, its rebuild calls)
     for name, w in wanted.items():
         shape = group_shape(w.actor_cls, w.spec, w.variant)
@@ -223,10 +232,15 @@ def start_groups(wanted: dict, timeout_s: float, check: Optional[Callable] = Non
             kill_group(group)
     reused = list(groups)
     fresh = [w.spec for name, w in wanted.items() if name not in groups]
-    make_room(fresh)
-    if check is not None and fresh:
-        check(fresh)
-    pgs = create_placement_groups(fresh) if fresh else {}
+    try:
+        make_room(fresh)
+        if check is not None and fresh:
+            check(fresh)
+        pgs = create_placement_groups(fresh) if fresh else {}
+    except BaseException:
+        for group in groups.values():  # the rebuilt groups no cluster will hold
+            kill_group(group)
+        raise
     for name, w in wanted.items():
         if name not in groups:
             groups[name] = create_group(w.actor_cls, w.spec, pgs[w.spec.name], w.make_kwargs, w.variant)

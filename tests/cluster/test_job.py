@@ -589,6 +589,8 @@ def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, sft_policy
     assert furthest(merged_onto(sft_policy), merged) > 1e-2  # ... not on the model the job was given
     first = next(r for r in rows if "reward/mean" in r)
     assert first["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
+    # the generator worker sampled with the trainer's model too (the stage's plus B = 0), not the one given
+    assert first["mismatch/max_abs_logp_diff"] < 1e-4, first
     task = arithmetic_task(seed=0, num_heldout=128)
     groups = json.loads(open(os.path.join(out, "trained_groups.jsonl")).readline())["groups"]
     prompts = [task.train[int(g.split("/i")[1])] for g in groups]

@@ -16,8 +16,8 @@ from cluster.ray_wing.pool import (
     held,
     keepable,
     kept_max,
-    oldest_to_free,
     reuse_enabled,
+    to_free,
 )
 from rl_actors.critic import CriticWorker
 from rl_actors.generator import GeneratorWorker
@@ -75,16 +75,18 @@ def test_held_resources_are_the_bundle_once_per_actor():
 
 
 @pytest.mark.parametrize("need,free,freed", [
-    ({"CPU": 4.0}, {"CPU": 4.0}, 0),  # room already: nothing goes
-    ({"CPU": 4.0}, {"CPU": 3.0}, 1),  # 3 + 2 of the oldest = 5
-    ({"CPU": 4.0}, {"CPU": 1.5}, 2),  # 1.5 + 2 = 3.5 is short; + 1 = 4.5
-    ({"CPU": 4.0, "GPU": 1.0}, {"CPU": 8.0}, 3),  # CPU to spare, but only the third holds a GPU
-    ({"CPU": 1.0, "GPU": 4.0}, {"CPU": 0.0}, 4),  # 4 GPUs are never there: every group goes
+    ({"CPU": 4.0}, {"CPU": 4.0}, []),  # room already: nothing goes
+    ({"CPU": 4.0}, {"CPU": 3.0}, [0]),  # 3 + 2 of the oldest = 5
+    ({"CPU": 4.0}, {"CPU": 1.5}, [0, 1]),  # 1.5 + 2 = 3.5 is short; + 1 = 4.5
+    ({"CPU": 4.0, "GPU": 1.0}, {"CPU": 8.0}, [2]),  # CPU to spare: only the group that holds a GPU goes
+    ({"CPU": 7.0, "GPU": 1.0}, {"CPU": 2.0}, [0, 1, 2]),  # 2 + 2 + 1 + 2 = 7 CPUs, the GPU with the third
+    ({"CPU": 9.0}, {"CPU": 2.0}, [0, 1, 2, 3]),  # 2 + 6 = 8 is short even with every group: all go
+    ({"CPU": 1.0, "GPU": 4.0}, {"CPU": 0.0}, [0, 1, 2, 3]),  # 4 GPUs are never there: every group goes
 ])
-def test_the_oldest_kept_groups_go_until_the_new_bundles_fit(need, free, freed):
+def test_the_oldest_kept_groups_holding_what_is_short_go_until_the_new_bundles_fit(need, free, freed):
     holding = [{"CPU": 2.0}, {"CPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0}]
-    assert oldest_to_free(holding, need, free) == freed
-    assert oldest_to_free([], {}, {}) == 0 and fits({}, {}) and not fits({"CPU": 1.0}, {})
+    assert to_free(holding, need, free) == freed
+    assert to_free([], {}, {}) == [] and fits({}, {}) and not fits({"CPU": 1.0}, {})
 
 
 @pytest.mark.parametrize("value,limit", [("", KEPT_MAX), ("0", 0), ("12", 12)])
