@@ -154,8 +154,8 @@ def _ray_cpus() -> float:
 def release_unclaimed(need: Optional[dict] = None) -> int:
     """Kill the kept groups no role took (in the Ray this driver is connected to; those of a Ray that
     has gone are forgotten): every one, or with ``need`` (the resources of the bundles a new cluster
-    is about to ask for) the oldest until those fit in what the Ray has free (all of them on a Ray of
-    several nodes). Returns how many actors it killed."""
+    is about to ask for) those ``to_free`` names, none where nothing is needed, all of them on a Ray
+    of several nodes. Returns how many actors it killed."""
     here = _address()
     _KEPT[:] = [k for k in _KEPT if here and k.address == here]
     going = list(range(len(_KEPT)))
@@ -175,8 +175,8 @@ def release_unclaimed(need: Optional[dict] = None) -> int:
 
 def make_room(specs: Sequence[RoleSpec], wait_s: float = 10.0) -> int:
     """Before new bundles of ``specs`` are asked for (a cluster's roles, its critics, generators added
-    while it runs): free kept groups of other shapes, oldest first, until those bundles fit in what
-    the Ray has free (``release_unclaimed``), and give Ray up to ``wait_s`` to count what was freed
+    while it runs): free the kept groups of other shapes that make room for those bundles
+    (``release_unclaimed``), and give Ray up to ``wait_s`` to count what was freed
     (by this, or by a kept group that failed to rebuild) before the caller checks or asks. Returns how
     many actors it killed."""
     import time

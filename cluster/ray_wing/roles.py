@@ -370,9 +370,9 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
     slots = [group.slots[r] if r < len(group.slots) else None for r in range(group.size)]
     if n > group.size:
         own = group.placement_group.bundle_count if group.placement_group is not None else 0
-        make_room([factory.spec._replace(count=n - max(group.size, own))] if n > max(group.size, own) else [])
-        added = {r: placement_group([factory.spec.bundle()], strategy="PACK")
-                 for r in range(max(group.size, own), n)}
+        first = max(group.size, own)  # the first rank past the role's own bundles
+        make_room([factory.spec._replace(count=max(0, n - first))])
+        added = {r: placement_group([factory.spec.bundle()], strategy="PACK") for r in range(first, n)}
         new, new_slots = [], []
         try:
             _, pending = ray.wait([pg.ready() for pg in added.values()], num_returns=len(added),
@@ -418,7 +418,8 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
     import ray
 
     def fits_now(specs):  # in what the other roles left (build_rl_cluster(reserve_critics=True))
-        check_fits(specs, ray.available_resources(), [ray.available_resources()])
+        free = ray.available_resources()
+        check_fits(specs, free, [free])
 
     spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
     critic_args = lambda r: dict(model=model, rank=r, world_size=cfg.critics, config=critic_cfg,  # noqa: E731
