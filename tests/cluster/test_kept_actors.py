@@ -4,8 +4,8 @@ RL step, and the final weights - across ZeRO stages (a trainer kept from a ZeRO-
 ZeRO-3 and back), a generator worker, a reward worker and a policy-tracking reference worker. Kept
 actors that a new cluster does not take wait beside it for a later one, and past ``RAYRL_KEPT_MAX``
 actors the group kept longest ago is killed; a kept actor that died while it waited is replaced by
-a new one, the job unchanged. Kept critics: ``test_fault_recovery``'s PPO runs take them, and end
-with the weights of runs on new ones. (The rest of the suite runs with kept actors,
+a new one, the job unchanged. The ZeRO-3 jobs run PPO: their critics are kept as well, and a third
+ZeRO-3 job on every role kept equals the one on new actors. (The rest of the suite runs with kept actors,
 ``tests/conftest.py``; this module compares them with new ones.)"""
 import json
 import os
@@ -22,7 +22,8 @@ from tests.conftest import DEFAULT_JOB, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-TIMING = ("time/", "idle/", "busy/", "memory/", "throughput/")
+# timings, and the snapshots taken by their measured cost (which step logs one is a matter of timing)
+TIMING = ("time/", "idle/", "busy/", "memory/", "throughput/", "faults/snapshot_")
 
 
 def job_file(tmp_path, name: str, **cluster) -> str:
@@ -51,8 +52,9 @@ def same_run(a: tuple, b: tuple) -> None:
 
 def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     zero2 = job_file(tmp_path, "zero2")
-    zero3 = job_file(tmp_path, "zero3", zero_stage=3, reference_on_trainers=False)
-    ema = ("--reference.update", "ema")  # the reference worker tracks the policy: it joins every sync
+    zero3 = job_file(tmp_path, "zero3", zero_stage=3, reference_on_trainers=False, critics=2)
+    # the reference worker tracks the policy (it joins every sync); PPO adds a 2-rank critic group
+    ema = ("--reference.update", "ema", "--algorithm.name", "ppo")
     monkeypatch.setenv(REUSE_ENV, "0")
     release_unclaimed()
     new3 = run(zero3, str(tmp_path / "new3"), *ema)  # new actors, killed at the end
@@ -65,10 +67,15 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     assert kept3[0]["zero_stage"] == 3 and kept3[0]["reference"] == "workers"
     kept2 = run(zero2, str(tmp_path / "kept2"))  # the ZeRO-3 job's; its reference worker waits beside it
     assert kept2[0]["reused_roles"] == ["trainer", "generator", "reward"]
-    assert kept_count() == 5 and len(actor_pids("RefLogprobWorker")) == 1  # kept2's own 4, and the reference
+    # kept2's own 4, and the ZeRO-3 job's reference worker and critics waiting beside them
+    assert kept_count() == 7 and len(actor_pids("RefLogprobWorker")) == 1 and len(actor_pids("CriticWorker")) == 2
+    kept3_again = run(zero3, str(tmp_path / "kept3_again"), *ema)  # every role kept, the critics included
+    assert sorted(kept3_again[0]["reused_roles"]) == ["critic", "generator", "reference", "reward", "trainer"]
     same_run(new3, kept3)
+    same_run(new3, kept3_again)
     same_run(new2, kept2)
-    assert new2[1] != new3[1]  # the two shapes differ (ZeRO-3 and a moving reference): the equality is not vacuous
+    assert any("critic/value_loss" in r for r in new3[1])  # the critics' numbers are among those compared
+    assert new2[1] != new3[1]  # the two shapes differ (ZeRO-3, PPO, a moving reference): the equality is not vacuous
     # a kept actor that died while it waited: its role starts anew, and the job is the same
     os.kill(actor_pids("TrainerWorker")[-1], signal.SIGKILL)
     time.sleep(1)
@@ -76,9 +83,9 @@ def test_jobs_on_kept_actors_equal_jobs_on_new_ones(tmp_path, monkeypatch):
     after_death = run(zero2, str(tmp_path / "after_death"))
     assert after_death[0]["reused_roles"] == ["generator", "reward"]
     same_run(new2, after_death)
-    # 5 kept would pass the limit of 4: the reference worker, kept longest ago, went
+    # 7 kept would pass the limit of 4: the reference worker and the critics, kept longest ago, went
     assert kept_count() == 4
-    deadline = time.monotonic() + 30  # its process exits a moment after the kill
-    while actor_pids("RefLogprobWorker") and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # their processes exit a moment after the kill
+    while (actor_pids("RefLogprobWorker") or actor_pids("CriticWorker")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert actor_pids("RefLogprobWorker") == []
+    assert actor_pids("RefLogprobWorker") == [] and actor_pids("CriticWorker") == []
