@@ -17,7 +17,8 @@ the driver's own memory while it is copied. On one node nothing is copied.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import time
+from typing import Callable, Optional, Sequence
 
 from cluster.loop.protocol import ActorFailure
 from cluster.ray_wing.groups import TRANSFER_S, Call, lost_object
@@ -27,6 +28,32 @@ BATCH_BYTES = 256 * 2 ** 20  # fetched together up to this many bytes: overlappi
 
 # Ray's default inline limit (max_direct_call_object_size): smaller results live with the driver
 INLINE_BYTES = 100 * 1024
+# A result's node reaches its owner in the raylet's own report, which can come after the result
+# itself on a loaded machine: an object with no node yet is asked about again for this long.
+PLACE_WAIT_S = 2.0
+
+
+def _placed(entry: Optional[dict]) -> bool:
+    """Whether Ray can say where an object is: on some node, spilled, or small enough to be inline."""
+    if entry is None:
+        return False
+    size = entry.get("object_size")
+    return bool(entry.get("node_ids") or entry.get("did_spill") or (size is not None and size <= INLINE_BYTES))
+
+
+def where_now(refs: Sequence, locate: Callable[[list], dict], wait_s: float = PLACE_WAIT_S) -> dict:
+    """``locate(refs)`` (Ray's locations), with each object Ray could not place asked about
+    again, the pause doubling from 10 ms, until it is placed or ``wait_s`` have passed. An object
+    whose node was lost stays unplaced: the copy then finds it lost and names its maker."""
+    where = dict(locate(list(refs)))
+    pause, end = 0.01, time.monotonic() + wait_s
+    while True:
+        unplaced = [r for r in refs if not _placed(where.get(r))]
+        if not unplaced or time.monotonic() + pause > end:
+            return where
+        time.sleep(pause)
+        pause = min(2 * pause, 0.25)
+        where.update(locate(unplaced))
 
 
 def _stays(entry: Optional[dict], here: str) -> bool:
@@ -60,7 +87,7 @@ def keep_here(refs: Sequence, made_by: Sequence[Call], timeout_s: float) -> tupl
     bound = max(timeout_s, TRANSFER_S)
     here = ray.get_runtime_context().get_node_id()
     try:
-        where = ray.experimental.get_object_locations(real, timeout_ms=int(bound * 1000))
+        where = where_now(real, lambda rs: ray.experimental.get_object_locations(rs, timeout_ms=int(bound * 1000)))
     except GetTimeoutError as error:
         raise ActorFailure(f"{made_by[0].role} {made_by[0].rank}.{made_by[0].method}: where its results are was not "
                            f"known within {bound:.0f}s", made_by[0].role, made_by[0].rank, stuck=True) from error
