@@ -24,7 +24,7 @@ from tests.conftest import run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # three simulated nodes of its own
 
-STEPS = 12
+STEPS = 13  # the last kill comes after step 11 is logged: two steps of training left for it to land in
 # the default job's task and model, every role an actor of its own, PPO (a critic) with a KL reference
 JOB = {"model": {"model_name_or_path": "tiny"},
        "data": {"task": "arithmetic", "task_kwargs": {"num_train": 40, "num_heldout": 16}},
@@ -128,7 +128,7 @@ def _assert_undisturbed(out: str, calm_out: str, what) -> None:
     assert [e["step"] for e in ledger] == list(range(STEPS))
     assert ledger == calm_ledger  # every step trained the prompts of the undisturbed run's step
     trained = [g for e in ledger for g in e["groups"]]
-    assert len(trained) == len(set(trained)) == STEPS * 8  # each prompt once per epoch (40 prompts, 96 groups)
+    assert len(trained) == len(set(trained)) == STEPS * 8  # each prompt once per epoch (40 prompts, 104 groups)
 
     calm_w, w = _weights(calm_out), _weights(out)
     assert calm_w.keys() == w.keys()
