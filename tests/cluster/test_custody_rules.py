@@ -4,8 +4,6 @@ node, a snapshot part of 1.2 MB was once reported with no node and copied for no
 kept actors then logged ``faults/kept_mb`` where the same job on new ones did not). An object with
 no node yet is asked about again until it is placed; one that never is (its node was lost) is
 given up on after the wait, and the copy names its maker."""
-import time
-
 from cluster.ray_wing.custody import INLINE_BYTES, _stays, where_now
 
 HERE, OTHER = "node-a", "node-b"
@@ -46,9 +44,10 @@ def test_an_object_with_no_node_yet_is_asked_about_until_it_is_placed():
 
 def test_an_object_never_placed_is_given_up_on_after_the_wait():
     locate = Locator({"lost": [entry()], "here": [entry(HERE)]})
-    t0 = time.monotonic()
     where = where_now(["lost", "here"], locate, wait_s=0.3)
-    assert time.monotonic() - t0 < 0.6 and len(locate.asks) >= 4  # 10, 20, 40, 80 ms ... within the wait
+    # pauses of 10, 20, 40, 80 ms fit in 0.3 s, the next (160) does not: at most 5 asks (fewer when
+    # sleeps run long); the default wait (2 s) makes 12
+    assert 2 <= len(locate.asks) <= 5
     assert all(ask == ["lost"] for ask in locate.asks[1:])
     assert not _stays(where["lost"], HERE)  # no node, too large to be inline: copied (and found lost there)
     assert where_now(["here"], Locator({"here": [entry(HERE)]}), wait_s=0.0) == {"here": entry(HERE)}
