@@ -33,12 +33,15 @@ INLINE_BYTES = 100 * 1024
 PLACE_WAIT_S = 2.0
 
 
+def _inline_size(entry: dict) -> bool:
+    """Whether the object is small enough to be inline (Ray knows its size)."""
+    size = entry.get("object_size")
+    return size is not None and size <= INLINE_BYTES
+
+
 def _placed(entry: Optional[dict]) -> bool:
     """Whether Ray can say where an object is: on some node, spilled, or small enough to be inline."""
-    if entry is None:
-        return False
-    size = entry.get("object_size")
-    return bool(entry.get("node_ids") or entry.get("did_spill") or (size is not None and size <= INLINE_BYTES))
+    return entry is not None and bool(entry.get("node_ids") or entry.get("did_spill") or _inline_size(entry))
 
 
 def where_now(refs: Sequence, locate: Callable[[list], dict], wait_s: float = PLACE_WAIT_S) -> dict:
@@ -66,8 +69,7 @@ def _stays(entry: Optional[dict], here: str) -> bool:
     nodes = entry.get("node_ids") or []
     if nodes:
         return nodes == [here]
-    size = entry.get("object_size")
-    return size is not None and size <= INLINE_BYTES
+    return _inline_size(entry)
 
 
 def keep_here(refs: Sequence, made_by: Sequence[Call], timeout_s: float) -> tuple:
