@@ -19,12 +19,23 @@ pytestmark = pytest.mark.own_ray  # a real head of its own, the run's Ray shut d
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def _stop_head(temp_dir: str, timeout_s: float = 10.0) -> None:
-    """Stop only the Ray processes of this head (their command lines name its temp dir);
-    `ray stop` would stop every Ray on the machine."""
+def _stop_head(temp_dir: str, port: int, timeout_s: float = 3.0) -> None:
+    """Stop only the Ray processes of this head (their command lines name its temp dir or its GCS
+    port) and what they started: `ray stop` would stop every Ray on the machine. The dashboard's
+    agents retitle themselves (``ray::DashboardAgent``) and Ray's client server names only the
+    GCS's address; one left running holds its port, and the next head on the machine then has no
+    agent to take jobs ("No available agent to submit job")."""
+    import re
+
     import psutil
 
-    procs = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+    ours = re.compile(rf"{re.escape(temp_dir)}|:{port}\b")
+    procs = [p for p in psutil.process_iter(["cmdline"]) if ours.search(" ".join(p.info["cmdline"] or []))]
+    for p in list(procs):
+        try:
+            procs += [c for c in p.children(recursive=True) if c not in procs]
+        except psutil.NoSuchProcess:
+            pass
     for p in procs:
         try:
             p.terminate()
@@ -58,7 +69,7 @@ def ray_head():
     try:
         yield {"gcs": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     finally:
-        _stop_head(temp_dir)
+        _stop_head(temp_dir, port)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
