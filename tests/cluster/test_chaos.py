@@ -4,10 +4,13 @@ worker - on three simulated nodes (``tests.chaos.Nodes``: the driver's head, a t
 the trainers, critics and reference, a generator node with the generator and reward worker; Ray's
 inline limit at 1 KB, so every chunk and snapshot part lives in the object store of the node that
 made it, as a real model's do above 100 KB). A monkey outside the run kills one actor of a random
-role by PID (SIGKILL) every two steps, and once loses the whole generator node (a fresh one joins);
-another run loses the trainer node. Each run must complete every step, train every prompt exactly
+role by PID (SIGKILL) every two steps, and loses the whole generator node and, later, the whole trainer
+node (a fresh one joins in each's place). The run must complete every step, train every prompt exactly
 once, and end with the final weights of the same run undisturbed (within 1e-5), its recoveries in
-the summary and nothing of ours left in /dev/shm."""
+the summary and nothing of ours left in /dev/shm.
+
+Until issue 32 the trainer node was lost in a run of its own (the calm run's 13 steps again, 75 s
+here); the disturbed run now loses it as its last event, which the same assertions hold."""
 import json
 import os
 import random
@@ -24,7 +27,9 @@ from tests.conftest import run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # three simulated nodes of its own
 
-STEPS = 13  # the last kill comes after step 11 is logged: two steps of training left for it to land in
+# the last event comes once step 13 is logged (seen at 14 in two runs here, the monkey a step behind): two steps
+# of training left for it to land in, and a third to spare
+STEPS = 16
 # the default job's task and model, every role an actor of its own, PPO (a critic) with a KL reference
 JOB = {"model": {"model_name_or_path": "tiny"},
        "data": {"task": "arithmetic", "task_kwargs": {"num_train": 40, "num_heldout": 16}},
@@ -33,7 +38,7 @@ JOB = {"model": {"model_name_or_path": "tiny"},
        "generation": {"group_size": 4, "max_new_tokens": 5, "temperature": 1.0},
        "sft": {"steps": 20, "batch": 16, "lr": 1.0e-3, "eval_every": 0},
        "cluster": {"generators": 1, "trainers": 2, "critics": 2, "reward_workers": 1, "reference_workers": 1,
-                   "zero_stage": 2, "micro_batch_size": 16, "max_restarts": 14, "pin_roles": True,
+                   "zero_stage": 2, "micro_batch_size": 16, "max_restarts": 20, "pin_roles": True,
                    # a re-formed weight-sync group was seen to hang now and then (a generator still in an
                    # older rendezvous): the call timeout takes the pair for stuck and replaces them
                    "call_timeout_s": 60},
@@ -67,8 +72,8 @@ def monkey(out: str, roles: list, every: int, rng: random.Random, stop: threadin
             role = roles.pop(0)
             time.sleep(rng.uniform(0.0, 0.3))
             if role.startswith("node:"):
+                killed.append((role, None, _rl_steps(out)))  # counted before: a step may be logged while it goes
                 nodes.remove(role[5:])
-                killed.append((role, None, _rl_steps(out)))
                 nodes.add(role[5:])
                 next_at += every
                 continue
@@ -128,7 +133,7 @@ def _assert_undisturbed(out: str, calm_out: str, what) -> None:
     assert [e["step"] for e in ledger] == list(range(STEPS))
     assert ledger == calm_ledger  # every step trained the prompts of the undisturbed run's step
     trained = [g for e in ledger for g in e["groups"]]
-    assert len(trained) == len(set(trained)) == STEPS * 8  # each prompt once per epoch (40 prompts, 104 groups)
+    assert len(trained) == len(set(trained)) == STEPS * 8  # each prompt once per epoch (40 prompts, 128 groups)
 
     calm_w, w = _weights(calm_out), _weights(out)
     assert calm_w.keys() == w.keys()
@@ -160,32 +165,21 @@ def test_chaos_run_ends_with_the_undisturbed_weights(calm, three_nodes, tmp_path
     roles = list(ROLE_CLASSES)
     rng.shuffle(roles)
     roles.insert(2, "node:generator")  # the generator and the reward worker at once, and their chunks
+    # every trainer and critic rank, the reference worker and the objects they made (the snapshot parts are
+    # kept on the head): the groups are rebuilt on the fresh node from the snapshot and the updates since
+    roles.append("node:trainer")
     out = str(tmp_path / "chaos")
     summary, killed = _run_with_monkey(config, out, (list(roles), 2, rng, started, three_nodes))
 
     print("killed (role, pid, steps logged):", killed)
     print("recoveries:", summary["faults"]["recoveries"])
     assert our_scratch() == []  # what the killed ranks left in /dev/shm went with the run
-    assert sorted(role for role, _, _ in killed) == sorted([*ROLE_CLASSES, "node:generator"]), killed
+    assert sorted(role for role, _, _ in killed) == sorted([*ROLE_CLASSES, "node:generator", "node:trainer"]), killed
     assert all(step < STEPS for _, _, step in killed), killed  # while the run was training
     faults = summary["faults"]
     assert sorted(faults["restarts"]) == sorted(ROLE_CLASSES), faults
-    assert sum(faults["restarts"].values()) >= len(killed) + 1  # the node took two actors (more when a re-formed
-    assert summary["rl_steps"] == STEPS  # sync group hung: see JOB)
-    _assert_undisturbed(out, calm_out, killed)
-
-
-@pytest.mark.slow
-def test_losing_the_trainer_node(calm, three_nodes, tmp_path):
-    """The trainer node goes with every trainer and critic rank, the reference worker and the
-    objects they made (the snapshot parts are kept on the head); a fresh node joins. The groups are
-    rebuilt there from the snapshot and the updates since, and the run ends as the calm one did."""
-    config, calm_out, _ = calm
-    out = str(tmp_path / "lost")
-    summary, killed = _run_with_monkey(config, out, (["node:trainer"], 1, random.Random(33), 0.0, three_nodes, 5))
-    print("recoveries:", summary["faults"]["recoveries"])
-    assert [role for role, _, _ in killed] == ["node:trainer"] and killed[0][2] < STEPS, killed
-    assert {"trainer", "critic", "reference"} <= set(summary["faults"]["restarts"]), summary["faults"]
+    # one per kill, one more for the generator node's second actor and two more for the trainer node's (three
+    # rebuilt: the trainer group, the critic group, the reference worker); more when a re-formed sync group hung
+    assert sum(faults["restarts"].values()) >= len(killed) + 1 + 2, faults
     assert summary["rl_steps"] == STEPS
-    assert our_scratch() == []
     _assert_undisturbed(out, calm_out, killed)
