@@ -151,7 +151,7 @@ def our_scratch() -> list:
     return [path for path, _ in ours()]
 
 
-def cut_sender(address, meta: list, bucket_bytes: int, sent: int, linger_s: float = 10.0) -> None:
+def cut_sender(address, meta: list, bucket_bytes: int, sent: int, linger_s: float = 3.0) -> None:
     """Trainer rank 0 of a weight sync that dies mid-way: joins the sync group at ``address`` as
     rank 0, broadcasts the buckets of the first ``sent`` tensors of ``meta`` (random values), gives
     the receivers ``linger_s`` to take them in, and exits as a killed process would, without

@@ -178,10 +178,11 @@ def sft_policy(default_job):
 def tool_caller(tmp_path_factory):
     """tool_use.yaml's SFT stage alone, once per test run for the tool tests (the job file's in
     ``test_config_scenarios``, ``examples/tool_use.py``'s in ``test_scenarios``): a model that calls the
-    tools. 300 steps at lr 1e-2 in batches of 16 (the shipped stage is 1000 at 3e-3 in 32s), on the job's
+    tools. 150 steps at lr 1e-2 in batches of 16 (the shipped stage is 1000 at 3e-3 in 32s), on the job's
     own SFT samples through the job's own SFT stage (``train_sft_stage``), in this process: a Ray trainer
     group computes the same update (the SFT tests of 1 rank against N hold it), and here it costs no cluster
-    start. Saved in HF form for the RL runs."""
+    start. Saved in HF form for the RL runs. After 150 steps the RL runs' rollouts called a tool 0.81 to 1.0
+    times each, and 81 to 100 % of the calls succeeded (after 300: 1.0 calls; the tests ask for more than 0)."""
     from cluster.jobs.config import load_job_config
     from cluster.jobs.inputs import prepare_rl
     from cluster.jobs.rl import train_sft_stage
@@ -190,7 +191,7 @@ def tool_caller(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("tool_sft"))
     job = load_job_config(os.path.join(ROOT, "examples", "configs", "tool_use.yaml"))
-    job = job._replace(sft=job.sft._replace(steps=300, batch=16, lr=1e-2), logging=job.logging._replace(out=out),
+    job = job._replace(sft=job.sft._replace(steps=150, batch=16, lr=1e-2), logging=job.logging._replace(out=out),
                        eval=job.eval._replace(enabled=False))
     inputs = prepare_rl(job)
     backend = LocalBackend(inputs.job.model, inputs.reward_fn, seed=job.seed)
