@@ -113,7 +113,7 @@ def test_a_stopped_actor_is_named_within_the_bound_not_the_call_timeout(ray_loca
                                                        actor_id(quiet))], timeout_s=300)
         waited = time.monotonic() - t0
         assert failure.value.stuck and failure.value.late == (("generator", 0),)  # the quiet one is not named
-        assert BOUND_S <= waited < 60, waited  # not before the bound, and far from the 300 s call timeout
+        assert BOUND_S <= waited < 3 * BOUND_S, waited  # not before the bound; the 300 s call timeout is far
     finally:
         os.kill(pid, signal.SIGCONT)
         ray_local.kill(actor)

@@ -29,21 +29,28 @@ def _stop_head(temp_dir: str, port: int, timeout_s: float = 3.0) -> None:
 
     import psutil
 
+    gone = (psutil.NoSuchProcess, psutil.AccessDenied)
+    me = psutil.Process()
+    spared = {me.pid, *(p.pid for p in me.parents())}  # this test run, whatever its command line says
     ours = re.compile(rf"{re.escape(temp_dir)}|:{port}\b")
     procs = [p for p in psutil.process_iter(["cmdline"]) if ours.search(" ".join(p.info["cmdline"] or []))]
     for p in list(procs):
         try:
             procs += [c for c in p.children(recursive=True) if c not in procs]
-        except psutil.NoSuchProcess:
+        except gone:
             pass
+    procs = [p for p in procs if p.pid not in spared]
     for p in procs:
         try:
             p.terminate()
-        except psutil.NoSuchProcess:
+        except gone:
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     for p in alive:
-        p.kill()
+        try:
+            p.kill()
+        except gone:
+            pass
 
 
 @pytest.fixture(scope="module")
