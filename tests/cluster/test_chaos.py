@@ -27,7 +27,7 @@ from tests.conftest import run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # three simulated nodes of its own
 
-# the last event comes once step 13 is logged (seen at 14 in two runs here, the monkey a step behind): two steps
+# the last event comes once step 13 is logged (seen at 14 in every run here, the monkey a step behind): two steps
 # of training left for it to land in, and a third to spare
 STEPS = 16
 # the default job's task and model, every role an actor of its own, PPO (a critic) with a KL reference

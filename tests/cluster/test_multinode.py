@@ -19,14 +19,15 @@ from primitives.io.data import make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
-from tests.chaos import Nodes
+from tests.chaos import FAST_HEALTH_CHECKS, Nodes
 
 pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # a simulated cluster of its own
 
 
 @pytest.fixture(scope="module")
 def nodes():
-    nodes = Nodes({"generator": 5, "trainer": 4})  # and the head, the driver's node
+    # and the head, the driver's node; a lost node is seen in 5 s, not 15 (the chaos test keeps Ray's defaults)
+    nodes = Nodes({"generator": 5, "trainer": 4}, health_checks=FAST_HEALTH_CHECKS)
     yield nodes
     nodes.shutdown()
 

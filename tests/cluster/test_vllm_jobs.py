@@ -81,8 +81,8 @@ def test_smollm2_through_vllm_uses_the_chat_template_and_ends_turns_on_im_end(sm
 def test_smollm2_chat_job_with_a_vllm_generator_rises_on_held_out_problems(tmp_path):
     """``own_data.yaml`` as shipped (SmolLM2, its chat template and system prompt, two weighted rewards,
     a generator worker) with vLLM generating, for 3 steps: held-out greedy accuracy rises by at least 15
-    points (0.078 -> 0.42 here after 3 steps, 0.44 after 4, 0.50 after 10). Every step sends the weights to the worker,
-    which then samples the trainer's policy (its logprobs within 1e-3 of the trainer's).
+    points (0.078 -> 0.42 here after 3 steps, 0.44 after 4, 0.50 after 10). Every step sends the weights to
+    the worker, which then samples the trainer's policy (its logprobs within 1e-3 of the trainer's).
 
     This run also holds what a 2-step run of ``own_data.yaml`` with an HF worker checked in
     ``test_separate_workers_job`` until issue 32 (the file's layout and sync); the HF worker's SmolLM2
