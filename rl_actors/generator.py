@@ -22,7 +22,14 @@ from rl_actors.common import actor_info, describe_model, setup_process
 from rl_actors.hf_engine import HFEngine
 from rl_actors.reuse import Reusable
 from rl_actors.vllm_engine import VLLMEngine, vllm_available, vllm_importable
-from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
+from rl_actors.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    bucket_buffer,
+    init_sync_group,
+    tensor_checksums,
+)
 
 
 class GeneratorWorker(Reusable):
@@ -114,7 +121,8 @@ class GeneratorWorker(Reusable):
             moved = self.engine.update(meta, bucket_bytes, version)
         else:
             moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, self.engine.device,
-                                      on_received=self.engine.receive)
+                                      on_received=self.engine.receive,  # copies into the model
+                                      buffer=bucket_buffer(meta, bucket_bytes, self.engine.device))
         self.policy_version = version
         return moved
 

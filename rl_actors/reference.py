@@ -28,7 +28,14 @@ from primitives.model.logprobs import rollout_logprobs
 from primitives.types import Batch, ModelConfig
 from rl_actors.common import actor_info, describe_model, load_causal_lm, setup_process
 from rl_actors.reuse import Reusable
-from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
+from rl_actors.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    bucket_buffer,
+    init_sync_group,
+    tensor_checksums,
+)
 
 
 class Reference:
@@ -303,8 +310,9 @@ class RefLogprobWorker(Reusable):
         def keep(metas, tensors):
             policy.update({m.name: t.clone() for m, t in zip(metas, tensors)})
 
-        moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, torch.device("cpu"),
-                                  on_received=keep if move else None)
+        cpu = torch.device("cpu")
+        moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, self.sync_rank, cpu,
+                                  on_received=keep if move else None, buffer=bucket_buffer(meta, bucket_bytes, cpu))
         if move:
             self.reference.move(policy, step, kl)
         return moved

@@ -64,6 +64,7 @@ from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
+    bucket_buffer,
     bucket_plan,
     dtype_name,
     init_sync_group,
@@ -257,10 +258,11 @@ class TrainerWorker(Reusable, OpenUpdates):
         """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket,
         to every receiver alike (HF generators, a tracking reference, vLLM on either device)."""
         moved = 0
+        buffer = bucket_buffer(meta, bucket_bytes, self.sync_device) if self.rank == 0 else None
         for metas, tensors in self.weight_buckets(meta, bucket_bytes):
             if self.rank == 0:
                 moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.sync_device,
-                                           get_tensors=(lambda ts: lambda ms: ts)(tensors))
+                                           get_tensors=(lambda ts: lambda ms: ts)(tensors), buffer=buffer)
         return moved
 
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:

@@ -19,7 +19,14 @@ from primitives.model.vllm_generation import PROCESSED, completion_output, sampl
 from primitives.types import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from rl_actors.common import gpu_visible
 from rl_actors.hf_engine import sampler_key
-from rl_actors.weight_sync import SyncAddress, TensorMeta, broadcast_buckets, init_sync_group, tensor_checksums
+from rl_actors.weight_sync import (
+    SyncAddress,
+    TensorMeta,
+    broadcast_buckets,
+    bucket_buffer,
+    init_sync_group,
+    tensor_checksums,
+)
 
 
 def vllm_importable() -> bool:
@@ -303,7 +310,8 @@ class VLLMAdapters:
         def keep(metas, parts):
             tensors.update((m.name, t.to("cpu", copy=True)) for m, t in zip(metas, parts))
 
-        moved = broadcast_buckets(self.group, meta, bucket_bytes, self.rank, self.device, on_received=keep)
+        moved = broadcast_buckets(self.group, meta, bucket_bytes, self.rank, self.device, on_received=keep,
+                                  buffer=bucket_buffer(meta, bucket_bytes, self.device))  # keep copies
         self.syncs += 1
         # shared memory where it has room (no disk in a sync's path), as a snapshot's files go
         with scratch("lora", moved) as root:

@@ -98,25 +98,55 @@ def in_group(group, rank: Optional[int]) -> int:
     return rank
 
 
+def bucket_buffer(meta: Sequence[TensorMeta], bucket_bytes: int, device) -> torch.Tensor:
+    """One flat byte buffer as large as the largest bucket of ``meta``, for ``broadcast_buckets`` to
+    reuse for every bucket of a sync. A bucket in a buffer of its own costs the first touch of each
+    new page: over 32 MB (glibc's largest mmap threshold), a fresh CPU tensor is new pages from the
+    kernel every time, and a 512 MB sync spent 0.6 of its 0.9 s there between two CPU processes
+    (docs/benchmarks.md)."""
+    return torch.empty(largest_bucket(bucket_plan(meta, bucket_bytes), meta), dtype=torch.uint8, device=device)
+
+
+def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
+    """Bytes of the largest bucket of ``plan`` (``bucket_plan(meta, ...)``)."""
+    return max((sum(meta[i].nbytes for i in idx) for idx in plan), default=0)
+
+
 def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank: Optional[int],
                       device: torch.device, get_tensors: Optional[Callable[[list], list]] = None,
-                      on_received: Optional[Callable[[list, list], None]] = None) -> int:
+                      on_received: Optional[Callable[[list, list], None]] = None,
+                      buffer: Optional[torch.Tensor] = None) -> int:
     """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
     receivers pass ``on_received(metas, tensors)`` (None: take part and keep nothing). Returns
-    bytes moved per receiver."""
+    bytes moved per receiver.
+
+    With ``buffer`` (``bucket_buffer``), every bucket is laid out in it in turn, and the tensors a
+    receiver's ``on_received`` gets are views into it, valid until it returns: a receiver that
+    keeps them copies them (vLLM's layerwise reload keeps what it is given until a layer is
+    whole, so its receiver passes none and each bucket gets a buffer of its own)."""
     rank = in_group(group, rank)
     if rank == 0 and get_tensors is None:
         raise ValueError("the source of a broadcast (rank 0) passes get_tensors")
-    total = 0
-    for idx in bucket_plan(meta, bucket_bytes):
+    total, plan = 0, bucket_plan(meta, bucket_bytes)
+    if buffer is not None and buffer.numel() < largest_bucket(plan, meta):
+        raise ValueError(f"weight sync: a bucket of {largest_bucket(plan, meta)} bytes does not fit the "
+                         f"{buffer.numel()}-byte buffer (bucket_buffer sizes it from the same plan)")
+    for idx in plan:
         metas = [meta[i] for i in idx]
-        numel = sum(m.numel for m in metas)
-        if rank == 0 and get_tensors is not None:
-            tensors = get_tensors(metas)
-            flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=DTYPES[metas[0].dtype])
-                              for t in tensors])
+        numel, dtype = sum(m.numel for m in metas), DTYPES[metas[0].dtype]
+        if buffer is None:
+            flat = torch.empty(numel, dtype=dtype, device=device)
         else:
-            flat = torch.empty(numel, dtype=DTYPES[metas[0].dtype], device=device)
+            flat = buffer[: numel * dtype.itemsize].view(dtype)
+        if rank == 0 and get_tensors is not None:
+            tensors, offset = get_tensors(metas), 0
+            if len(tensors) != len(metas):
+                raise ValueError(f"weight sync: {len(tensors)} tensors for a bucket of {len(metas)} parameters")
+            for m, t in zip(metas, tensors):
+                if t.numel() != m.numel:
+                    raise ValueError(f"weight sync: '{m.name}' has {t.numel()} elements, its metadata {m.numel}")
+                flat[offset: offset + m.numel].copy_(t.detach().reshape(-1))
+                offset += m.numel
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         group.broadcast([flat], opts).wait()
@@ -131,16 +161,20 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
 
 
 def raw_broadcast(group, numel: int, dtype: torch.dtype, rank: Optional[int], device) -> float:
-    """Seconds of one broadcast of a preallocated flat buffer from rank 0 (allocation not
-    timed): the throughput ceiling of the group."""
+    """Seconds of one broadcast of a preallocated flat buffer from rank 0 (allocation and the
+    first touch of its pages not timed): the throughput ceiling of the group."""
     import time
 
     rank = in_group(group, rank)
-    flat = (torch.ones if rank == 0 else torch.empty)(numel, dtype=dtype, device=device)
+    flat = torch.ones(numel, dtype=dtype, device=device)  # written: its pages are in place before the clock starts
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    if flat.is_cuda:
+        torch.cuda.synchronize(flat.device)
     t0 = time.perf_counter()
     group.broadcast([flat], opts).wait()
+    if flat.is_cuda:  # NCCL's wait() orders the stream; the host waits here
+        torch.cuda.synchronize(flat.device)
     return time.perf_counter() - t0
 
 

@@ -1,12 +1,14 @@
 """The bucketed broadcast over a TCPStore + gloo group, across real processes."""
 import multiprocessing as mp
 
+import pytest
 import torch
 
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
+    bucket_buffer,
     free_port,
     init_sync_group,
     tensor_checksums,
@@ -21,25 +23,46 @@ def _source_tensors():
     return {m.name: torch.randn(m.shape, generator=g).to(getattr(torch, m.dtype)) for m in META}
 
 
-def _member(rank, address, queue):
+def _member(rank, address, queue, buffered):
     torch.set_num_threads(1)
     group = init_sync_group(address, rank, timeout_s=60)
     src = _source_tensors()
-    got = {}
+    got, in_buffer = {}, []
+    buffer = bucket_buffer(META, 256, torch.device("cpu")) if buffered[rank] else None
+
+    def keep(ms, ts):
+        if buffer is not None:  # each bucket's tensors are views into the one buffer
+            start = buffer.data_ptr()
+            in_buffer.extend(start <= t.data_ptr() < start + buffer.numel() for t in ts)
+        got.update({m.name: t.clone() for m, t in zip(ms, ts)})
+
     moved = broadcast_buckets(group, META, 256, rank, torch.device("cpu"),
-                              get_tensors=lambda ms: [src[m.name] for m in ms],
-                              on_received=lambda ms, ts: got.update({m.name: t.clone() for m, t in zip(ms, ts)}))
-    queue.put((rank, moved, tensor_checksums(sorted(got.items())) if rank else None))
+                              get_tensors=lambda ms: [src[m.name] for m in ms], on_received=keep, buffer=buffer)
+    queue.put((rank, moved, tensor_checksums(sorted(got.items())) if rank else None, in_buffer))
+
+
+def test_a_bucket_buffer_holds_the_largest_bucket():
+    # 256-byte buckets of META: w1 and b1 (48 + 16 bytes of float32), emb alone (70 bytes of bfloat16, another
+    # dtype), w2 alone (10000 bytes, larger than a bucket)
+    assert bucket_buffer(META, 256, torch.device("cpu")).shape == (10000,)
+    assert bucket_buffer(META[:3], 256, torch.device("cpu")).shape == (70,)
+    assert bucket_buffer(META[:2], 256, torch.device("cpu")).dtype == torch.uint8
 
 
 def test_broadcast_delivers_exact_bytes_to_every_receiver():
+    """Every receiver gets the source's bytes, whether a member lays every bucket out in one
+    reused buffer (the sender and receiver 1) or each bucket in a buffer of its own (receiver 2,
+    as vLLM's receiver does; the tests of vLLM's wire send that way too)."""
+    buffered = (True, True, False)
     address = SyncAddress("127.0.0.1", free_port(), 3, "gloo")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, address, queue)) for r in range(3)]
+    procs = [ctx.Process(target=_member, args=(r, address, queue, buffered)) for r in range(3)]
     for p in procs:
         p.start()
-    results = dict((r, (moved, sums)) for r, moved, sums in (queue.get(timeout=120) for _ in procs))
+    answers = [queue.get(timeout=120) for _ in procs]
+    results = dict((r, (moved, sums)) for r, moved, sums, _ in answers)
+    in_buffer = dict((r, views) for r, _, _, views in answers)
     for p in procs:
         p.join(timeout=30)
     expected = tensor_checksums(sorted(_source_tensors().items()))
@@ -47,3 +70,17 @@ def test_broadcast_delivers_exact_bytes_to_every_receiver():
     assert results[0][0] == total
     for r in (1, 2):
         assert results[r] == (total, expected)
+    assert in_buffer[1] == [True] * len(META) and in_buffer[2] == []
+
+
+def test_a_short_buffer_or_a_wrong_tensor_is_refused_before_anything_is_sent():
+    """The checks come before the first collective (the group here is never called)."""
+    group, cpu = object(), torch.device("cpu")
+    src = _source_tensors()
+    with pytest.raises(ValueError, match="a bucket of 10000 bytes does not fit the 70-byte buffer"):
+        broadcast_buckets(group, META, 256, 1, cpu, buffer=bucket_buffer(META[:3], 256, cpu))
+    wrong = lambda ms: [src[m.name][:2] if m.name == "b1" else src[m.name] for m in ms]  # noqa: E731
+    with pytest.raises(ValueError, match="'b1' has 2 elements, its metadata 4"):
+        broadcast_buckets(group, META, 256, 0, cpu, get_tensors=wrong, buffer=bucket_buffer(META, 256, cpu))
+    with pytest.raises(ValueError, match="1 tensors for a bucket of 2 parameters"):
+        broadcast_buckets(group, META, 256, 0, cpu, get_tensors=lambda ms: [src[ms[0].name]])
