@@ -72,13 +72,88 @@ def start_heartbeat(every_s: float = HEARTBEAT_EVERY_S) -> bool:
     return True
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+
+def _glibc():
+    """The C library where it is glibc (``mallopt``, ``malloc_trim``), else None (musl, macOS)."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def reuse_freed_memory() -> bool:
+    """Keep the memory that large CPU tensors free in the process, for the next ones. glibc's
+    malloc serves a block over its mmap threshold (at most 32 MB) with pages of its own, unmapped
+    when freed, so every later tensor of that size faults in new pages: a 79 MB logits tensor
+    (400 tokens x SmolLM2's 49k vocabulary) costs 33 ms of page faults each time, against 3 ms to
+    fill one already mapped. Here the main heap serves every block and its top is not given back
+    (up to 2 GB), as a caching allocator keeps a GPU's memory (a thread's own arena still maps a
+    block over 64 MB; torch's tensors come from the calling thread, the actor's main one). A
+    trainer step of SmolLM2 on CPU took 11 % less (docs/benchmarks.md, 2026-11-29). The process
+    keeps its peak; a kept actor hands the free part back between jobs (``return_free_memory``).
+    False where the C library is not glibc."""
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
+def refaults(mb: int = 80) -> tuple:
+    """Minor page faults of filling an ``mb`` MB block from ``malloc`` (as torch's CPU tensors
+    get theirs), freeing it, and filling one again: the second is near 0 where freed memory is
+    reused (``reuse_freed_memory``), near the first where each large block gets new pages. And
+    the resident MB before and after ``return_free_memory``. glibc only."""
+    import ctypes
+    import resource
+
+    libc = _glibc()
+    if libc is None:
+        raise RuntimeError("refaults: the C library is not glibc")
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def fill() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = libc.malloc(ctypes.c_size_t(mb * 2 ** 20))
+        ctypes.memset(block, 1, mb * 2 ** 20)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        libc.free(block)
+        return faults
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+    first, second = fill(), fill()
+    held = resident_mb()
+    return_free_memory()
+    return first, second, held, resident_mb()
+
+
+def return_free_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``); False where the C
+    library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)  # 1 if it gave memory back, 0 if there was none to give
+    return True
+
+
 def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch: bool = True) -> None:
     """One actor per core: more torch threads than cores oversubscribes the machine badly.
     An actor that may never need torch (a reward worker running plain Python) passes
     ``needs_torch=False`` and saves its import (about a second of CPU); a torch imported there
     later still starts with ``num_threads`` threads (``OMP_NUM_THREADS``, read at its import).
-    In a Ray actor, its heartbeat starts (``start_heartbeat``)."""
-    start_heartbeat()
+    In a Ray actor, its heartbeat starts (``start_heartbeat``) and freed memory stays in the
+    process (``reuse_freed_memory``: the process is ours; a caller's own process is left as it is)."""
+    if start_heartbeat():
+        reuse_freed_memory()
     os.environ["OMP_NUM_THREADS"] = str(max(1, num_threads))
     if needs_torch or "torch" in sys.modules:
         import torch

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import sys
 
-from rl_actors.common import ray_actor_id
+from rl_actors.common import ray_actor_id, return_free_memory
 
 
 class Reusable:
@@ -35,6 +35,8 @@ class Reusable:
         gc.collect()  # the job's reference cycles (DeepSpeed's hooks and closures, the process groups)
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()  # what the job's model and engine held, cycles included, goes back to the device
+        if ray_actor_id():
+            return_free_memory()  # an actor keeps the memory its job freed (reuse_freed_memory); not while it waits
         if ray_actor_id() and gc.get_freeze_count() == 0:
             # at the first release, what survives is the process's imports (400k objects in a trainer
             # with torch, transformers and DeepSpeed: 0.4 s a full collection here): no collection
