@@ -102,9 +102,9 @@ def _timed(fn, device: torch.device, repeats: int) -> tuple:
 def machine_rates(device: torch.device, dtype: torch.dtype) -> tuple:
     """``(matmul FLOP/s, memory bytes/s)`` measured here: the best of a few square matmuls, and a
     256 MB tensor copied (read + write) into one already written, larger than this machine's
-    32 MB L3 cache and a data-centre GPU's L2 (tens of MB). Until 2026-11-29 the copy went into a new tensor each
-    time, and on the CPU that timed the kernel handing out new pages, not the memory: 4.6-8 GB/s
-    where a copy between written tensors moves 24-30 GB/s here."""
+    32 MB L3 cache and a data-centre GPU's L2 (tens of MB). Until 2026-11-29 the copy went into
+    a new tensor each time, and on the CPU that timed the kernel handing out new pages, not the
+    memory: 4.6-8 GB/s where a copy between written tensors moves 24-30 GB/s here."""
     n = 4096 if device.type == "cuda" else 1024
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     best = min(_timed(lambda: a @ b, device, 1)[0] for _ in range(5))

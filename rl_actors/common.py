@@ -98,8 +98,9 @@ def reuse_freed_memory() -> bool:
     (up to 2 GB), as a caching allocator keeps a GPU's memory (a thread's own arena still maps a
     block over 64 MB; torch's tensors come from the calling thread, the actor's main one). A
     trainer step of SmolLM2 on CPU took 11 % less (docs/benchmarks.md, 2026-11-29). The process
-    keeps its peak; a kept actor hands the free part back between jobs (``return_free_memory``).
-    False where the C library is not glibc."""
+    keeps its peak; what loading freed goes back once a model or engine is built (``loaded``), and
+    a kept actor hands the free part back between jobs (``return_free_memory``). False where the C
+    library is not glibc."""
     libc = _glibc()
     return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
@@ -145,6 +146,14 @@ def return_free_memory() -> bool:
     return True
 
 
+def loaded() -> None:
+    """In an actor, after a model or engine is built: what loading freed (a checkpoint read, a
+    conversion on the host before a move to the GPU) goes back to the system now, since the heap
+    otherwise keeps it for the whole job (``reuse_freed_memory``)."""
+    if ray_actor_id():
+        return_free_memory()
+
+
 def setup_process(num_threads: int = 1, seed: Optional[int] = None, needs_torch: bool = True) -> None:
     """One actor per core: more torch threads than cores oversubscribes the machine badly.
     An actor that may never need torch (a reward worker running plain Python) passes
@@ -187,6 +196,7 @@ def load_causal_lm(config: ModelConfig, role: str):
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    loaded()
     return model, tokenizer
 
 

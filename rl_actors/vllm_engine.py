@@ -17,7 +17,7 @@ from primitives.model.generation import pack_rollout
 from primitives.model.prompts import encode_prompts
 from primitives.model.vllm_generation import PROCESSED, completion_output, sampling_params
 from primitives.types import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
-from rl_actors.common import gpu_visible
+from rl_actors.common import gpu_visible, loaded
 from rl_actors.hf_engine import sampler_key
 from rl_actors.weight_sync import (
     SyncAddress,
@@ -135,6 +135,7 @@ class VLLMEngine:
                        trust_remote_code=config.trust_remote_code, logprobs_mode=PROCESSED,
                        max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
                        **self.weights.llm_kwargs(), **device_kwargs)
+        loaded()
         self.device = torch.device("cuda" if self.on_gpu else "cpu")
         self.sleeps = settings.enable_sleep_mode and self.on_gpu  # the job check refuses sleep mode on CPU
         self.asleep = False

@@ -148,3 +148,22 @@ def test_freed_memory_is_reused_where_asked_and_given_back_on_release():
     assert first > 0 and second >= 0.9 * first  # every fill faults in its pages
     assert r_first > 0 and r_second <= 0.05 * r_first  # the second fill finds them mapped
     assert held - after >= 70  # the freed 80 MB went back
+
+
+@pytest.mark.slow  # DeepSpeed's import and two engines
+def test_an_actor_hands_back_what_loading_freed(tiny_model_path, monkeypatch):
+    """In an actor the heap keeps what tensors free (above), so the model's load and the DeepSpeed
+    engine's build each end by giving its free pages back (``rl_actors.common.loaded``); in the
+    caller's own process neither does. The actor is simulated: its id set, no heartbeat thread."""
+    import rl_actors.common as common
+
+    calls: list = []
+    monkeypatch.setattr(common, "return_free_memory", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(common, "start_heartbeat", lambda: False)  # no thread, no mallopt in this process
+    for in_actor in (False, True):
+        actor_id = "an actor" if in_actor else ""
+        monkeypatch.setattr(common, "ray_actor_id", lambda actor_id=actor_id: actor_id)
+        worker = TrainerWorker(ModelConfig(tiny_model_path), 0, 1, TrainerConfig(zero_stage=2, lr=1e-2), seed=0)
+        worker.setup("127.0.0.1", free_port("127.0.0.1"))
+        assert calls == (["trim", "trim"] if in_actor else [])  # after the load, after the engine
+        worker.release()
