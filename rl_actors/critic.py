@@ -39,7 +39,7 @@ from primitives.model.value import (
     value_model_from_reward_model,
 )
 from primitives.types import Batch, BatchPlan, ModelConfig, planned_rollouts
-from rl_actors.common import check_model_path, planned_inputs
+from rl_actors.common import check_model_path, loaded, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -97,6 +97,7 @@ class CriticWorker(Reusable):
         else:
             module = value_model_from_reward_model(self.init, dtype=torch.float32)
         self.ds.setup(master_addr, master_port, module.to(self.ds.module_device))
+        loaded()  # the value model and the engine built: what building them freed goes back
         return self.info()
 
     def info(self) -> dict:

@@ -45,7 +45,7 @@ import torch
 from primitives.io.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
 from primitives.model.training import micro_batch_rows
 from primitives.types import ModelConfig
-from rl_actors.common import actor_info, describe_model, environ, gpu_visible, loaded, setup_process
+from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
 from rl_actors.reuse import forget_group_registry, peak_rss_mb, remember_group_registry, reset_peak_memory
 from rl_actors.scratch import read_tree, scratch, snapshot_bytes, write_tree
 
@@ -205,7 +205,6 @@ class DeepSpeedRank:
         self.device = self.engine.device
         # stage 0 (one rank): nothing to reduce (DeepSpeed would copy each gradient out and back); the rank clips
         self.engine.enable_backward_allreduce, self.clipped = (False, trained) if self.stage == 0 else (True, None)
-        loaded()
 
     def release(self) -> None:
         """Let go of this group (its actor is kept for another job: ``rl_actors.reuse.Reusable``):

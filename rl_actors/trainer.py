@@ -44,7 +44,7 @@ from primitives.model.training import (
 )
 from primitives.types import Batch, BatchPlan, ModelConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import GENERATE_ON_ZERO3, load_causal_lm, planned_inputs
+from rl_actors.common import GENERATE_ON_ZERO3, load_causal_lm, loaded, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -118,6 +118,7 @@ class TrainerWorker(Reusable, OpenUpdates):
         if self.host_generator:
             self.hosted = GeneratorWorker.hosted(self.module, self.tokenizer, self.rank, self.seed,
                                                  f"{self.role} {self.rank}", host_clock=self.clock)
+        loaded()  # the engine built: what building it freed goes back
         return self.info()
 
     def info(self) -> dict:

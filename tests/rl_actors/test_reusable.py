@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from primitives.types import ModelConfig
+from rl_actors.critic import CriticWorker
 from rl_actors.reuse import Reusable, peak_rss_mb, reset_peak_memory
 from rl_actors.trainer import TrainerConfig, TrainerWorker
 from rl_actors.weight_sync import free_port
@@ -152,9 +153,10 @@ def test_freed_memory_is_reused_where_asked_and_given_back_on_release():
 
 @pytest.mark.slow  # DeepSpeed's import and two engines
 def test_an_actor_hands_back_what_loading_freed(tiny_model_path, monkeypatch):
-    """In an actor the heap keeps what tensors free (above), so the model's load and the DeepSpeed
-    engine's build each end by giving its free pages back (``rl_actors.common.loaded``); in the
-    caller's own process neither does. The actor is simulated: its id set, no heartbeat thread."""
+    """In an actor the heap keeps what tensors free (above), so the model's load and the trainer
+    rank's and the critic's setups (their DeepSpeed engines built) each end by giving its free pages back
+    (``rl_actors.common.loaded``); in the caller's own process neither does. The actor is
+    simulated: its id set, no heartbeat thread."""
     import rl_actors.common as common
 
     calls: list = []
@@ -167,3 +169,8 @@ def test_an_actor_hands_back_what_loading_freed(tiny_model_path, monkeypatch):
         worker.setup("127.0.0.1", free_port("127.0.0.1"))
         assert calls == (["trim", "trim"] if in_actor else [])  # after the load, after the engine
         worker.release()
+        critic = CriticWorker(ModelConfig(tiny_model_path), 0, 1, TrainerConfig(zero_stage=2, lr=1e-2), seed=0)
+        critic.setup("127.0.0.1", free_port("127.0.0.1"))
+        assert calls == (["trim", "trim", "trim"] if in_actor else [])  # after the value model and its engine
+        critic.release()
+        calls.clear()
