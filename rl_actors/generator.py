@@ -71,7 +71,8 @@ class GeneratorWorker(Reusable):
         return self.engine.name == "hf"
 
     def info(self) -> dict:
-        model = describe_model(self.engine.model) if self.engine.name == "hf" else {}
+        model = describe_model(self.engine.model) if self.engine.name == "hf" else \
+            {"kv_block_tokens": self.engine.block_size}
         return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model, "hosted_by": self.host}
 
     def _sampler(self, items: Sequence) -> Union[torch.Generator, int]:

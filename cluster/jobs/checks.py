@@ -14,7 +14,7 @@ from primitives.io.data import (
     FieldMap,
     PromptFormat,
 )
-from primitives.types import DECODE_MODES, VLLM_MIN_TEMPERATURE
+from primitives.types import DECODE_MODES, VLLM_CPU_BLOCK, VLLM_MIN_TEMPERATURE
 from rl_actors.common import GENERATE_ON_ZERO3
 
 
@@ -198,6 +198,10 @@ def vllm_errors(cluster) -> list:
         (v.max_model_len is None or v.max_model_len >= 2,
          f"cluster.vllm.max_model_len must be at least 2 tokens, got {v.max_model_len}"),
         (v.cpu_kv_cache_gib >= 1, f"cluster.vllm.cpu_kv_cache_gib must be at least 1, got {v.cpu_kv_cache_gib}"),
+        (v.block_size is None or v.block_size >= 1, f"cluster.vllm.block_size must be positive, got {v.block_size}"),
+        (v.block_size is None or gpus > 0 or v.block_size % VLLM_CPU_BLOCK == 0,
+         f"cluster.vllm.block_size {v.block_size}: vLLM's CPU attention takes multiples of {VLLM_CPU_BLOCK} tokens, "
+         f"and the generators run on CPU (cluster.generator_gpus 0)"),
         (not v.enable_sleep_mode or gpus > 0,
          "cluster.vllm.enable_sleep_mode releases GPU memory; the generators run on CPU (cluster.generator_gpus 0)"),
     ]

@@ -261,8 +261,14 @@ def test_which_generator_and_truncation_go_together(changes, refused):
      None),
     ({"generator_backend": "hf", "generator_gpus": 1}, None),  # HF generators on GPUs take the trainers' gloo
     ({"generator_backend": "vllm", "vllm": {"max_model_len": 64, "cpu_kv_cache_gib": 2}}, None),
+    ({"generator_backend": "vllm", "vllm": {"block_size": 0}}, "cluster.vllm.block_size must be positive, got 0"),
+    ({"generator_backend": "vllm", "vllm": {"block_size": 48}},
+     "cluster.vllm.block_size 48: vLLM's CPU attention takes multiples of 32 tokens"),
+    ({"generator_backend": "vllm", "vllm": {"block_size": 64}}, None),
+    ({"generator_backend": "vllm", "generator_gpus": 1, "vllm": {"block_size": 16}}, None),
 ], ids=["tp-on-cpu", "tp-on-gpus", "vllm-gpus-cpu-trainers", "auto-gpus-cpu-trainers", "sleep-on-cpu", "gpu-share",
-        "kv-cache", "max-len", "gpu-ok", "hf-gpus-cpu-trainers", "cpu-ok"])
+        "kv-cache", "max-len", "gpu-ok", "hf-gpus-cpu-trainers", "cpu-ok", "block-zero", "block-48-on-cpu",
+        "block-64-on-cpu", "block-16-on-gpus"])
 def test_vllm_settings_that_cannot_apply_are_named_before_ray(cluster, refused):
     from cluster.jobs.checks import rl_errors
 

@@ -28,3 +28,18 @@ def test_an_auto_generator_on_the_cpu_builds_the_hf_engine_without_vllm(monkeypa
     monkeypatch.setattr(generator_module, "vllm_importable", _no_vllm_import)
     worker = generator_module.GeneratorWorker(ModelConfig(tiny_model_path), backend="auto")
     assert type(worker.engine).__name__ == "HFEngine"
+
+
+@pytest.mark.parametrize("on_gpu, block_size, expected", [
+    (False, None, {"enable_chunked_prefill": False, "block_size": 32}),  # vLLM's CPU default 128 shares no chat prompt
+    (False, 64, {"enable_chunked_prefill": False, "block_size": 64}),
+    (True, None, {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "enable_sleep_mode": False}),
+    (True, 16, {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "enable_sleep_mode": False,
+                "block_size": 16}),
+], ids=["cpu-default", "cpu-set", "gpu-vllm-default", "gpu-set"])
+def test_the_engines_device_arguments(on_gpu, block_size, expected):
+    """On CPU: no chunked prefill (a seeded prompt split over two steps kills vLLM's CPU engine)
+    and KV blocks of 32 tokens unless set; on a GPU vLLM's own block size unless set."""
+    from primitives.types import VLLMConfig
+
+    assert vllm_engine.llm_device_kwargs(VLLMConfig(block_size=block_size), on_gpu) == expected

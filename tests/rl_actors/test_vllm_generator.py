@@ -21,7 +21,7 @@ from primitives.io.data import PromptItem, make_prompt_source
 from primitives.maths.algorithms import constant_schedule, grpo
 from primitives.maths.batching import make_batch
 from primitives.maths.kl import create_periodic_updater
-from primitives.types import GenerationConfig
+from primitives.types import VLLM_CPU_BLOCK, GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.conftest import scored_rollouts
 from tests.rewards import spread_reward
@@ -118,6 +118,21 @@ def test_vllm_logprobs_equal_the_trainer_logprobs(vllm_cluster, items, temperatu
     assert diff < PARITY, diff
     other = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.7 - temperature)], vllm_cluster.timeout_s)[0]
     assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(other, rollouts)) > 100 * PARITY  # T matters
+
+
+def test_a_groups_prompt_is_shared_in_whole_blocks_and_scores_as_the_trainer(vllm_cluster):
+    """On CPU the engine's KV-cache blocks are 32 tokens (vLLM's own 128 left a GRPO group's
+    ~46-token chat prompts unshared), so the first two blocks of a 75-token prompt are prefilled
+    once and read by every sample of the group within the call; the samples' logprobs still equal
+    the trainer's."""
+    info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
+    assert info["model"] == {"kv_block_tokens": VLLM_CPU_BLOCK}
+    sync_weights(vllm_cluster, version=10)
+    prompt = [PromptItem(0, "What is 12+34? " * 5)]
+    rollouts = _generate(vllm_cluster, prompt, GenerationConfig(max_new_tokens=6, n=6, temperature=1.0))
+    assert len(rollouts[0].prompt_ids) >= 2 * VLLM_CPU_BLOCK + 1 and len({r.text for r in rollouts}) > 1
+    trainer = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.0)], vllm_cluster.timeout_s)[0]
+    assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts)) < PARITY
 
 
 def test_a_call_larger_than_one_engine_step_completes(vllm_cluster):
