@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from primitives.io.checkpoint import atomic_directory, capture_rng_state, restore_rng_state
-from primitives.model.training import micro_batch_rows
+from primitives.model.training import fused_adamw, micro_batch_rows
 from primitives.types import ModelConfig
 from rl_actors.common import actor_info, describe_model, environ, gpu_visible, setup_process
 from rl_actors.reuse import forget_group_registry, peak_rss_mb, remember_group_registry, reset_peak_memory
@@ -82,9 +82,9 @@ class TrainerConfig(NamedTuple):
 
 
 def adamw(params, cfg: TrainerConfig, lr: Optional[float] = None) -> torch.optim.AdamW:
-    """torch's AdamW with ``cfg``'s settings (``lr`` in place of ``cfg.lr`` where given)."""
-    return torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay)
+    """``fused_adamw`` with ``cfg``'s settings (``lr`` in place of ``cfg.lr`` where given)."""
+    return fused_adamw(params, lr=cfg.lr if lr is None else lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                       weight_decay=cfg.weight_decay)
 
 
 def engine_stage(zero_stage: int, world_size: int, bf16: bool) -> int:
