@@ -127,6 +127,12 @@ class GeneratorWorker(Reusable):
         self.policy_version = version
         return moved
 
+    def prompt_tokens(self) -> Optional[tuple]:
+        """``(prompt tokens, of those vLLM's prefix cache served)`` over every call so far; None for the HF
+        engine, which prefills each distinct prompt of a call once by itself."""
+        counts = getattr(self.engine, "prompt_tokens", None)
+        return tuple(counts) if counts is not None else None
+
     def weight_checksums(self) -> dict:
         """HF name -> sha1 of the weights this generator samples with (read inside vLLM's worker for vLLM)."""
         if isinstance(self.engine, VLLMEngine):

@@ -151,6 +151,7 @@ class VLLMEngine:
                        **self.weights.llm_kwargs(), **device_kwargs)
         loaded()
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)  # tokens per KV-cache block
+        self.prompt_tokens = [0, 0]  # prompt tokens of every call so far, and of those the prefix cache served
         self.device = torch.device("cuda" if self.on_gpu else "cpu")
         self.sleeps = settings.enable_sleep_mode and self.on_gpu  # the job check refuses sleep mode on CPU
         self.asleep = False
@@ -160,6 +161,8 @@ class VLLMEngine:
         prompts = [{"prompt_token_ids": ids.tolist()} for ids in prompt_ids]
         params = [sampling_params(gen, s) for s in vllm_seeds(base_seed, len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.weights.lora_request)
+        self.prompt_tokens[0] += sum(len(ids) for ids in prompt_ids)
+        self.prompt_tokens[1] += sum(out.num_cached_tokens or 0 for out in outs)
         return [completion_output(out) for out in outs]
 
     @contextmanager

@@ -184,29 +184,30 @@ def test_a_rank_counts_the_backward_passes_forward_backward_makes(name, scored, 
 
 
 def test_fused_adamw_takes_two_hand_worked_steps():
-    """AdamW's update, worked by hand for one weight (decoupled decay, bias-corrected moments),
-    against the fused optimizer on CPU: w = 1, gradients 0.5 then -0.25, lr 0.1, decay 0.01."""
-    import math
-
+    """AdamW's update by hand for one weight (decoupled decay, bias-corrected moments) against the
+    fused optimizer on CPU: w = 1, gradients 0.5 then -0.25, lr 0.1, betas (0.8, 0.99), eps 0.01,
+    decay 0.1 (none torch's default, so a setting dropped on the way fails).
+    Step 1: w = 1 x 0.99 = 0.99; m = 0.1, v = 0.0025; m^ = 0.5, v^ = 0.25;
+    w -= 0.1 x 0.5 / (0.5 + 0.01) = 0.0980392 -> 0.8919608.
+    Step 2: w x 0.99 = 0.8830412; m = 0.08 - 0.05 = 0.03, v = 0.002475 + 0.000625 = 0.0031;
+    m^ = 0.03 / 0.36 = 0.0833333, v^ = 0.0031 / 0.0199 = 0.1557789 (sqrt 0.3946883);
+    w -= 0.1 x 0.0833333 / 0.4046883 = 0.0205920 -> 0.8624492."""
     from primitives.model.training import fused_adamw
 
     w = torch.nn.Parameter(torch.tensor([1.0]))
-    opt = fused_adamw([w], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    opt = fused_adamw([w], lr=0.1, betas=(0.8, 0.99), eps=0.01, weight_decay=0.1)
     assert opt.defaults["fused"] is True
-    expect, m, v = 1.0, 0.0, 0.0
-    for t, g in enumerate([0.5, -0.25], start=1):
+    for g, expect in [(0.5, 0.8919608), (-0.25, 0.8624492)]:
         w.grad = torch.tensor([g])
         opt.step()
-        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
-        expect = expect * (1 - 0.1 * 0.01) - 0.1 * (m / (1 - 0.9 ** t)) / (math.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
-        assert abs(w.item() - expect) < 1e-6, (t, w.item(), expect)
-    assert abs(expect - 0.871467) < 1e-6  # 0.999 - 0.1, then 0.898101 - 0.026634
+        assert abs(w.item() - expect) < 1e-6, (w.item(), expect)
 
 
 def test_fused_adamw_only_where_every_parameter_allows_it():
     from primitives.model.training import fused_adamw
 
-    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(3))]}]
-    assert fused_adamw(groups, lr=0.1).defaults["fused"] is True
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": iter([torch.nn.Parameter(torch.zeros(3))])}]
+    opt = fused_adamw(groups, lr=0.1)
+    assert opt.defaults["fused"] is True and [len(g["params"]) for g in opt.param_groups] == [1, 1]  # an iterator too
     meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
     assert fused_adamw([torch.nn.Parameter(torch.zeros(2)), meta], lr=0.1).defaults["fused"] is None

@@ -127,10 +127,15 @@ def test_a_groups_prompt_is_shared_in_whole_blocks_and_scores_as_the_trainer(vll
     the trainer's."""
     info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
     assert info["model"] == {"kv_block_tokens": VLLM_CPU_BLOCK}
-    sync_weights(vllm_cluster, version=10)
+    sync_weights(vllm_cluster, version=10)  # the sync empties the prefix cache
     prompt = [PromptItem(0, "What is 12+34? " * 5)]
+    before = gather([call(vllm_cluster.generators.group, 0, "prompt_tokens")], vllm_cluster.timeout_s)[0]
     rollouts = _generate(vllm_cluster, prompt, GenerationConfig(max_new_tokens=6, n=6, temperature=1.0))
-    assert len(rollouts[0].prompt_ids) >= 2 * VLLM_CPU_BLOCK + 1 and len({r.text for r in rollouts}) > 1
+    after = gather([call(vllm_cluster.generators.group, 0, "prompt_tokens")], vllm_cluster.timeout_s)[0]
+    P = len(rollouts[0].prompt_ids)
+    assert 2 * VLLM_CPU_BLOCK < P < 3 * VLLM_CPU_BLOCK and len({r.text for r in rollouts}) > 1
+    # the first sample computes the prompt; the other five read its two whole blocks from the cache
+    assert (after[0] - before[0], after[1] - before[1]) == (6 * P, 5 * 2 * VLLM_CPU_BLOCK)
     trainer = gather([call(vllm_cluster.trainers, 0, "logprobs", rollouts, 1.0)], vllm_cluster.timeout_s)[0]
     assert max(float(np.abs(t - r.logprobs).max()) for t, r in zip(trainer, rollouts)) < PARITY
 
