@@ -75,8 +75,8 @@ def llm_device_kwargs(settings: VLLMConfig, on_gpu: bool) -> dict:
     share a prompt's cached KV in whole blocks only, also within one call (the first request's
     prefill writes them). With vLLM's CPU default of 128, a GRPO group's 46-token chat prompts
     filled no block and every sample prefilled its prompt again; with 32, SmolLM2's 32 rollouts of
-    4 prompts generated in 2.78 s instead of 5.72, and 32 distinct prompts in 4.39 s instead of 5.19
-    (docs/benchmarks.md, 2026-11-29, "vLLM's KV-cache blocks"). On a GPU vLLM's own default stays."""
+    4 prompts generated in 2.78-2.95 s instead of 5.04-5.72 (``benchmarks/bench_vllm_blocks.py``;
+    docs/benchmarks.md, 2026-11-29). On a GPU vLLM's own default stays."""
     block = {"block_size": settings.block_size} if settings.block_size is not None else {}
     if on_gpu:
         return dict(tensor_parallel_size=settings.tensor_parallel_size,
