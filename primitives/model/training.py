@@ -162,7 +162,7 @@ def fused_adamw(params, **settings) -> torch.optim.AdamW:
     """torch's AdamW (``settings``: lr, betas, eps, weight_decay), fused where every parameter
     allows it (floating tensors on CPU or CUDA): one kernel per tensor. torch's default on CPU
     steps each tensor through a loop of ops: SmolLM2's 272 tensors took 211-384 ms a step against
-    68 ms fused, the same update up to float rounding (6e-8 apart after 4 steps; docs/benchmarks.md)."""
+    68 ms fused, the same update up to float rounding (``benchmarks/bench_optimizer.py``)."""
     params = [dict(p, params=list(p["params"])) if isinstance(p, dict) else p for p in params]  # groups read twice
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     fused = bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
