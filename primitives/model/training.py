@@ -164,7 +164,8 @@ def fused_adamw(params, **settings) -> torch.optim.AdamW:
     steps each tensor through a loop of ops: SmolLM2's 272 tensors took 211-384 ms a step against
     68 ms fused, the same update up to float rounding (``benchmarks/bench_optimizer.py``)."""
     params = [dict(p, params=list(p["params"])) if isinstance(p, dict) else p for p in params]  # groups read twice
-    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    items = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    tensors = [t[1] if isinstance(t, tuple) else t for t in items]  # named parameters: (name, tensor)
     fused = bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
     return torch.optim.AdamW(params, fused=fused or None, **settings)
 

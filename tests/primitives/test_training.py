@@ -209,5 +209,7 @@ def test_fused_adamw_only_where_every_parameter_allows_it():
     groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": iter([torch.nn.Parameter(torch.zeros(3))])}]
     opt = fused_adamw(groups, lr=0.1)
     assert opt.defaults["fused"] is True and [len(g["params"]) for g in opt.param_groups] == [1, 1]  # an iterator too
+    named = fused_adamw(torch.nn.Linear(2, 2).named_parameters(), lr=0.1)
+    assert named.defaults["fused"] is True and named.param_groups[0]["param_names"] == ["weight", "bias"]
     meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
     assert fused_adamw([torch.nn.Parameter(torch.zeros(2)), meta], lr=0.1).defaults["fused"] is None
