@@ -25,9 +25,11 @@ from rl_actors.vllm_engine import VLLMEngine, vllm_available, vllm_importable
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
+    abandoned_by_driver,
     broadcast_buckets,
     bucket_buffer,
     init_sync_group,
+    join_unless_abandoned,
     tensor_checksums,
 )
 
@@ -106,12 +108,17 @@ class GeneratorWorker(Reusable):
     def init_weight_sync(self, address: SyncAddress, rank: int, bucket_bytes: int = 64 * 2 ** 20) -> bool:
         """Join the weight-sync group as ``rank`` (vLLM on a GPU also fixes its receive buffers to
         ``bucket_bytes``, the cluster's bucket size)."""
-        self.sync_rank = rank
+        self.sync_rank, self.sync_group = rank, None
         if isinstance(self.engine, VLLMEngine):
-            self.engine.init_transfer(address, rank, bucket_bytes)
-        else:
-            self.sync_group = init_sync_group(address, rank)
-        return True
+            engine = self.engine
+
+            def join_vllm() -> bool:
+                engine.init_transfer(address, rank, bucket_bytes)
+                return True
+
+            return bool(join_unless_abandoned(join_vllm, abandoned_by_driver(address)))
+        self.sync_group = join_unless_abandoned(lambda: init_sync_group(address, rank), abandoned_by_driver(address))
+        return self.sync_group is not None
 
     def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:
         """Join one broadcast from trainer rank 0; afterwards rollouts carry ``version``. A hosted

@@ -31,9 +31,11 @@ from rl_actors.reuse import Reusable
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
+    abandoned_by_driver,
     broadcast_buckets,
     bucket_buffer,
     init_sync_group,
+    join_unless_abandoned,
     tensor_checksums,
 )
 
@@ -296,8 +298,9 @@ class RefLogprobWorker(Reusable):
         return len(arrays), arrays
 
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
-        self.sync_group, self.sync_rank = init_sync_group(address, rank), rank
-        return True
+        self.sync_rank = rank
+        self.sync_group = join_unless_abandoned(lambda: init_sync_group(address, rank), abandoned_by_driver(address))
+        return self.sync_group is not None
 
     def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, step: int,
                         kl: Optional[float] = None, move: bool = True) -> int:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
 from datetime import timedelta
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ class SyncAddress(NamedTuple):
     port: int
     world_size: int
     backend: str  # "gloo" | "nccl"
+    token: str = ""  # names this forming of the group: the driver gives it up by this name (abandon_sync_group)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +71,68 @@ def init_sync_group(address: SyncAddress, rank: int, timeout_s: float = 300.0):
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
     raise ValueError(f"unknown weight-sync backend '{address.backend}' (gloo, nccl)")
+
+
+ABANDONED_KEY = "rayrl-sync-abandoned-"  # + a group's token: in Ray's key-value store once the driver gave it up
+T = TypeVar("T")
+
+
+def abandon_sync_group(address: SyncAddress) -> None:
+    """Driver side: the members still forming ``address``'s group leave it (``join_unless_abandoned``).
+    Called when one of them died, stopped or raised while the group formed: the others would wait
+    for it in the rendezvous until its timeout (minutes), every later call to them queued behind."""
+    if address.token:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put((ABANDONED_KEY + address.token).encode(), b"1", overwrite=True)
+
+
+def abandoned_by_driver(address: SyncAddress) -> Optional[Callable[[], bool]]:
+    """In a Ray actor, whether the driver gave up forming ``address``'s group (``abandon_sync_group``);
+    None outside an actor or for a group without a token (nothing to watch: the join just waits)."""
+    from rl_actors.common import ray_actor_id
+
+    if not address.token or not ray_actor_id():
+        return None
+    from ray.experimental.internal_kv import _internal_kv_exists
+
+    key = (ABANDONED_KEY + address.token).encode()
+
+    def given_up() -> bool:
+        try:
+            return bool(_internal_kv_exists(key))
+        except Exception:  # the store unreachable for a moment: keep waiting, as without a watch
+            return False
+
+    return given_up
+
+
+def join_unless_abandoned(join: Callable[[], T], abandoned: Optional[Callable[[], bool]],
+                          poll_s: float = 0.1) -> Optional[T]:
+    """``join()``, a rendezvous that waits for every member of a group, and what it returns; None
+    as soon as ``abandoned()`` says the group was given up (read every ``poll_s``). The rendezvous
+    then runs on in a daemon thread until its own timeout, where it fails, since the member it
+    waits for never comes; nothing it made is kept. So this actor answers its next calls (the
+    group formed again, on a new port) at once. Without ``abandoned``, ``join()`` runs here."""
+    if abandoned is None:
+        return join()
+    done, value, error = threading.Event(), [], []
+
+    def run() -> None:
+        try:
+            value.append(join())
+        except BaseException as e:  # handed to the caller below
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rayrl-sync-join", daemon=True).start()
+    while not done.wait(poll_s):
+        if abandoned() and not done.is_set():
+            return None
+    if error:
+        raise error[0]
+    return value[0]
 
 
 def bucket_plan(meta: Sequence[TensorMeta], bucket_bytes: int) -> list:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import time
+import uuid
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from cluster.ray_wing.config import ClusterConfig, peak_generators, with_lora_reference
@@ -32,7 +33,7 @@ from cluster.ray_wing.startup import UserFunctions, create_roles, start_roles, w
 from primitives.types import ModelConfig
 from rl_actors.common import environ
 from rl_actors.trainer import TrainerConfig
-from rl_actors.weight_sync import SyncAddress
+from rl_actors.weight_sync import SyncAddress, abandon_sync_group
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -274,21 +275,24 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     """(Re)build the weight-sync group on a fresh port: trainer rank 0 (sync rank 0), every
     generator (1 .. G), and every policy-tracking reference worker (G + 1 ...; a reference or a
     generator on the trainers reads the policy where it is). Called at start-up and after a
-    generator is replaced. With nobody to send to, there is no group (world size 1)."""
+    generator is replaced. A member that fails while the group forms makes the driver give the group
+    up: the others leave the rendezvous at once instead of waiting out its timeout, free for the next try.
+    With nobody to send to, there is no group (world size 1)."""
     gens = cluster.generators.sync_ranks() if cluster.generators is not None else 0  # none: an SFT job
     refs = cluster.reference.sync_ranks() if cluster.reference is not None else 0
     if gens + refs == 0:
         return cluster._replace(sync_address=cluster.sync_address._replace(world_size=1))
     host, port = gather([call(cluster.trainers, 0, "endpoint")], cluster.timeout_s)[0]
-    sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs)
+    sync = cluster.sync_address._replace(host=host, port=port, world_size=1 + gens + refs, token=uuid.uuid4().hex)
     joins = fan_out(cluster.trainers, "init_weight_sync", sync)
     joins += cluster.generators.join_sync(sync, 1, cluster.bucket_bytes) if cluster.generators is not None else []
     joins += cluster.reference.join_sync(sync, 1 + gens) if cluster.reference is not None else []
-    gather(joins, cluster.timeout_s)
+    try:
+        gather(joins, cluster.timeout_s)
+    except BaseException:  # the members waiting in the rendezvous for the one that failed leave it at once
+        abandon_sync_group(sync)
+        raise
     return cluster._replace(sync_address=sync)
-
-
-
 
 
 def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:

@@ -85,3 +85,37 @@ def test_reference_ranks_hold_identical_weights_after_syncs_copies_and_loads(clu
     assert _checksums(cluster.reference.group) == refs
     assert _checksums(cluster.trainers)[0] == trainer
     assert _checksums(cluster.generators.group)[0] == trainer
+
+
+def test_a_member_dead_as_the_sync_group_forms_frees_the_others_at_once(ray_local, cluster):
+    """Last in this module: it kills the generator. The weight-sync group is formed again with the
+    dead generator among its members: the join fails naming it, and the driver gives the group up,
+    so trainer rank 0 and both reference ranks, which wait in the rendezvous for the generator,
+    leave it and answer at once. Before, they waited out the rendezvous's 300 s timeout, and the
+    recovery's next call to trainer rank 0 timed out (a chaos run failed so). The generator
+    replaced, the group forms again; the sync reaches the new generator and leaves the
+    references where they were."""
+    import time
+
+    from ray.exceptions import RayActorError
+
+    from cluster.ray_wing.groups import ActorFailure, call
+    from cluster.ray_wing.roles import join_weight_sync, replace_actor
+    from cluster.ray_wing.weights import sync_weights
+
+    refs = _checksums(cluster.reference.group)
+    dead = cluster.generators.group.actors[0]
+    ray_local.kill(dead, no_restart=True)
+    with pytest.raises(RayActorError):
+        for _ in range(100):  # ray.kill is asynchronous: until calls on it fail
+            ray_local.get(dead.info.remote(), timeout=10)
+            time.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(ActorFailure, match="generator 0 died during init_weight_sync"):
+        join_weight_sync(cluster)
+    gather([call(cluster.trainers, 0, "endpoint")] + fan_out(cluster.reference.group, "info"), 30)
+    assert time.monotonic() - t0 < 30
+    replaced = replace_actor(cluster, "generator", 0)
+    sync_weights(replaced, version=1, move_reference=False)
+    assert _checksums(replaced.generators.group) == _checksums(replaced.trainers)
+    assert _checksums(replaced.reference.group) == refs

@@ -7,10 +7,12 @@ import torch
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
+    abandoned_by_driver,
     broadcast_buckets,
     bucket_buffer,
     free_port,
     init_sync_group,
+    join_unless_abandoned,
     tensor_checksums,
 )
 
@@ -84,3 +86,33 @@ def test_a_short_buffer_or_a_wrong_tensor_is_refused_before_anything_is_sent():
         broadcast_buckets(group, META, 256, 0, cpu, get_tensors=wrong, buffer=bucket_buffer(META, 256, cpu))
     with pytest.raises(ValueError, match="1 tensors for a bucket of 2 parameters"):
         broadcast_buckets(group, META, 256, 0, cpu, get_tensors=lambda ms: [src[ms[0].name]])
+
+
+def test_a_rendezvous_given_up_is_left_at_once_and_one_that_completes_is_kept():
+    """``join_unless_abandoned``: rank 0 of a 2-member gloo group whose rank 1 never comes (it died
+    before joining) leaves the rendezvous as soon as the driver gives the group up, not after the
+    rendezvous's own timeout (60 s here); the rendezvous itself waits on in its thread, without
+    the interpreter. A group whose members all come is returned, and a join that raises raises."""
+    import threading
+    import time
+
+    given_up = threading.Event()
+    timer = threading.Timer(0.5, given_up.set)
+    timer.start()
+    address = SyncAddress("127.0.0.1", free_port(), 2, "gloo", token="t")
+    t0 = time.monotonic()
+    assert join_unless_abandoned(lambda: init_sync_group(address, 0, timeout_s=60), given_up.is_set,
+                                 poll_s=0.05) is None
+    assert 0.5 <= time.monotonic() - t0 < 5
+
+    whole = SyncAddress("127.0.0.1", free_port(), 1, "gloo", token="u")  # a group of one forms at once
+    group = join_unless_abandoned(lambda: init_sync_group(whole, 0, timeout_s=60), lambda: False, poll_s=0.05)
+    assert group.size() == 1
+
+    def broken():
+        raise ValueError("bad address")
+
+    with pytest.raises(ValueError, match="bad address"):
+        join_unless_abandoned(broken, lambda: False, poll_s=0.05)
+    assert join_unless_abandoned(lambda: 7, None) == 7  # nothing to watch (outside an actor): joined here
+    assert abandoned_by_driver(address) is None  # not in a Ray actor
