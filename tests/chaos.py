@@ -22,14 +22,27 @@ def actor_pids(cls: str, method: str = "", since: float = 0.0) -> list:
     """PIDs of this machine's live processes running actor class ``cls`` (and, given, inside a
     call of ``method``), started after ``since`` (a ``time.time()``: an earlier run's workers
     may linger), oldest first."""
-    want = f"ray::{cls}.{method}" if method else f"ray::{cls}"
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
-        title = " ".join(p.info["cmdline"] or ())
-        if (title.startswith(want) and (method or title[len(want):len(want) + 1] in ("", " ", "."))
-                and p.info["create_time"] >= since and p.info["status"] != psutil.STATUS_ZOMBIE):
+        if (_runs(" ".join(p.info["cmdline"] or ()), cls, method) and p.info["create_time"] >= since
+                and p.info["status"] != psutil.STATUS_ZOMBIE):
             found.append((p.info["create_time"], p.info["pid"]))
     return [pid for _, pid in sorted(found)]
+
+
+def _runs(title: str, cls: str, method: str) -> bool:
+    """Whether a process titled ``title`` is an actor of ``cls`` (inside a call of ``method``, given)."""
+    want = f"ray::{cls}.{method}" if method else f"ray::{cls}"
+    return title.startswith(want) and bool(method or title[len(want):len(want) + 1] in ("", " ", "."))
+
+
+def _still_runs(pid: int, cls: str, method: str) -> bool:
+    """``_runs`` read again for one process: a listing of every process takes long enough on a busy
+    machine for a short call to end in between, and the signal to land in the actor's next call."""
+    try:
+        return _runs(" ".join(psutil.Process(pid).cmdline()), cls, method)
+    except psutil.Error:
+        return False
 
 
 def signal_when(cls: str, method: str, sig: int = signal.SIGKILL, timeout_s: float = 120.0,
@@ -45,6 +58,8 @@ def signal_when(cls: str, method: str, sig: int = signal.SIGKILL, timeout_s: flo
             pids = actor_pids(cls, method)
             if pids:
                 pid = (pick or random).choice(pids)
+                if not _still_runs(pid, cls, method):
+                    continue
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
