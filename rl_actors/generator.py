@@ -25,11 +25,10 @@ from rl_actors.vllm_engine import VLLMEngine, vllm_available, vllm_importable
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
-    abandoned_by_driver,
     broadcast_buckets,
     bucket_buffer,
     init_sync_group,
-    join_unless_abandoned,
+    join_sync_group,
     tensor_checksums,
 )
 
@@ -116,8 +115,8 @@ class GeneratorWorker(Reusable):
                 engine.init_transfer(address, rank, bucket_bytes)
                 return True
 
-            return bool(join_unless_abandoned(join_vllm, abandoned_by_driver(address)))
-        self.sync_group = join_unless_abandoned(lambda: init_sync_group(address, rank), abandoned_by_driver(address))
+            return bool(join_sync_group(join_vllm, address))
+        self.sync_group = join_sync_group(lambda: init_sync_group(address, rank), address)
         return self.sync_group is not None
 
     def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, version: int) -> int:

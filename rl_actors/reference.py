@@ -31,11 +31,10 @@ from rl_actors.reuse import Reusable
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
-    abandoned_by_driver,
     broadcast_buckets,
     bucket_buffer,
     init_sync_group,
-    join_unless_abandoned,
+    join_sync_group,
     tensor_checksums,
 )
 
@@ -299,7 +298,7 @@ class RefLogprobWorker(Reusable):
 
     def init_weight_sync(self, address: SyncAddress, rank: int) -> bool:
         self.sync_rank = rank
-        self.sync_group = join_unless_abandoned(lambda: init_sync_group(address, rank), abandoned_by_driver(address))
+        self.sync_group = join_sync_group(lambda: init_sync_group(address, rank), address)
         return self.sync_group is not None
 
     def receive_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int, step: int,

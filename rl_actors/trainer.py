@@ -63,13 +63,12 @@ from rl_actors.weight_sync import (
     DTYPES,
     SyncAddress,
     TensorMeta,
-    abandoned_by_driver,
     broadcast_buckets,
     bucket_buffer,
     bucket_plan,
     dtype_name,
     init_sync_group,
-    join_unless_abandoned,
+    join_sync_group,
     raw_broadcast,
     tensor_checksums,
 )
@@ -245,7 +244,7 @@ class TrainerWorker(Reusable, OpenUpdates):
         # gloo carries CPU tensors (a GPU rank sends the adapters to vLLM over gloo: copies on the way)
         self.sync_device = torch.device("cpu") if address.backend == "gloo" else self.ds.device
         if self.rank == 0:
-            self.sync_group = join_unless_abandoned(lambda: init_sync_group(address, 0), abandoned_by_driver(address))
+            self.sync_group = join_sync_group(lambda: init_sync_group(address, 0), address)
             return self.sync_group is not None
         return True
 

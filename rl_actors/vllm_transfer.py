@@ -55,6 +55,7 @@ class BucketInitInfo(WeightTransferInitInfo):
     rank: int
     backend: str = "gloo"
     timeout_s: float = 300.0
+    token: str = ""  # the forming of the group (SyncAddress.token): its keys in the store
 
 
 @dataclass
@@ -82,7 +83,7 @@ def update_info(meta, bucket_bytes: int) -> dict:
 
 def init_info(address: SyncAddress, rank: int, timeout_s: float = 300.0) -> dict:
     return {"host": address.host, "port": address.port, "world_size": address.world_size, "rank": rank,
-            "backend": address.backend, "timeout_s": timeout_s}
+            "backend": address.backend, "timeout_s": timeout_s, "token": address.token}
 
 
 class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
@@ -99,7 +100,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self.buffers = torch.device("cpu")  # where received buckets land: the group's device
 
     def init_transfer_engine(self, info: BucketInitInfo) -> None:
-        address = SyncAddress(info.host, info.port, info.world_size, info.backend)
+        address = SyncAddress(info.host, info.port, info.world_size, info.backend, info.token)
         self.buffers = receive_device(info.backend, torch.device(self.device))
         self.group, self.rank = init_sync_group(address, info.rank, info.timeout_s), info.rank
 

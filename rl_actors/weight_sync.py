@@ -63,7 +63,8 @@ def init_sync_group(address: SyncAddress, rank: int, timeout_s: float = 300.0):
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(address.host, address.port, address.world_size, is_master=(rank == 0),
                           timeout=timeout, wait_for_workers=False)
-    store = dist.PrefixStore("rayrl-weight-sync", store)
+    # keys of their own per forming: a member left waiting on an earlier forming never meets a new one's
+    store = dist.PrefixStore("rayrl-weight-sync" + (f"/{address.token}" if address.token else ""), store)
     if address.backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, address.world_size, timeout)
     if address.backend == "nccl":
@@ -107,15 +108,25 @@ def abandoned_by_driver(address: SyncAddress) -> Optional[Callable[[], bool]]:
     return given_up
 
 
+def join_sync_group(join: Callable[[], T], address: SyncAddress) -> Optional[T]:
+    """A member's ``join()`` of ``address``'s group (``join_unless_abandoned``, watching the driver's
+    mark in a Ray actor); a join that raises gives the group up itself, so the other members leave
+    at once: the driver's wait ends at once on a dead member, not on one that raised."""
+    return join_unless_abandoned(join, abandoned_by_driver(address), give_up=lambda: abandon_sync_group(address))
+
+
 def join_unless_abandoned(join: Callable[[], T], abandoned: Optional[Callable[[], bool]],
-                          poll_s: float = 0.1) -> Optional[T]:
+                          poll_s: float = 0.1, give_up: Optional[Callable[[], None]] = None) -> Optional[T]:
     """``join()``, a rendezvous that waits for every member of a group, and what it returns; None
-    as soon as ``abandoned()`` says the group was given up (read every ``poll_s``). The rendezvous
-    then runs on in a daemon thread until its own timeout, where it fails, since the member it
-    waits for never comes; nothing it made is kept. So this actor answers its next calls (the
-    group formed again, on a new port) at once. Without ``abandoned``, ``join()`` runs here."""
+    as soon as ``abandoned()`` says the group was given up (read every ``poll_s``, and before
+    anything starts). The rendezvous then runs on in a daemon thread until its own timeout, where
+    it fails, since the member it waits for never comes; nothing it made is kept. So this actor
+    answers its next calls (the group formed again, on a new port) at once. A ``join()`` that
+    raises calls ``give_up()`` first. Without ``abandoned``, ``join()`` just runs here."""
     if abandoned is None:
         return join()
+    if abandoned():
+        return None
     done, value, error = threading.Event(), [], []
 
     def run() -> None:
@@ -131,6 +142,11 @@ def join_unless_abandoned(join: Callable[[], T], abandoned: Optional[Callable[[]
         if abandoned() and not done.is_set():
             return None
     if error:
+        if give_up is not None:
+            try:
+                give_up()
+            except Exception:  # the store unreachable: the others wait for the driver's mark instead
+                pass
         raise error[0]
     return value[0]
 

@@ -92,7 +92,8 @@ def test_a_rendezvous_given_up_is_left_at_once_and_one_that_completes_is_kept():
     """``join_unless_abandoned``: rank 0 of a 2-member gloo group whose rank 1 never comes (it died
     before joining) leaves the rendezvous as soon as the driver gives the group up, not after the
     rendezvous's own timeout (60 s here); the rendezvous itself waits on in its thread, without
-    the interpreter. A group whose members all come is returned, and a join that raises raises."""
+    the interpreter. A group whose members all come is returned; a join that raises gives the
+    group up and raises; a group given up before the member's call starts is not joined."""
     import threading
     import time
 
@@ -112,7 +113,12 @@ def test_a_rendezvous_given_up_is_left_at_once_and_one_that_completes_is_kept():
     def broken():
         raise ValueError("bad address")
 
-    with pytest.raises(ValueError, match="bad address"):
-        join_unless_abandoned(broken, lambda: False, poll_s=0.05)
+    gave_up = []
+    with pytest.raises(ValueError, match="bad address"):  # and the member gives the group up for the others
+        join_unless_abandoned(broken, lambda: False, poll_s=0.05, give_up=lambda: gave_up.append(True))
+    assert gave_up == [True]
+    started = []
+    assert join_unless_abandoned(lambda: started.append(True), lambda: True) is None  # given up before it came
+    assert started == []
     assert join_unless_abandoned(lambda: 7, None) == 7  # nothing to watch (outside an actor): joined here
     assert abandoned_by_driver(address) is None  # not in a Ray actor

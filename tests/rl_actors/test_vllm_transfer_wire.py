@@ -33,8 +33,9 @@ def test_the_backend_decides_where_buckets_land():
     with pytest.raises(ValueError, match="unknown backend 'mpi'"):
         receive_device("mpi", torch.device("cpu"))
     for backend in ("gloo", "nccl"):
-        info = BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, backend), 2))
-        assert (info.host, info.port, info.world_size, info.rank, info.backend) == ("10.0.0.1", 1234, 3, 2, backend)
+        info = BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, backend, "a-forming"), 2))
+        assert (info.host, info.port, info.world_size, info.rank, info.backend, info.token) == (
+            "10.0.0.1", 1234, 3, 2, backend, "a-forming")  # the token names the group's keys in its store
 
 
 def test_the_engine_joins_the_named_backend_with_buffers_on_the_workers_gpu(monkeypatch):
@@ -48,8 +49,8 @@ def test_the_engine_joins_the_named_backend_with_buffers_on_the_workers_gpu(monk
                         or "group")
     config = SimpleNamespace(parallel_config=None, model_config=None)
     gpu = BucketWeightTransferEngine(None, config, torch.device("cuda", 0), Receiver())
-    gpu.init_transfer_engine(BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, "nccl"), 2)))
-    assert joined == [(SyncAddress("10.0.0.1", 1234, 3, "nccl"), 2)]
+    gpu.init_transfer_engine(BucketInitInfo(**init_info(SyncAddress("10.0.0.1", 1234, 3, "nccl", "t"), 2)))
+    assert joined == [(SyncAddress("10.0.0.1", 1234, 3, "nccl", "t"), 2)]
     assert (gpu.group, gpu.rank, gpu.buffers) == ("group", 2, torch.device("cuda", 0))
     cpu = BucketWeightTransferEngine(None, config, torch.device("cpu"), Receiver())
     with pytest.raises(ValueError, match="an nccl sync group needs a vLLM worker on a GPU"):
