@@ -287,6 +287,10 @@ class LocalBackend:
         out, self._busy = self._busy, {"generators": 0.0, "trainers": 0.0}
         return out
 
+    def prefix_cache(self) -> dict:
+        """Nothing: the one-process loop generates with HF, which has no prefix cache to read."""
+        return {}
+
     def recover(self, failure, since: int, send_weights: bool = True, lost: float = 0.0) -> Optional[str]:
         raise failure  # one process: nothing to replace
 

@@ -294,7 +294,7 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
     checked = check_train_run(backend, prompt_source, algorithm_schedule, run, hooks, tools)
     queue: deque = deque()  # collections in flight for the coming steps (asynchronous mode), oldest first
     backend.prepare_recovery()  # a backend that survives actor deaths keeps their state from here
-    backend.busy()  # start the idle clocks
+    backend.busy(), backend.prefix_cache()  # start the idle clocks and the prompt token counts
     t_clock = last_saved = time.perf_counter()
     bar = tqdm(range(state.iteration, run.num_steps), desc="rl", unit="step",
                **({} if run.progress else {"disable": True}))
@@ -310,8 +310,9 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
         trained = update_and_sync(backend, rollouts, state, algo, run, it, queue)
         updated = trained is not None
         idle, t_clock = idle_shares(backend, t_clock)
-        metrics.update({**idle, **(trained or SKIPPED_UPDATE), "step": it, "algorithm": algo.name,
-                        "time/step": time.perf_counter() - t_step, **backend.fault_metrics()})
+        metrics.update({**idle, **backend.prefix_cache(), **(trained or SKIPPED_UPDATE), "step": it,
+                        "algorithm": algo.name, "time/step": time.perf_counter() - t_step,
+                        **backend.fault_metrics()})
         if tools is not None:
             metrics.update(tool_metrics([r.summary for r in rollouts]))
         state = state._replace(iteration=it + 1, global_step=state.global_step + int(updated),
@@ -321,8 +322,8 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         if saved:
             last_saved = time.perf_counter()
-        if evaluated or saved:  # neither counts in the next step's idle shares
-            backend.busy()
+        if evaluated or saved:  # neither counts in the next step's idle shares (nor an evaluation's prompts)
+            backend.busy(), backend.prefix_cache()
             t_clock = time.perf_counter()
     return state
 

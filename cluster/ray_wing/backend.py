@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from cluster.loop.protocol import ActorFailure, Held, StepResult, plan_parts
 from cluster.ray_wing.groups import (
+    actor_id,
     call,
     call_split,
     fan_out,
@@ -109,6 +110,7 @@ class RayBackend(Recovery):
         self.faults: list = []  # one record per recovery: role, rank, what happened, seconds
         self.snapshot_costs: list = []  # (seconds, bytes) of each snapshot taken
         self.kept = [0, 0.0]  # bytes and seconds of results copied to the driver's node (custody.keep_here)
+        self._prompt_tokens: dict = {}  # a vLLM generator's actor id -> its prompt token counts at the last read
 
     @property
     def pad_token_id(self) -> int:
@@ -344,6 +346,26 @@ class RayBackend(Recovery):
             if seconds:
                 out[role] = combine(seconds)
         return out
+
+    def prefix_cache(self) -> dict:
+        """vLLM generator workers' prompt tokens since the last call (``vllm/prompt_tokens``) and
+        the share of them vLLM's prefix cache served (``vllm/prefix_cache_share``: a GRPO group's
+        samples after its first read the prompt's cached blocks); {} for HF generation, or
+        when no prompt was read. A replaced or added worker counts from zero."""
+        c = self.cluster
+        if c.generator_engine != "vllm" or c.generators is None or c.generators.where != "workers":
+            return {}
+        group, total, cached = c.generator_workers.group, 0, 0
+        for actor, one in zip(group.actors, fan_out(group, "prompt_tokens")):
+            try:
+                now = tuple(gather([one], c.timeout_s)[0])
+            except ActorFailure:
+                continue  # a dead actor: replaced when its next work fails
+            key = actor_id(actor)
+            before = self._prompt_tokens.get(key, (0, 0))
+            self._prompt_tokens[key] = now
+            total, cached = total + now[0] - before[0], cached + now[1] - before[1]
+        return {"vllm/prompt_tokens": float(total), "vllm/prefix_cache_share": cached / total} if total else {}
 
     # ------------------------------------------------------------------ elastic generators
     @property

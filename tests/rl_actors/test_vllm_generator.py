@@ -230,6 +230,31 @@ def test_asynchronous_rl_with_a_vllm_generator(vllm_cluster, items):
     assert _checksums(vllm_cluster, "generators")[0] == trainer
 
 
+def test_each_steps_prompt_tokens_and_the_prefix_caches_share_are_logged(vllm_cluster):
+    """A run's metrics carry what vLLM's prefix cache did at each step: 2 steps of the same 2
+    prompts x 3 samples, prompts of 1 and 2 whole 32-token blocks that differ from their first
+    block on. Within a step the first sample of a group computes its prompt and the other two read
+    its whole blocks (the last token is always computed), so each step logs ``vllm/prompt_tokens``
+    3 (P_a + P_b) and ``vllm/prefix_cache_share`` 2 (B_a + B_b) / 3 (P_a + P_b), B = the whole
+    blocks before the last token. Nothing is carried between steps: the sync after step 0 empties
+    the cache (else step 1's first samples read it too: a share of (B_a + B_b) / (P_a + P_b))."""
+    texts = [f"What is {10 + i}+{40 + 3 * i}? " * (4 + i) for i in range(2)]
+    prompts = [PromptItem(i, texts[i % 2]) for i in range(4)]  # steps 0 and 1 draw the same two prompts
+    lengths = [len(r.prompt_ids) for r in _generate(vllm_cluster, prompts, GenerationConfig(max_new_tokens=1))]
+    assert lengths == [60, 75, 60, 75]  # 1 and 2 whole blocks before the last token
+    sync_weights(vllm_cluster, version=0)  # and the cache is empty again (or step 0 reads all three samples)
+    logged = []
+    train(RayBackend(vllm_cluster), make_prompt_source(prompts, shuffle=False), constant_schedule(grpo(kl_coef=0.0)),
+          RLRun(GenerationConfig(max_new_tokens=3, n=3), num_steps=2, prompts_per_step=2,
+                lr_schedule=lambda s: 1e-3, progress=False), hooks=Hooks(logger=logged.append))
+    assert len(logged) == 2
+    for step, m in enumerate(logged):
+        P = lengths[2 * step: 2 * step + 2]
+        blocks = [(n - 1) // VLLM_CPU_BLOCK * VLLM_CPU_BLOCK for n in P]
+        assert m["vllm/prompt_tokens"] == 3 * sum(P)
+        assert m["vllm/prefix_cache_share"] == pytest.approx(2 * sum(blocks) / (3 * sum(P)), abs=1e-12)
+
+
 def test_a_sync_cut_off_mid_layer_leaves_vllm_ready_for_the_next(vllm_cluster, items):
     """The sender dies after layer 0's ``q_proj.weight`` (every tensor a bucket of its own), so vLLM's fused
     ``qkv_proj`` is half-loaded when the receive fails. The next sync (the group formed again, as a
