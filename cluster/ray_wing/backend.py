@@ -388,7 +388,7 @@ class RayBackend(Recovery):
         import ray
 
         from cluster.ray_wing.handles import GeneratorWorkers
-        from cluster.ray_wing.roles import scale_generator_group
+        from cluster.ray_wing.roles import join_weight_sync, scale_generator_group
 
         c = self.cluster
         if not isinstance(c.generators, GeneratorWorkers):
@@ -408,10 +408,15 @@ class RayBackend(Recovery):
                                    "cluster.call_timeout_s if the work is simply long)", "generator",
                                    unfinished[0].rank)
             self.cluster = scale_generator_group(self.cluster, n)
-            # new workers hold no weights yet, nor does one that settle() replaced (it waits for the next sync):
-            # the broadcast reaches them all; kept workers that were never replaced hold these weights already
-            if n > before or self.restarts > restarts:
-                sync_weights(self.cluster, self.version, move_reference=False)
+
+            def join_and_send() -> None:  # made again after a recovery of a worker that failed in it
+                self.cluster = join_weight_sync(self.cluster)
+                # new workers hold no weights yet, nor does one replaced since (settle(), or a recovery here):
+                # the broadcast reaches them all; kept workers that were never replaced hold these weights already
+                if n > before or self.restarts > restarts:
+                    sync_weights(self.cluster, self.version, move_reference=False)
+
+            self.recovering(join_and_send, send_weights=False)
             tqdm.write(f"generator workers: {before} -> {n} ({time.perf_counter() - t0:.1f} s)")
         return {"generators/count": float(n), "time/scale": time.perf_counter() - t0}
 

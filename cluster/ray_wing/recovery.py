@@ -28,7 +28,8 @@ from tqdm import tqdm
 from cluster.loop.protocol import RECOVERABLE_ROLES, ActorFailure
 from cluster.ray_wing.custody import keep_here
 from cluster.ray_wing.groups import actor_id, call, call_split, fan_out, gather
-from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, rebuild_group, replace_actor
+from cluster.ray_wing.replace import rebuild_group, swap_actor
+from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, join_weight_sync
 from cluster.ray_wing.weights import sync_weights
 
 
@@ -275,10 +276,14 @@ class Recovery:
           needs nothing.
         * A reference worker becomes the snapshot's reference (the reference's current
           weights: fixed, or where its last move left it).
-        * A trainer or critic rank: its whole group is rebuilt (``roles.rebuild_group``); then
+        * A trainer or critic rank: its whole group is rebuilt (``replace.rebuild_group``); then
           both groups are restored to the snapshot and the updates of the log made again, so
           they hold the state after the last finished update; a rebuilt trainer group's hosted
           generators get the version.
+        * The weight-sync group is formed again with the new actors already in the cluster: a
+          member that fails as it forms (dead too) is recovered in turn with them as its peers
+          (they were killed before, so two dead generators replaced each other in turn until
+          the restarts ran out); then this recovery is made again from the start.
         * Actors that did not answer in time together (a collective: the stuck one and the
           peers waiting for it; which is which cannot be told from outside) are all replaced.
 
@@ -286,26 +291,33 @@ class Recovery:
         None when nothing was to do. Re-raises a failure that is not of a dead or stuck actor
         (a user function that raised), or that exceeds ``max_actor_restarts``, or of a
         trainer, critic or reference when no snapshot is kept."""
+        targets = self._targets(failure)
+        if targets is None:
+            return None  # one replaced already: only the work is redone
         for _ in range(self.max_actor_restarts + 1):
             try:
-                return self._recover_targets(failure, since, send_weights, lost)
+                return self._recover_targets(failure, targets, since, send_weights, lost)
             except ActorFailure as nested:  # another actor died or hung while this one was being recovered
                 if nested is failure or not nested.replaceable:
                     raise
                 tqdm.write(f"{nested}\n(while recovering from: {failure})")
                 self.recover(nested, since=self.restarts, send_weights=send_weights)
-                since, lost = self.restarts, 0.0  # then this recovery again, from the start
+                # then this recovery again, from the start, for the same targets: their new actors may be in the
+                # cluster already, unfinished (a trainer group rebuilt, not yet restored or in the sync group)
+                since, lost = self.restarts, 0.0
         raise failure
 
-    def _recover_targets(self, failure: ActorFailure, since: int, send_weights: bool, lost: float) -> Optional[str]:
+    def _targets(self, failure: ActorFailure) -> Optional[tuple]:
+        """``(role, rank)`` of the actors ``failure`` names; None when it is of one replaced already."""
         if not failure.replaceable:
             raise failure
-        targets = failure.late if failure.stuck and not failure.died else ((failure.role, failure.rank),)
         if failure.actor_id:  # the actor that died (the call may have read its result)
             where = self.locate(failure.actor_id)
-            if where is None:
-                return None  # one replaced already: only the work is redone
-            targets = (where,)
+            return None if where is None else (where,)
+        return failure.late if failure.stuck and not failure.died else ((failure.role, failure.rank),)
+
+    def _recover_targets(self, failure: ActorFailure, targets: tuple, since: int, send_weights: bool,
+                         lost: float) -> Optional[str]:
         done = None
         for role, rank in _single_actors_first(targets, self.cluster.reference):
             if role in RECOVERABLE_ROLES:
@@ -335,11 +347,17 @@ class Recovery:
         t0 = time.perf_counter()
         record = {"role": role, "rank": rank, "stuck": stuck, "lost": lost, "version": self.version}
         try:
+            # the new actors are the cluster's before the weight-sync group forms again: a join that fails on another
+            # member (dead too) leaves them in place, and that member's recovery forms the group with them
             if role in DEEPSPEED_ROLES:
                 self.cluster = rebuild_group(self.cluster, role)
                 self._restore_groups()
+                if role == "trainer":
+                    self.cluster = join_weight_sync(self.cluster)
             else:
-                self.cluster = replace_actor(self.cluster, role, rank)
+                self.cluster = swap_actor(self.cluster, role, rank)
+                if role != "reward":
+                    self.cluster = join_weight_sync(self.cluster)
                 if role == "reference":
                     gather([call(self.cluster.reference_workers.group, rank, "restore", self.restore_point.reference)],
                            self.cluster.timeout_s)

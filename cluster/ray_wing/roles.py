@@ -295,66 +295,7 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     return cluster._replace(sync_address=sync)
 
 
-def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
-    """A new generator, reward or reference worker in the old one's bundle (the old one killed,
-    if it still runs: a stuck actor); generators and a tracking reference rejoin weight sync
-    (the caller then sends the current weights, or restores the reference)."""
-    if not cluster.factories or role not in cluster.factories or role in DEEPSPEED_ROLES:
-        raise ValueError(f"no way to replace a {role}: only generator, reward and reference workers are replaced "
-                         "one by one (a trainer or critic group is rebuilt whole: rebuild_group)")
-    if role == "reward":
-        group = cluster.reward_group
-    else:
-        group = cluster.reference_workers.group if role == "reference" else cluster.generator_workers.group
-    kill_actor(group.actors[rank])
-    actor = cluster.factories[role].create(rank, *group.slot(rank))
-    try:
-        gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
-        actors = list(group.actors)
-        actors[rank] = actor
-        group = group._replace(actors=tuple(actors))
-        if role == "reward":
-            return cluster._replace(rewards=group)
-        if role == "reference":
-            return join_weight_sync(cluster._replace(reference=cluster.reference_workers._replace(group=group)))
-        return join_weight_sync(cluster._replace(generators=cluster.generator_workers._replace(group=group)))
-    except BaseException:  # a replacement the cluster does not get must not hold the bundle for the next try
-        kill_actor(actor)
-        raise
-
-
 DEEPSPEED_ROLES = ("trainer", "critic")
-
-
-def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
-    """Every rank of the ``role`` group (trainer or critic) anew, in the same bundles: the old
-    ranks are killed (one rank's death leaves its peers' process group broken, some of them
-    waiting in a collective), the new ones rendezvous and build their engines from the model as
-    the group first did; the caller restores their state (``recovery.restore_group``). The
-    roles hosted on the trainer ranks (generation, the reference copy) move with them, and
-    the weight-sync group is formed again around the new trainer rank 0."""
-    group = cluster.trainers if role == "trainer" else cluster.critics
-    if role not in DEEPSPEED_ROLES or group is None or not cluster.factories or role not in cluster.factories:
-        raise ValueError(f"no {role} group to rebuild")
-    for actor in group.actors:
-        kill_actor(actor)
-    factory = cluster.factories[role]
-    group = group._replace(actors=tuple(factory.create(r, *group.slot(r)) for r in range(group.size)))
-    try:
-        master = gather([call(group, 0, "endpoint")], cluster.timeout_s)[0]
-        gather(fan_out(group, "setup", *master), cluster.timeout_s)
-        if role == "critic":
-            return cluster._replace(critics=group)
-        generators, reference = cluster.generators, cluster.reference
-        if isinstance(generators, GeneratorsOnTrainers):
-            generators = GeneratorsOnTrainers(group)
-        if isinstance(reference, ReferenceOnTrainers):
-            reference = reference._replace(trainers=group)
-        return join_weight_sync(cluster._replace(trainers=group, generators=generators, reference=reference))
-    except BaseException:  # ranks the cluster does not get must not hold the bundles for the next try
-        for actor in group.actors:
-            kill_actor(actor)
-        raise
 
 
 def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
@@ -363,9 +304,10 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
     group of its own (on an autoscaling cluster, a pending group is what asks for a node).
     They are waited for until loaded; if one fails, every new actor and group is removed
     again. Surplus workers (the highest ranks) are killed and their own placement groups
-    removed (the role's group keeps its bundles for the run). Every generator then (re)joins
-    the weight-sync group; the caller sends the current weights to the new ones, and must
-    have let the surplus finish their work."""
+    removed (the role's group keeps its bundles for the run). The caller must have let the surplus
+    finish their work; it then forms the weight-sync group again (``join_weight_sync``, with the
+    resized group already the cluster's: a member that fails as it forms is recovered among them)
+    and sends the current weights to the new ones."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -407,7 +349,7 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
                 remove_placement_group(slot[0])
         actors, slots = actors[:n], slots[:n]
     group = group._replace(actors=tuple(actors), slots=tuple(slots) if any(s is not None for s in slots) else ())
-    return join_weight_sync(cluster._replace(generators=cluster.generator_workers._replace(group=group)))
+    return cluster._replace(generators=cluster.generator_workers._replace(group=group))
 
 
 def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, critic_cfg: TrainerConfig,

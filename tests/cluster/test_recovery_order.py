@@ -41,25 +41,45 @@ def test_a_stopped_generator_beside_trainer_rank_0_in_a_broadcast_is_replaced_fi
     assert _single_actors_first([("trainer", 0), ("generator", 0)], None) == [("generator", 0), ("trainer", 0)]
 
 
-def _backend(monkeypatch, rebuild_failures: int) -> tuple:
-    cluster = RLCluster(generators=GeneratorWorkers(WorkerGroup("generator", ("g0",))),
+def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple:
+    """A backend over a cluster of named stand-in actors; ``dead`` names those that are dead. Forming
+    the weight-sync group fails on the first dead member (as a gather does), a swap puts a new name
+    in the old one's place (dead too with ``born_dead``), a rebuild renames every trainer rank."""
+    cluster = RLCluster(generators=GeneratorWorkers(WorkerGroup("generator", tuple(generators))),
                         trainers=WorkerGroup("trainer", ("t0", "t1")), rewards=None, reference=None,
                         sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0, timeout_s=60,
                         ray_address="")
-    calls = []
+    dead, calls = set(dead), []
+
+    def renamed(group, rank):
+        actors = list(group.actors)
+        actors[rank] += "'"
+        if born_dead:
+            dead.add(actors[rank])
+        return group._replace(actors=tuple(actors))
 
     def rebuild(c, role):
         calls.append(("rebuild", role))
-        if sum(x == ("rebuild", role) for x in calls) <= rebuild_failures:  # the rebuilt group's join waits on it
-            raise ActorFailure("no answer within 60s from: generator 0.init_weight_sync", "generator", 0, stuck=True)
-        return c
+        if role == "critic":
+            return c
+        return c._replace(trainers=c.trainers._replace(actors=tuple(a + "'" for a in c.trainers.actors)))
 
-    def replace(c, role, rank):
-        calls.append(("replace", role, rank))
+    def swap(c, role, rank):
+        calls.append(("swap", role, rank))
+        return c._replace(generators=GeneratorWorkers(renamed(c.generators.group, rank)))
+
+    def join(c):
+        for group in (c.trainers, c.generators.group):
+            for rank, actor in enumerate(group.actors):
+                if actor in dead:
+                    calls.append(("join failed on", group.role, rank))
+                    raise ActorFailure(f"{group.role} {rank} died during init_weight_sync", group.role, rank, died=True)
+        calls.append(("joined",))
         return c
 
     monkeypatch.setattr(recovery_module, "rebuild_group", rebuild)
-    monkeypatch.setattr(recovery_module, "replace_actor", replace)
+    monkeypatch.setattr(recovery_module, "swap_actor", swap)
+    monkeypatch.setattr(recovery_module, "join_weight_sync", join)
     monkeypatch.setattr(RayBackend, "_restore_groups", lambda self: calls.append(("restore",)))
     backend = RayBackend(cluster, max_actor_restarts=5)
     backend.snapshot = object()  # a snapshot to restore a trainer group from
@@ -67,29 +87,86 @@ def _backend(monkeypatch, rebuild_failures: int) -> tuple:
 
 
 def test_a_failed_recovery_is_recorded_and_the_next_one_succeeds(monkeypatch):
-    backend, calls = _backend(monkeypatch, rebuild_failures=1)
+    """The rebuilt trainer group's join fails on generator 0, dead too: the generator is replaced
+    (and joins with the new trainer ranks), then the trainer recovery is made again."""
+    backend, calls = _backend(monkeypatch, dead={"g0"})
     role = backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0,
                            send_weights=False)
     assert role == "trainer"
-    # the rebuild failed on the generator; the generator was replaced; the rebuild was made again
-    assert calls == [("rebuild", "trainer"), ("replace", "generator", 0), ("rebuild", "trainer"), ("restore",)]
+    assert calls == [("rebuild", "trainer"), ("restore",), ("join failed on", "generator", 0),
+                     ("swap", "generator", 0), ("joined",), ("rebuild", "trainer"), ("restore",), ("joined",)]
     assert [(f["role"], "failed" in f) for f in backend.faults] == [("trainer", True), ("generator", False),
                                                                      ("trainer", False)]
-    assert "generator 0.init_weight_sync" in backend.faults[0]["failed"]
+    assert "generator 0 died during init_weight_sync" in backend.faults[0]["failed"]
     summary = backend.fault_summary()
     assert summary["restarts"] == {"trainer": 2, "generator": 1} and summary["failed_recoveries"] == {"trainer": 1}
     assert set(summary["recovery_s_median"]) == {"trainer", "generator"}  # the failed attempt's time is not a recovery
     assert backend.fault_metrics()["faults/restarts/trainer"] == 2.0
 
 
+def test_two_generators_dead_together_are_both_replaced_once_each_way(monkeypatch):
+    """Generators 0 and 1 died together. Generator 0's replacement joins with generator 1, dead: the
+    join fails, and generator 1 is replaced with generator 0's replacement as its peer, so its
+    join succeeds. Before, a failed join killed the replacement, the cluster kept the dead actor,
+    and the two were replaced in turn until the restarts ran out."""
+    backend, calls = _backend(monkeypatch, dead={"g0", "g1"}, generators=("g0", "g1"))
+    backend.recover(ActorFailure("generator 0 died during generate", "generator", 0, died=True), since=0,
+                    send_weights=False)
+    assert calls == [("swap", "generator", 0), ("join failed on", "generator", 1), ("swap", "generator", 1),
+                     ("joined",), ("swap", "generator", 0), ("joined",)]
+    assert backend.cluster.generators.group.actors == ("g0''", "g1'") and backend.restarts == 3
+
+
+def test_a_generator_dead_as_a_grown_group_forms_is_recovered_and_the_weights_sent(monkeypatch):
+    """Growing from 1 to 2 generators: the new worker is dead by the time the group forms. It is
+    replaced (the resized group is the cluster's already), the group formed and the weights sent
+    again, and the run goes on with 2 live workers. Before, the failure ended the run."""
+    from cluster.ray_wing import backend as backend_module
+    from cluster.ray_wing import roles as roles_module
+
+    backend, calls = _backend(monkeypatch, dead={"g1"})
+    grown = lambda c, n: c._replace(generators=GeneratorWorkers(c.generators.group._replace(  # noqa: E731
+        actors=("g0", "g1"))))
+    monkeypatch.setattr(roles_module, "scale_generator_group", grown)
+    monkeypatch.setattr(roles_module, "join_weight_sync", recovery_module.join_weight_sync)  # the stand-in
+    monkeypatch.setattr(backend_module, "sync_weights", lambda c, version, **kw: calls.append(("sync",)))
+    monkeypatch.setattr(RayBackend, "settle", lambda self, in_flight: None)
+    assert backend.scale_generators(2)["generators/count"] == 2.0
+    assert calls == [("join failed on", "generator", 1), ("swap", "generator", 1), ("joined",), ("joined",),
+                     ("sync",)]
+    assert backend.cluster.generators.group.actors == ("g0", "g1'")
+
+
+def test_a_trainer_recovery_cut_by_a_second_death_is_made_whole_again(monkeypatch):
+    """Trainer rank 0 died in a sync (the failure names its actor). The rebuilt group's restore is
+    cut by a critic rank's death: the critic group is rebuilt (and both groups restored), then the
+    trainer recovery is made again from the start, the weight-sync group formed. Before, the new
+    trainer group, already the cluster's, counted as replaced, and the next sync reached trainer
+    ranks outside the sync group (a chaos run failed so: no attribute 'sync_device')."""
+    backend, calls = _backend(monkeypatch)
+    monkeypatch.setattr(recovery_module, "actor_id", lambda actor: actor)  # a stand-in is its own id
+
+    def restore(self):
+        calls.append(("restore",))
+        if calls.count(("restore",)) == 1:
+            raise ActorFailure("critic 0 died during restore", "critic", 0, died=True)
+
+    monkeypatch.setattr(RayBackend, "_restore_groups", restore)
+    backend.recover(ActorFailure("trainer 0 died during send_weights", "trainer", 0, died=True, actor_id="t0"),
+                    since=0, send_weights=False)
+    assert calls == [("rebuild", "trainer"), ("restore",), ("rebuild", "critic"), ("restore",),
+                     ("rebuild", "trainer"), ("restore",), ("joined",)]
+    assert backend.cluster.trainers.actors == ("t0''", "t1''")
+
+
 def test_recoveries_that_keep_failing_stop_at_the_bound_and_each_is_recorded(monkeypatch):
-    backend, calls = _backend(monkeypatch, rebuild_failures=99)
+    """Every replacement dies as the group forms: the recoveries stop at ``max_actor_restarts``."""
+    backend, calls = _backend(monkeypatch, dead={"g0"}, born_dead=True)
     with pytest.raises(ActorFailure, match="max_restarts"):
-        backend.recover(ActorFailure("trainer 1 died", "trainer", 1, died=True), since=0, send_weights=False)
+        backend.recover(ActorFailure("generator 0 died", "generator", 0, died=True), since=0, send_weights=False)
     assert backend.restarts == 5
-    failed = [f for f in backend.faults if "failed" in f]
-    assert failed and all(f["role"] == "trainer" for f in failed)
     assert len(backend.faults) == 5  # every attempt that ran, failed or not, up to max_actor_restarts
+    assert all(f["role"] == "generator" and "failed" in f for f in backend.faults)
 
 
 def test_filters_failing_on_the_same_rows_with_nothing_to_replace_stop_at_a_bound():

@@ -100,7 +100,8 @@ def test_a_member_dead_as_the_sync_group_forms_frees_the_others_at_once(ray_loca
     from ray.exceptions import RayActorError
 
     from cluster.ray_wing.groups import ActorFailure, call
-    from cluster.ray_wing.roles import join_weight_sync, replace_actor
+    from cluster.ray_wing.replace import replace_actor
+    from cluster.ray_wing.roles import join_weight_sync
     from cluster.ray_wing.weights import sync_weights
 
     refs = _checksums(cluster.reference.group)
