@@ -407,10 +407,11 @@ class RayBackend(Recovery):
                                    f"{c.timeout_s:.0f}s; they cannot leave before their rollouts are done (raise "
                                    "cluster.call_timeout_s if the work is simply long)", "generator",
                                    unfinished[0].rank)
-            self.cluster = scale_generator_group(self.cluster, n)
+            self.cluster, before_token = scale_generator_group(self.cluster, n), self.cluster.sync_address.token
 
             def join_and_send() -> None:  # made again after a recovery of a worker that failed in it
-                self.cluster = join_weight_sync(self.cluster)
+                if self.cluster.sync_address.token == before_token:  # else that recovery formed the group
+                    self.cluster = join_weight_sync(self.cluster)
                 # new workers hold no weights yet, nor does one replaced since (settle(), or a recovery here):
                 # the broadcast reaches them all; kept workers that were never replaced hold these weights already
                 if n > before or self.restarts > restarts:

@@ -118,6 +118,11 @@ def snapshot_reference(cluster, keep: Callable) -> object:
     return keep([data], [size])[0]
 
 
+def _key(role: str, rank: int) -> tuple:
+    """What a recovery replaces for ``(role, rank)``: a DeepSpeed group is rebuilt whole."""
+    return role, -1 if role in DEEPSPEED_ROLES else rank
+
+
 def _single_actors_first(targets: Sequence[tuple], reference) -> list:
     """``(role, rank)`` targets of a recovery in the order to recover them: generator, reward and
     reference workers before trainer and critic groups (a reference on the trainer ranks is the
@@ -294,16 +299,20 @@ class Recovery:
         targets = self._targets(failure)
         if targets is None:
             return None  # one replaced already: only the work is redone
+        targets, last = tuple(_single_actors_first(targets, self.cluster.reference)), None
         for _ in range(self.max_actor_restarts + 1):
             try:
-                return self._recover_targets(failure, targets, since, send_weights, lost)
+                return self._recover_targets(failure, targets, since, send_weights, lost) or last
             except ActorFailure as nested:  # another actor died or hung while this one was being recovered
                 if nested is failure or not nested.replaceable:
                     raise
                 tqdm.write(f"{nested}\n(while recovering from: {failure})")
-                self.recover(nested, since=self.restarts, send_weights=send_weights)
-                # then this recovery again, from the start, for the same targets: their new actors may be in the
-                # cluster already, unfinished (a trainer group rebuilt, not yet restored or in the sync group)
+                before = dict(self.replaced_at)
+                last = self.recover(nested, since=self.restarts, send_weights=send_weights) or last
+                # then this recovery again, from the start, for the same targets (their new actors may be in the
+                # cluster already, unfinished: a trainer group rebuilt, not yet restored or in the sync group), but
+                # those the nested recovery replaced whole
+                targets = tuple(t for t in targets if self.replaced_at.get(_key(*t)) == before.get(_key(*t)))
                 since, lost = self.restarts, 0.0
         raise failure
 
@@ -319,7 +328,7 @@ class Recovery:
     def _recover_targets(self, failure: ActorFailure, targets: tuple, since: int, send_weights: bool,
                          lost: float) -> Optional[str]:
         done = None
-        for role, rank in _single_actors_first(targets, self.cluster.reference):
+        for role, rank in targets:
             if role in RECOVERABLE_ROLES:
                 done = self._recover_one(failure, role, rank, since, send_weights, lost) or done
         return done
@@ -328,7 +337,7 @@ class Recovery:
                      lost: float) -> Optional[str]:
         if role == "generator" and rank >= self.cluster.generator_handle.size:
             return None  # a worker that left when the generators shrank: only its work is redone, on those left
-        key = (role, -1 if role in DEEPSPEED_ROLES else rank)  # a DeepSpeed group is rebuilt whole
+        key = _key(role, rank)
         if self.replaced_at.get(key, -1) > since:
             return None  # already replaced since the work was dispatched: only the work is redone
         if self.restarts >= self.max_actor_restarts:
@@ -356,8 +365,8 @@ class Recovery:
                     self.cluster = join_weight_sync(self.cluster)
             else:
                 self.cluster = swap_actor(self.cluster, role, rank)
-                if role != "reward":
-                    self.cluster = join_weight_sync(self.cluster)
+                if role == "generator" or (role == "reference" and self.cluster.reference_workers.tracks):
+                    self.cluster = join_weight_sync(self.cluster)  # a fixed reference is not in the group
                 if role == "reference":
                     gather([call(self.cluster.reference_workers.group, rank, "restore", self.restore_point.reference)],
                            self.cluster.timeout_s)

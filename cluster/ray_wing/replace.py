@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from cluster.ray_wing.groups import Call, call, fan_out, gather, kill_actor
 from cluster.ray_wing.handles import GeneratorsOnTrainers, ReferenceOnTrainers
-from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster, join_weight_sync
+from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster
 
 
 def swap_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     """The cluster with a new generator, reward or reference worker in the old one's bundle (the
-    old one killed, if it still runs: a stuck actor), loaded. Generators and a tracking reference
-    then rejoin weight sync (``join_weight_sync``) and get the current weights, or the reference's
-    state."""
+    old one killed, if it still runs: a stuck actor), loaded; nothing else. The caller forms the
+    weight-sync group again for a generator or a tracking reference (``join_weight_sync``), then
+    sends the current weights, or restores the reference's state."""
     if not cluster.factories or role not in cluster.factories or role in DEEPSPEED_ROLES:
         raise ValueError(f"no way to replace a {role}: only generator, reward and reference workers are replaced "
                          "one by one (a trainer or critic group is rebuilt whole: rebuild_group)")
@@ -36,13 +36,6 @@ def swap_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     if role == "reference":
         return cluster._replace(reference=cluster.reference_workers._replace(group=group))
     return cluster._replace(generators=cluster.generator_workers._replace(group=group))
-
-
-def replace_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
-    """``swap_actor``, then the weight-sync group formed again (the caller sends the current
-    weights, or restores the reference)."""
-    cluster = swap_actor(cluster, role, rank)
-    return cluster if role == "reward" else join_weight_sync(cluster)
 
 
 def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:

@@ -12,6 +12,7 @@ from cluster.ray_wing.groups import WorkerGroup
 from cluster.ray_wing.handles import GeneratorWorkers
 from cluster.ray_wing.recovery import _single_actors_first
 from cluster.ray_wing.roles import RLCluster
+from rl_actors.weight_sync import SyncAddress
 
 ROLES = ("trainer", "critic", "generator", "reward", "reference")
 
@@ -47,8 +48,8 @@ def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple
     in the old one's place (dead too with ``born_dead``), a rebuild renames every trainer rank."""
     cluster = RLCluster(generators=GeneratorWorkers(WorkerGroup("generator", tuple(generators))),
                         trainers=WorkerGroup("trainer", ("t0", "t1")), rewards=None, reference=None,
-                        sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0, timeout_s=60,
-                        ray_address="")
+                        sync_address=SyncAddress("", 0, 0, "gloo"), weight_meta=(), pad_token_id=0, bucket_bytes=0,
+                        timeout_s=60, ray_address="")
     dead, calls = set(dead), []
 
     def renamed(group, rank):
@@ -75,7 +76,7 @@ def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple
                     calls.append(("join failed on", group.role, rank))
                     raise ActorFailure(f"{group.role} {rank} died during init_weight_sync", group.role, rank, died=True)
         calls.append(("joined",))
-        return c
+        return c._replace(sync_address=c.sync_address._replace(token=f"formed {len(calls)}"))  # each forming anew
 
     monkeypatch.setattr(recovery_module, "rebuild_group", rebuild)
     monkeypatch.setattr(recovery_module, "swap_actor", swap)
@@ -117,6 +118,19 @@ def test_two_generators_dead_together_are_both_replaced_once_each_way(monkeypatc
     assert backend.cluster.generators.group.actors == ("g0''", "g1'") and backend.restarts == 3
 
 
+def test_a_replacement_dead_in_its_own_join_is_replaced_once_more_and_not_again(monkeypatch):
+    """Generator 0's replacement dies as the group forms: the nested recovery replaces it whole (a
+    second new worker, joined), so this recovery is done and not made again (which would kill the
+    healthy second worker and spend a third restart); it still names the role it recovered."""
+    backend, calls = _backend(monkeypatch, dead={"g0", "g0'"})
+    role = backend.recover(ActorFailure("generator 0 died during generate", "generator", 0, died=True), since=0,
+                           send_weights=False)
+    assert role == "generator"
+    assert calls == [("swap", "generator", 0), ("join failed on", "generator", 0), ("swap", "generator", 0),
+                     ("joined",)]
+    assert backend.cluster.generators.group.actors == ("g0''",) and backend.restarts == 2
+
+
 def test_a_generator_dead_as_a_grown_group_forms_is_recovered_and_the_weights_sent(monkeypatch):
     """Growing from 1 to 2 generators: the new worker is dead by the time the group forms. It is
     replaced (the resized group is the cluster's already), the group formed and the weights sent
@@ -132,17 +146,18 @@ def test_a_generator_dead_as_a_grown_group_forms_is_recovered_and_the_weights_se
     monkeypatch.setattr(backend_module, "sync_weights", lambda c, version, **kw: calls.append(("sync",)))
     monkeypatch.setattr(RayBackend, "settle", lambda self, in_flight: None)
     assert backend.scale_generators(2)["generators/count"] == 2.0
-    assert calls == [("join failed on", "generator", 1), ("swap", "generator", 1), ("joined",), ("joined",),
-                     ("sync",)]
+    # the recovery formed the group with both workers: the step made again only sends the weights
+    assert calls == [("join failed on", "generator", 1), ("swap", "generator", 1), ("joined",), ("sync",)]
     assert backend.cluster.generators.group.actors == ("g0", "g1'")
 
 
 def test_a_trainer_recovery_cut_by_a_second_death_is_made_whole_again(monkeypatch):
     """Trainer rank 0 died in a sync (the failure names its actor). The rebuilt group's restore is
     cut by a critic rank's death: the critic group is rebuilt (and both groups restored), then the
-    trainer recovery is made again from the start, the weight-sync group formed. Before, the new
-    trainer group, already the cluster's, counted as replaced, and the next sync reached trainer
-    ranks outside the sync group (a chaos run failed so: no attribute 'sync_device')."""
+    trainer recovery is made again from the start, the weight-sync group formed. The new trainer
+    group is the cluster's before it joins, so a second try that went by the dead actor's id would
+    find it replaced and skip the join, and the next sync would reach ranks outside the sync group
+    (a first version of this did, in a chaos run: no attribute 'sync_device')."""
     backend, calls = _backend(monkeypatch)
     monkeypatch.setattr(recovery_module, "actor_id", lambda actor: actor)  # a stand-in is its own id
 

@@ -100,7 +100,7 @@ def test_a_member_dead_as_the_sync_group_forms_frees_the_others_at_once(ray_loca
     from ray.exceptions import RayActorError
 
     from cluster.ray_wing.groups import ActorFailure, call
-    from cluster.ray_wing.replace import replace_actor
+    from cluster.ray_wing.replace import swap_actor
     from cluster.ray_wing.roles import join_weight_sync
     from cluster.ray_wing.weights import sync_weights
 
@@ -116,7 +116,7 @@ def test_a_member_dead_as_the_sync_group_forms_frees_the_others_at_once(ray_loca
         join_weight_sync(cluster)
     gather([call(cluster.trainers, 0, "endpoint")] + fan_out(cluster.reference.group, "info"), 30)
     assert time.monotonic() - t0 < 30
-    replaced = replace_actor(cluster, "generator", 0)
+    replaced = join_weight_sync(swap_actor(cluster, "generator", 0))
     sync_weights(replaced, version=1, move_reference=False)
     assert _checksums(replaced.generators.group) == _checksums(replaced.trainers)
     assert _checksums(replaced.reference.group) == refs
