@@ -79,9 +79,10 @@ T = TypeVar("T")
 
 
 def abandon_sync_group(address: SyncAddress) -> None:
-    """Driver side: the members still forming ``address``'s group leave it (``join_unless_abandoned``).
-    Called when one of them died, stopped or raised while the group formed: the others would wait
-    for it in the rendezvous until its timeout (minutes), every later call to them queued behind."""
+    """The members still forming ``address``'s group leave it (``join_unless_abandoned``). Called by
+    the driver when one of them died, stopped or raised while the group formed, and by a member
+    whose own join raised: the others would wait for it in the rendezvous until its timeout
+    (minutes), every later call to them queued behind."""
     if address.token:
         from ray.experimental.internal_kv import _internal_kv_put
 
