@@ -337,14 +337,19 @@ class RayBackend(Recovery):
         c, out = self.cluster, {}
         for role, calls, combine in (("generators", c.generator_handle.busy(), lambda xs: sum(xs) / len(xs)),
                                      ("trainers", fan_out(c.trainers, "busy"), max)):
-            seconds = []
-            for one in calls:
-                try:
-                    seconds.append(gather([one], c.timeout_s)[0])
-                except ActorFailure:
-                    pass  # a dead actor: replaced when its next work fails
+            seconds = [x for x in self._answers(calls) if x is not None]
             if seconds:
                 out[role] = combine(seconds)
+        return out
+
+    def _answers(self, calls) -> list:
+        """Each call's result; None for a dead actor's (replaced when its next work fails)."""
+        out = []
+        for one in calls:
+            try:
+                out.append(gather([one], self.cluster.timeout_s)[0])
+            except ActorFailure:
+                out.append(None)
         return out
 
     def prefix_cache(self) -> dict:
@@ -356,14 +361,12 @@ class RayBackend(Recovery):
         if c.generator_engine != "vllm" or c.generators is None or c.generators.where != "workers":
             return {}
         group, total, cached = c.generator_workers.group, 0, 0
-        for actor, one in zip(group.actors, fan_out(group, "prompt_tokens")):
-            try:
-                now = tuple(gather([one], c.timeout_s)[0])
-            except ActorFailure:
-                continue  # a dead actor: replaced when its next work fails
+        for actor, now in zip(group.actors, self._answers(fan_out(group, "prompt_tokens"))):
+            if now is None:
+                continue
             key = actor_id(actor)
             before = self._prompt_tokens.get(key, (0, 0))
-            self._prompt_tokens[key] = now
+            self._prompt_tokens[key] = tuple(now)
             total, cached = total + now[0] - before[0], cached + now[1] - before[1]
         return {"vllm/prompt_tokens": float(total), "vllm/prefix_cache_share": cached / total} if total else {}
 
