@@ -297,7 +297,9 @@ def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_lo
     """The vLLM generator dies after step 0; step 1 finds it dead, a new vLLM worker takes its
     bundle, joins the weight sync and receives the current weights, and step 1 is generated
     again from the same prompts: every step trains all its rows, no prompt twice, and the
-    replacement holds the trainer's weights. (Runs last: it replaces the module's generator.)"""
+    replacement holds the trainer's weights. Then, on the live cluster, a reference dead as the
+    group forms again frees the vLLM worker at once (below). (Runs last: it replaces the module's
+    generator.)"""
     from cluster.ray_wing.backend import RayBackend
     from tests.rl_actors.test_cluster_sync import _kill_and_wait
 
@@ -329,3 +331,29 @@ def test_a_killed_vllm_generator_is_replaced_and_its_step_collected_again(ray_lo
     info = gather([call(cluster.generators.group, 0, "info")], cluster.timeout_s)[0]
     assert info["backend"] == "vllm"
     assert _checksums(cluster, "generators")[0] == _checksums(cluster, "trainers")[0]
+    _vllm_member_is_freed_when_the_reference_dies_as_the_group_forms(ray_local, cluster)
+
+
+def _vllm_member_is_freed_when_the_reference_dies_as_the_group_forms(ray, cluster):
+    """On the live cluster the run left: the tracking reference worker is dead as the weight-sync
+    group forms again, so the join fails naming it and the driver gives the forming up. The vLLM
+    worker (its side of the rendezvous runs inside vLLM's engine, in its actor's process on CPU) and
+    trainer rank 0 answer within the bound, not after the rendezvous's 300 s; with a new reference
+    the group forms, and a sync leaves vLLM and the reference (reset to the policy at every sync)
+    with the trainer's weights."""
+    import time
+
+    from cluster.ray_wing.replace import swap_actor
+    from cluster.ray_wing.roles import join_weight_sync
+    from tests.rl_actors.test_cluster_sync import _kill_and_wait
+
+    _kill_and_wait(ray, cluster.reference.group.actors[0])
+    t0 = time.monotonic()
+    with pytest.raises(ActorFailure, match="reference 0 died during init_weight_sync"):
+        join_weight_sync(cluster)
+    gather([call(cluster.trainers, 0, "endpoint"), call(cluster.generators.group, 0, "info")], 30)
+    assert time.monotonic() - t0 < 30
+    cluster = join_weight_sync(swap_actor(cluster, "reference", 0))
+    sync_weights(cluster, version=3, step=1)  # a new reference last reset at step 0: reset again at 1
+    trainer = _checksums(cluster, "trainers")[0]
+    assert _checksums(cluster, "generators")[0] == trainer and _checksums(cluster, "reference")[0] == trainer
