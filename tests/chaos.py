@@ -10,7 +10,7 @@ import random
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Collection, Optional
 
 import psutil
 
@@ -46,16 +46,18 @@ def _still_runs(pid: int, cls: str, method: str) -> bool:
 
 
 def signal_when(cls: str, method: str, sig: int = signal.SIGKILL, timeout_s: float = 120.0,
-                pick: Optional[random.Random] = None) -> dict:
+                pick: Optional[random.Random] = None, among: Optional[Collection[int]] = None) -> dict:
     """Start a thread that waits until an actor of ``cls`` runs ``method`` and sends its process
     ``sig``; returns a dict the thread fills with ``pid`` (and ``at``, a ``time.time()``) once
-    it has, so a test can wait for it and, after SIGSTOP, see which process it stopped."""
+    it has, so a test can wait for it and, after SIGSTOP, see which process it stopped. ``among``:
+    only these processes (a cluster's own, where actors kept idle for another cluster would also
+    match: a ``method`` of "" matches an idle actor)."""
     done: dict = {}
 
     def watch() -> None:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            pids = actor_pids(cls, method)
+            pids = [pid for pid in actor_pids(cls, method) if among is None or pid in among]
             if pids:
                 pid = (pick or random).choice(pids)
                 if not _still_runs(pid, cls, method):

@@ -17,7 +17,6 @@ from cluster.loop.train import Hooks, RLRun, train
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.config import ClusterConfig
 from cluster.ray_wing.groups import call, fan_out, gather
-from cluster.ray_wing.pool import release_unclaimed
 from cluster.ray_wing.roles import add_critics, build_rl_cluster, shutdown_cluster
 from cluster.ray_wing.weights import sync_weights
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task
@@ -66,13 +65,12 @@ def _run(path, kills=(), snapshot_every=1, prompts=4, n=2, algo=None, staleness=
     ``(step, class, method, signal)``: once step ``step`` is logged, the signal goes to the first
     actor of ``class`` seen running ``method``."""
     cluster = _build(path, **build)
-    release_unclaimed()  # a kill picks an actor by its class: no actor kept for another cluster may be among them
     backend = RayBackend(cluster, max_actor_restarts=4, snapshot_every=snapshot_every)
 
     def logger(m):
-        for step, *kill in kills:
-            if m["step"] == step:
-                signal_when(*kill)
+        for step, cls, method, sig in kills:
+            if m["step"] == step:  # a kill at any moment ("") may pick only this cluster's actors, not kept idle ones
+                signal_when(cls, method, sig, among=None if method else _pids(backend.cluster, cls))
 
     try:
         state = train(backend, make_prompt_source(ITEMS, seed=4), constant_schedule(algo or grpo(kl_coef=0.05)),
@@ -90,6 +88,14 @@ def _run(path, kills=(), snapshot_every=1, prompts=4, n=2, algo=None, staleness=
         return weights, state.metrics_history, backend
     finally:
         shutdown_cluster(backend.cluster)
+
+
+def _pids(cluster, cls: str) -> set:
+    """The processes of ``cluster``'s actors of class ``cls``."""
+    groups = {"GeneratorWorker": cluster.generators.group if cluster.generators.where == "workers" else None,
+              "TrainerWorker": cluster.trainers, "CriticWorker": cluster.critics,
+              "RefLogprobWorker": cluster.reference.group if cluster.reference.where == "workers" else None}
+    return {info["pid"] for info in gather(fan_out(groups[cls], "info"), cluster.timeout_s)}
 
 
 def _max_diff(a: dict, b: dict) -> float:
