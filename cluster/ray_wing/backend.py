@@ -31,8 +31,9 @@ from cluster.ray_wing.groups import (
     split_evenly,
     wait_next,
 )
-from cluster.ray_wing.recovery import Recovery, SFTUpdate, Snapshot, Update, snapshot_reference
+from cluster.ray_wing.recovery import Recovery
 from cluster.ray_wing.roles import DEEPSPEED_ROLES, RLCluster
+from cluster.ray_wing.snapshots import SFTUpdate, Snapshot, Update, snapshot_reference
 from cluster.ray_wing.weights import load_cluster_checkpoint, save_cluster_checkpoint, sync_weights
 from primitives.types import BatchPlan, GenerationConfig, TrainState, planned_rollouts
 

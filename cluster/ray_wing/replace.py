@@ -43,7 +43,7 @@ def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
     bundles: the old ranks are killed (one rank's death leaves its peers' process group broken,
     some of them waiting in a collective), the new ones rendezvous and build their engines from
     the model as the group first did. The roles hosted on the trainer ranks (generation, the
-    reference copy) move with them. The caller restores their state (``recovery.restore_group``)
+    reference copy) move with them. The caller restores their state (``snapshots.restore_group``)
     and forms the weight-sync group again around the new trainer rank 0 (``join_weight_sync``)."""
     group = cluster.trainers if role == "trainer" else cluster.critics
     if role not in DEEPSPEED_ROLES or group is None or not cluster.factories or role not in cluster.factories:

@@ -251,7 +251,7 @@ def test_snapshot_interval_by_count_or_by_cost():
     is its cost over ``snapshot_overhead`` (a 0.1 s snapshot at 5 %: every 2 s); 0: never."""
     from types import SimpleNamespace
 
-    from cluster.ray_wing.recovery import Snapshot
+    from cluster.ray_wing.snapshots import Snapshot
 
     cluster = SimpleNamespace(reference=None)
     by_count = RayBackend(cluster, snapshot_every=3)
