@@ -193,7 +193,8 @@ class Recovery:
         * The weight-sync group is formed again with the new actors already in the cluster: a
           member that fails as it forms (dead too) is recovered in turn with them as its peers
           (they were killed before, so two dead generators replaced each other in turn until
-          the restarts ran out); then this recovery is made again from the start.
+          the restarts ran out); then this recovery goes on from the step it was cut in, on its
+          new actors (two dead generators: two restarts).
         * Actors that did not answer in time together (a collective: the stuck one and the
           peers waiting for it; which is which cannot be told from outside) are all replaced.
 
@@ -205,18 +206,18 @@ class Recovery:
         if targets is None:
             return None  # one replaced already: only the work is redone
         targets, last = tuple(_single_actors_first(targets, self.cluster.reference)), None
+        progress: dict = {}  # _key -> (the steps done for it, its record in faults), kept across the tries
         for _ in range(self.max_actor_restarts + 1):
             try:
-                return self._recover_targets(failure, targets, since, send_weights, lost) or last
+                return self._recover_targets(failure, targets, since, send_weights, lost, progress) or last
             except ActorFailure as nested:  # another actor died or hung while this one was being recovered
                 if nested is failure or not nested.replaceable:
                     raise
                 tqdm.write(f"{nested}\n(while recovering from: {failure})")
                 before = dict(self.replaced_at)
                 last = self.recover(nested, since=self.restarts, send_weights=send_weights) or last
-                # then this recovery again, from the start, for the same targets (their new actors may be in the
-                # cluster already, unfinished: a trainer group rebuilt, not yet restored or in the sync group), but
-                # those the nested recovery replaced whole
+                # then this recovery again for the same targets, but those the nested recovery replaced whole; each
+                # goes on from the step it was cut in (its new actors are the cluster's already: not made again)
                 targets = tuple(t for t in targets if self.replaced_at.get(_key(*t)) == before.get(_key(*t)))
                 since, lost = self.restarts, 0.0
         raise failure
@@ -231,20 +232,57 @@ class Recovery:
         return failure.late if failure.stuck and not failure.died else ((failure.role, failure.rank),)
 
     def _recover_targets(self, failure: ActorFailure, targets: tuple, since: int, send_weights: bool,
-                         lost: float) -> Optional[str]:
+                         lost: float, progress: dict) -> Optional[str]:
         done = None
         for role, rank in targets:
             if role in RECOVERABLE_ROLES:
-                done = self._recover_one(failure, role, rank, since, send_weights, lost) or done
+                done = self._recover_one(failure, role, rank, since, send_weights, lost, progress) or done
         return done
 
     def _recover_one(self, failure: ActorFailure, role: str, rank: int, since: int, send_weights: bool,
-                     lost: float) -> Optional[str]:
-        if role == "generator" and rank >= self.cluster.generator_handle.size:
-            return None  # a worker that left when the generators shrank: only its work is redone, on those left
+                     lost: float, progress: dict) -> Optional[str]:
+        """One target's recovery, in steps (``_recovery_steps``). ``progress`` holds, for a target whose
+        earlier try in the same ``recover`` was cut by another actor's failure, the steps that try finished:
+        this try goes on from there, on the new actors the cluster already holds, and completes the
+        cut try's record (``cut``: what cut it) instead of counting another restart."""
         key = _key(role, rank)
-        if self.replaced_at.get(key, -1) > since:
-            return None  # already replaced since the work was dispatched: only the work is redone
+        steps_done, record = progress.get(key, (set(), None))
+        if "done" in steps_done:
+            return role  # finished before a later target's recovery was cut
+        if "place" not in steps_done:  # no new actor in place yet: a try of its own, counted, recorded anew
+            steps_done, record = set(), None
+            if role == "generator" and rank >= self.cluster.generator_handle.size:
+                return None  # a worker that left when the generators shrank: only its work is redone, on those left
+            if self.replaced_at.get(key, -1) > since:
+                return None  # already replaced since the work was dispatched: only the work is redone
+            self._check_recoverable(failure, role, rank)
+            self.restarts += 1
+            self.replaced_at[key] = self.restarts
+            stuck = failure.stuck and not failure.died
+            tqdm.write(f"{failure}\n{role} {rank} {'stopped answering: killing it' if stuck else 'died'}; "
+                       f"{'rebuilding the ' + role + ' group' if role in DEEPSPEED_ROLES else 'replacing it'} "
+                       "and doing its work again")
+            record = {"role": role, "rank": rank, "stuck": stuck, "lost": lost, "version": self.version,
+                      "seconds": 0.0, "replayed": 0}
+            self.faults.append(record)
+            progress[key] = (steps_done, record)
+        t0 = time.perf_counter() - record["seconds"]  # a cut try's seconds count on
+        try:
+            for name, step in self._recovery_steps(role, rank, send_weights):
+                if name not in steps_done:
+                    step()
+                    steps_done.add(name)
+        except BaseException as error:  # a recovery that failed counts too: the summary shows what it cost
+            record.update(seconds=time.perf_counter() - t0, failed=f"{type(error).__name__}: {error}"[:300])
+            raise
+        if "failed" in record:  # cut by another failure, and finished now
+            record["cut"] = record.pop("failed")
+        record.update(seconds=time.perf_counter() - t0, replayed=len(self.log))
+        steps_done.add("done")
+        tqdm.write(f"{role} {rank}: recovered in {record['seconds']:.1f} s")
+        return role
+
+    def _check_recoverable(self, failure: ActorFailure, role: str, rank: int) -> None:
         if self.restarts >= self.max_actor_restarts:
             raise ActorFailure(f"{failure} (after {self.restarts} recoveries, cluster.max_restarts)", failure.role,
                                rank, failure.died, failure.stuck, final=True) from failure
@@ -252,39 +290,27 @@ class Recovery:
             raise ActorFailure(f"{failure} (no snapshot yet to restore a {role} from: one is taken when training "
                                "starts, none with cluster.snapshot_every 0)",
                                failure.role, rank, failure.died, failure.stuck, final=True) from failure
-        self.restarts += 1
-        self.replaced_at[key] = self.restarts
-        stuck = failure.stuck and not failure.died
-        tqdm.write(f"{failure}\n{role} {rank} {'stopped answering: killing it' if stuck else 'died'}; "
-                   f"{'rebuilding the ' + role + ' group' if role in DEEPSPEED_ROLES else 'replacing it'} "
-                   "and doing its work again")
-        t0 = time.perf_counter()
-        record = {"role": role, "rank": rank, "stuck": stuck, "lost": lost, "version": self.version}
-        try:
-            # the new actors are the cluster's before the weight-sync group forms again: a join that fails on another
-            # member (dead too) leaves them in place, and that member's recovery forms the group with them
-            if role in DEEPSPEED_ROLES:
-                self.cluster = rebuild_group(self.cluster, role)
-                self._restore_groups()
-                if role == "trainer":
-                    self.cluster = join_weight_sync(self.cluster)
-            else:
-                self.cluster = swap_actor(self.cluster, role, rank)
-                if role == "generator" or (role == "reference" and self.cluster.reference_workers.tracks):
-                    self.cluster = join_weight_sync(self.cluster)  # a fixed reference is not in the group
-                if role == "reference":
-                    gather([call(self.cluster.reference_workers.group, rank, "restore", self.restore_point.reference)],
-                           self.cluster.timeout_s)
-                if role == "generator" and send_weights:
-                    sync_weights(self.cluster, self.version, move_reference=False)
-        except BaseException as error:  # a recovery that failed counts too: the summary shows what it cost
-            self.faults.append({**record, "seconds": time.perf_counter() - t0, "replayed": 0,
-                                "failed": f"{type(error).__name__}: {error}"[:300]})
-            raise
-        seconds = time.perf_counter() - t0
-        self.faults.append({**record, "seconds": seconds, "replayed": len(self.log)})
-        tqdm.write(f"{role} {rank}: recovered in {seconds:.1f} s")
-        return role
+
+    def _recovery_steps(self, role: str, rank: int, send_weights: bool) -> list:
+        """``(name, step)`` in order for one target. The new actors are the cluster's before the weight-sync
+        group forms again: a join that fails on another member (dead too) leaves them in place, and that
+        member's recovery forms the group with them. A later recovery does not undo a finished step: a critic's
+        rebuild restores both groups, and any sync member's recovery forms the group with every member."""
+        def put(cluster):
+            self.cluster = cluster
+
+        if role in DEEPSPEED_ROLES:
+            steps = [("place", lambda: put(rebuild_group(self.cluster, role))), ("restore", self._restore_groups)]
+            return steps + ([("join", lambda: put(join_weight_sync(self.cluster)))] if role == "trainer" else [])
+        steps = [("place", lambda: put(swap_actor(self.cluster, role, rank)))]
+        if role == "generator" or (role == "reference" and self.cluster.reference_workers.tracks):
+            steps.append(("join", lambda: put(join_weight_sync(self.cluster))))  # a fixed reference is not in it
+        if role == "reference":
+            steps.append(("restore", lambda: gather([call(self.cluster.reference_workers.group, rank, "restore",
+                                                          self.restore_point.reference)], self.cluster.timeout_s)))
+        if role == "generator" and send_weights:
+            steps.append(("sync", lambda: sync_weights(self.cluster, self.version, move_reference=False)))
+        return steps
 
     def locate(self, dead_id: str) -> Optional[tuple]:
         """``(role, rank)`` of the actor with id ``dead_id`` in the cluster as it is now; None

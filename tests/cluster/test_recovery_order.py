@@ -87,35 +87,68 @@ def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple
     return backend, calls
 
 
-def test_a_failed_recovery_is_recorded_and_the_next_one_succeeds(monkeypatch):
-    """The rebuilt trainer group's join fails on generator 0, dead too: the generator is replaced
-    (and joins with the new trainer ranks), then the trainer recovery is made again."""
+def test_a_recovery_cut_by_another_death_is_finished_on_its_new_actors(monkeypatch):
+    """The rebuilt trainer group's join fails on generator 0, dead too: the generator is replaced (and
+    joins with the new trainer ranks), then the trainer recovery goes on where it was cut, on the
+    group already rebuilt and restored: it forms the group, and no rank is made a third time. Its
+    record says what cut it; one restart each."""
     backend, calls = _backend(monkeypatch, dead={"g0"})
     role = backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0,
                            send_weights=False)
     assert role == "trainer"
     assert calls == [("rebuild", "trainer"), ("restore",), ("join failed on", "generator", 0),
-                     ("swap", "generator", 0), ("joined",), ("rebuild", "trainer"), ("restore",), ("joined",)]
-    assert [(f["role"], "failed" in f) for f in backend.faults] == [("trainer", True), ("generator", False),
-                                                                     ("trainer", False)]
-    assert "generator 0 died during init_weight_sync" in backend.faults[0]["failed"]
+                     ("swap", "generator", 0), ("joined",), ("joined",)]
+    assert backend.cluster.trainers.actors == ("t0'", "t1'") and backend.restarts == 2
+    assert [(f["role"], "cut" in f, "failed" in f) for f in backend.faults] == [("trainer", True, False),
+                                                                                ("generator", False, False)]
+    assert "generator 0 died during init_weight_sync" in backend.faults[0]["cut"]
+    assert backend.faults[0]["seconds"] >= 0 and backend.faults[0]["replayed"] == 0  # an empty log
     summary = backend.fault_summary()
-    assert summary["restarts"] == {"trainer": 2, "generator": 1} and summary["failed_recoveries"] == {"trainer": 1}
-    assert set(summary["recovery_s_median"]) == {"trainer", "generator"}  # the failed attempt's time is not a recovery
-    assert backend.fault_metrics()["faults/restarts/trainer"] == 2.0
+    assert summary["restarts"] == {"trainer": 1, "generator": 1} and summary["failed_recoveries"] == {}
+    assert set(summary["recovery_s_median"]) == {"trainer", "generator"}
+    assert backend.fault_metrics()["faults/restarts/trainer"] == 1.0
 
 
-def test_two_generators_dead_together_are_both_replaced_once_each_way(monkeypatch):
+def test_a_recovery_that_fails_for_good_is_recorded_as_failed(monkeypatch):
+    """A trainer rebuild whose join fails on a generator that cannot be replaced (no restarts left):
+    the trainer's record keeps the error that ended it, and the summary counts it as failed."""
+    backend, calls = _backend(monkeypatch, dead={"g0"})
+    backend.max_actor_restarts = 1
+    with pytest.raises(ActorFailure, match="max_restarts"):
+        backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0,
+                        send_weights=False)
+    assert calls == [("rebuild", "trainer"), ("restore",), ("join failed on", "generator", 0)]
+    assert [(f["role"], "failed" in f) for f in backend.faults] == [("trainer", True)]
+    assert backend.fault_summary()["failed_recoveries"] == {"trainer": 1}
+
+
+def test_two_generators_dead_together_are_each_replaced_once(monkeypatch):
     """Generators 0 and 1 died together. Generator 0's replacement joins with generator 1, dead: the
-    join fails, and generator 1 is replaced with generator 0's replacement as its peer, so its
-    join succeeds. Before, a failed join killed the replacement, the cluster kept the dead actor,
-    and the two were replaced in turn until the restarts ran out."""
+    join fails, and generator 1 is replaced with generator 0's replacement as its peer, so its join
+    succeeds; generator 0's recovery then forms the group again on its replacement. Two restarts.
+    Before, a failed join killed the replacement, the cluster kept the dead actor, and the two were
+    replaced in turn until the restarts ran out; later each cut try started again with a new worker
+    (three restarts)."""
     backend, calls = _backend(monkeypatch, dead={"g0", "g1"}, generators=("g0", "g1"))
     backend.recover(ActorFailure("generator 0 died during generate", "generator", 0, died=True), since=0,
                     send_weights=False)
     assert calls == [("swap", "generator", 0), ("join failed on", "generator", 1), ("swap", "generator", 1),
-                     ("joined",), ("swap", "generator", 0), ("joined",)]
-    assert backend.cluster.generators.group.actors == ("g0''", "g1'") and backend.restarts == 3
+                     ("joined",), ("joined",)]
+    assert backend.cluster.generators.group.actors == ("g0'", "g1'") and backend.restarts == 2
+    assert [f["rank"] for f in backend.faults] == [0, 1] and "cut" in backend.faults[0]
+
+
+def test_a_target_finished_before_another_was_cut_is_not_made_again(monkeypatch):
+    """A stuck collective names generators 0 and 1. Generator 0 is replaced and joined; generator 1's
+    replacement is dead as the group forms (it is replaced whole by the nested recovery). Generator 0
+    is not replaced a second time."""
+    backend, calls = _backend(monkeypatch, dead={"g1'"}, generators=("g0", "g1"))
+    stuck = ActorFailure("no answer from generator 0, generator 1", "generator", 0, stuck=True,
+                         late=(("generator", 0), ("generator", 1)))
+    backend.recover(stuck, since=0, send_weights=False)
+    assert calls == [("swap", "generator", 0), ("joined",), ("swap", "generator", 1),
+                     ("join failed on", "generator", 1), ("swap", "generator", 1), ("joined",)]
+    assert backend.cluster.generators.group.actors == ("g0'", "g1''") and backend.restarts == 3
 
 
 def test_a_replacement_dead_in_its_own_join_is_replaced_once_more_and_not_again(monkeypatch):
@@ -154,7 +187,7 @@ def test_a_generator_dead_as_a_grown_group_forms_is_recovered_and_the_weights_se
 def test_a_trainer_recovery_cut_by_a_second_death_is_made_whole_again(monkeypatch):
     """Trainer rank 0 died in a sync (the failure names its actor). The rebuilt group's restore is
     cut by a critic rank's death: the critic group is rebuilt (and both groups restored), then the
-    trainer recovery is made again from the start, the weight-sync group formed. The new trainer
+    trainer recovery goes on from its cut restore on the rebuilt ranks, the weight-sync group formed. The new trainer
     group is the cluster's before it joins, so a second try that went by the dead actor's id would
     find it replaced and skip the join, and the next sync would reach ranks outside the sync group
     (a first version of this did, in a chaos run: no attribute 'sync_device')."""
@@ -170,8 +203,8 @@ def test_a_trainer_recovery_cut_by_a_second_death_is_made_whole_again(monkeypatc
     backend.recover(ActorFailure("trainer 0 died during send_weights", "trainer", 0, died=True, actor_id="t0"),
                     since=0, send_weights=False)
     assert calls == [("rebuild", "trainer"), ("restore",), ("rebuild", "critic"), ("restore",),
-                     ("rebuild", "trainer"), ("restore",), ("joined",)]
-    assert backend.cluster.trainers.actors == ("t0''", "t1''")
+                     ("restore",), ("joined",)]
+    assert backend.cluster.trainers.actors == ("t0'", "t1'") and backend.restarts == 2
 
 
 def test_recoveries_that_keep_failing_stop_at_the_bound_and_each_is_recorded(monkeypatch):
