@@ -119,6 +119,8 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
         (cluster.zero_stage in (1, 2, 3), f"cluster.zero_stage must be 1, 2 or 3, got {cluster.zero_stage}"),
         (cluster.placement in ("PACK", "SPREAD"), f"cluster.placement must be PACK or SPREAD, got {cluster.placement}"),
         (cluster.call_timeout_s > 0, "cluster.call_timeout_s must be positive"),
+        (cluster.start_timeout_s is None or cluster.start_timeout_s > 0,
+         "cluster.start_timeout_s must be positive, or None (as cluster.call_timeout_s)"),
         (cluster.heartbeat_s == 0 or cluster.heartbeat_s >= 10,
          f"cluster.heartbeat_s must be 0 (off) or at least 10 s (a beat comes every 2 s), got {cluster.heartbeat_s}"),
         (cluster.max_restarts >= 0, f"cluster.max_restarts must be >= 0, got {cluster.max_restarts}"),

@@ -44,6 +44,9 @@ class ClusterConfig(NamedTuple):
     local_cpus: Optional[int] = None  # logical CPUs of a local Ray (default: enough for all actors)
     call_timeout_s: float = 600.0  # bound on every wait for actors; one that does not answer in it is taken for stuck:
     # killed and replaced like a dead one (raise it for work that is simply long)
+    start_timeout_s: Optional[float] = None  # bound on an actor's start (its process, imports, model load, DeepSpeed
+    # set-up), a replacement's too, apart from the calls after (None: call_timeout_s); a hung call is then found soon
+    # without cutting a slow model load short
     heartbeat_s: float = 45.0  # an actor whose heartbeat (a count every 2 s from a thread of its own) stops for this
     # long is stopped or hung: killed and replaced at once, whatever call_timeout_s (0: only call_timeout_s finds it)
     max_restarts: int = 10  # actor replacements and group rebuilds a run survives in all; one more ends it, named
@@ -58,6 +61,11 @@ class ClusterConfig(NamedTuple):
     critic_cpus: float = 1.0  # CPUs per critic rank
     critic_gpus: Optional[float] = None  # GPUs per critic rank (None: as many as a trainer rank)
     scaling: GeneratorScaling = GeneratorScaling()  # grow or shrink the generator workers while the run goes on
+
+
+def start_s(cfg: ClusterConfig) -> float:
+    """The bound on starting an actor: ``start_timeout_s``, or ``call_timeout_s`` when that is None."""
+    return cfg.call_timeout_s if cfg.start_timeout_s is None else cfg.start_timeout_s
 
 
 def with_lora_reference(cfg: ClusterConfig, lora) -> ClusterConfig:

@@ -269,7 +269,8 @@ def _wait_all(calls: Sequence[Call], timeout_s: float, waited_s: Optional[float]
                     raise failure
             names = ", ".join(f"{c.role} {c.rank}.{c.method}" for c in late)
             raise ActorFailure(f"no answer within {waited_s or timeout_s:.0f}s from: {names} (stuck or too slow; "
-                               f"raise cluster.call_timeout_s if the work is simply long)", late[0].role, late[0].rank,
+                               f"raise cluster.call_timeout_s if the work is simply long, cluster.start_timeout_s "
+                               f"if starting is)", late[0].role, late[0].rank,
                                stuck=True, late=tuple(dict.fromkeys((c.role, c.rank) for c in late)))
         died = _died(by_ref[ready[0]])
         if died is not None:

@@ -24,7 +24,7 @@ def swap_actor(cluster: RLCluster, role: str, rank: int) -> RLCluster:
     kill_actor(group.actors[rank])
     actor = cluster.factories[role].create(rank, *group.slot(rank))
     try:
-        gather([Call(actor.info.remote(), role, rank, "info")], cluster.timeout_s)
+        gather([Call(actor.info.remote(), role, rank, "info")], cluster.start_s)
     except BaseException:  # a replacement the cluster does not get must not hold the bundle for the next try
         kill_actor(actor)
         raise
@@ -53,8 +53,8 @@ def rebuild_group(cluster: RLCluster, role: str) -> RLCluster:
     factory = cluster.factories[role]
     group = group._replace(actors=tuple(factory.create(r, *group.slot(r)) for r in range(group.size)))
     try:
-        master = gather([call(group, 0, "endpoint")], cluster.timeout_s)[0]
-        gather(fan_out(group, "setup", *master), cluster.timeout_s)
+        master = gather([call(group, 0, "endpoint")], cluster.start_s)[0]
+        gather(fan_out(group, "setup", *master), cluster.start_s)
     except BaseException:  # ranks the cluster does not get must not hold the bundles for the next try
         for actor in group.actors:
             kill_actor(actor)

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from cluster.ray_wing.config import ClusterConfig, peak_generators, with_lora_reference
+from cluster.ray_wing.config import ClusterConfig, peak_generators, start_s, with_lora_reference
 from cluster.ray_wing.groups import (
     Call,
     RoleFactory,
@@ -62,6 +62,12 @@ class RLCluster(NamedTuple):
     startup: Optional[dict] = None  # seconds of each start-up stage of build_rl_cluster (stage_seconds)
     generator_engine: str = "hf"  # the engine the generators run: hf or vllm
     reused: tuple = ()  # roles whose actors an earlier cluster kept (RAYRL_REUSE_ACTORS, cluster.ray_wing.pool)
+    start_timeout_s: Optional[float] = None  # bound on a new actor's start (cluster.start_timeout_s; None: timeout_s)
+
+    @property
+    def start_s(self) -> float:
+        """The bound on starting an actor (a replacement, a rebuilt group, an added worker)."""
+        return self.timeout_s if self.start_timeout_s is None else self.start_timeout_s
 
     # the roles an RL step needs, which an SFT cluster (the trainers alone) or a job without a
     # reference lacks: asking for one that is not there is an error that names it
@@ -237,13 +243,14 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     backends = {"hf"} if cfg.generate_on_trainers else {info["backend"] for info in infos[: made.generators.size]}
     sync_address = weight_sync_address(cfg, model, backends)
     wait = lambda calls: gather(calls, cfg.call_timeout_s)  # noqa: E731
-    wait(setups)  # first: a hosted generator exists once its trainer is set up
+    gather(setups, start_s(cfg))  # first: a hosted generator exists once its trainer is set up
     pad_id = wait(made.generators.ping()[:1])[0]
     meta = tuple(wait([call(made.trainers, 0, "weight_meta")])[0])
     marks.append(("trainer_setup", time.time()))
     cluster = RLCluster(made.generators, made.trainers, made.rewards, made.reference, sync_address, meta, pad_id,
                         int(bucket_mb * 2 ** 20), cfg.call_timeout_s, address, made.factories,
-                        reward_needs_reference, generator_engine=next(iter(backends)), reused=made.reused)
+                        reward_needs_reference, generator_engine=next(iter(backends)), reused=made.reused,
+                        start_timeout_s=cfg.start_timeout_s)
     cluster = join_weight_sync(cluster)
     marks.append(("weight_sync", time.time()))
     return cluster._replace(startup=stage_seconds(marks))
@@ -261,14 +268,14 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     check_fits(roles, *cluster_resources())
     trainer_args = lambda r: dict(model=model, rank=r, world_size=cfg.trainers, config=trainer_cfg,  # noqa: E731
                                   seed=seed, num_threads=cfg.threads_per_actor)
-    groups, reused = start_groups({"trainer": Wanted(TrainerWorker, roles[0], trainer_args)}, cfg.call_timeout_s)
+    groups, reused = start_groups({"trainer": Wanted(TrainerWorker, roles[0], trainer_args)}, start_s(cfg))
     trainers = groups["trainer"]
-    master = gather([call(trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
-    gather(fan_out(trainers, "setup", *master), cfg.call_timeout_s)
+    master = gather([call(trainers, 0, "endpoint")], start_s(cfg))[0]
+    gather(fan_out(trainers, "setup", *master), start_s(cfg))
     pad_id = gather([call(trainers, 0, "pad_token_id")], cfg.call_timeout_s)[0]
     return RLCluster(None, trainers, None, None, SyncAddress("", 0, 0, "gloo"), (), pad_id, 0,
                      cfg.call_timeout_s, address, {"trainer": RoleFactory(TrainerWorker, roles[0], trainer_args)},
-                     reused=tuple(reused))
+                     reused=tuple(reused), start_timeout_s=cfg.start_timeout_s)
 
 
 def join_weight_sync(cluster: RLCluster) -> RLCluster:
@@ -322,17 +329,17 @@ def scale_generator_group(cluster: RLCluster, n: int) -> RLCluster:
         new, new_slots = [], []
         try:
             _, pending = ray.wait([pg.ready() for pg in added.values()], num_returns=len(added),
-                                  timeout=cluster.timeout_s)
+                                  timeout=cluster.start_s)
             if pending:
                 raise ValueError(f"cannot place {len(pending)} more generator worker(s) ({factory.spec.bundle()} "
-                                 f"each) within {cluster.timeout_s:.0f}s: the cluster lacks room (an autoscaler adds "
+                                 f"each) within {cluster.start_s:.0f}s: the cluster lacks room (an autoscaler adds "
                                  "nodes for pending placement groups; without one, free resources or scale less)")
             for r in range(group.size, n):
                 slot = (added[r], 0) if r in added else None
                 new.append(factory.create(r, *(slot or (group.placement_group, r))))
                 new_slots.append(slot)
             gather([Call(a.info.remote(), "generator", r, "info") for r, a in zip(range(group.size, n), new)],
-                   cluster.timeout_s)
+                   cluster.start_s)
         except BaseException:
             for actor in new:
                 kill_actor(actor)
@@ -370,10 +377,10 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
     spec = critic_spec(cfg, NODE_GROUP_PINS if cfg.pin_roles else None)
     critic_args = lambda r: dict(model=model, rank=r, world_size=cfg.critics, config=critic_cfg,  # noqa: E731
                                  seed=seed, num_threads=cfg.threads_per_actor, init=init)
-    groups, reused = start_groups({"critic": Wanted(CriticWorker, spec, critic_args)}, cluster.timeout_s, fits_now)
+    groups, reused = start_groups({"critic": Wanted(CriticWorker, spec, critic_args)}, cluster.start_s, fits_now)
     critics = groups["critic"]  # a kept critic group of its shape (RAYRL_REUSE_ACTORS), or new ranks
-    master = gather([call(critics, 0, "endpoint")], cluster.timeout_s)[0]
-    gather(fan_out(critics, "setup", *master), cluster.timeout_s)
+    master = gather([call(critics, 0, "endpoint")], cluster.start_s)[0]
+    gather(fan_out(critics, "setup", *master), cluster.start_s)
     factories = {**(cluster.factories or {}), "critic": RoleFactory(CriticWorker, spec, critic_args)}
     return cluster._replace(critics=critics, factories=factories, reused=(*cluster.reused, *reused))
 

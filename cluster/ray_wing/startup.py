@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from cluster.ray_wing.config import ClusterConfig
+from cluster.ray_wing.config import ClusterConfig, start_s
 from cluster.ray_wing.groups import RoleFactory, WorkerGroup, call, fan_out, gather
 from cluster.ray_wing.handles import GeneratorsOnTrainers, GeneratorWorkers, ReferenceOnTrainers, ReferenceWorkers
 from cluster.ray_wing.pool import Wanted, start_groups
@@ -64,7 +64,7 @@ def create_roles(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: TrainerCon
     wanted["reward"] = Wanted(RewardWorker, spec["reward"], reward_args)
     if not on_trainers and "reference" in spec:
         wanted["reference"] = Wanted(RefLogprobWorker, spec["reference"], ref_args)
-    groups, reused = start_groups(wanted, cfg.call_timeout_s)  # critics come later (add_critics)
+    groups, reused = start_groups(wanted, start_s(cfg))  # critics come later (add_critics)
     trainers = groups["trainer"]
     generators = GeneratorsOnTrainers(trainers) if hosted else GeneratorWorkers(groups["generator"])
     tracks = with_reference and fns.ref_update_fn is not None
@@ -81,11 +81,11 @@ def start_roles(made: Roles, cfg: ClusterConfig) -> tuple:
     """The trainers' setup started (rank 0 hosts the rendezvous) and every other actor's constructor
     waited for (an error names the actor). Returns ``(the trainers' setup calls, the other actors'
     info)``; the generators' infos come first."""
-    master = gather([call(made.trainers, 0, "endpoint")], cfg.call_timeout_s)[0]
+    master = gather([call(made.trainers, 0, "endpoint")], start_s(cfg))[0]
     setups = fan_out(made.trainers, "setup", *master)  # waited for later, after the other roles
     others = ([made.generators.group] if isinstance(made.generators, GeneratorWorkers) else []) + [made.rewards] + \
         ([made.reference.group] if isinstance(made.reference, ReferenceWorkers) else [])
-    return setups, gather([c for g in others for c in fan_out(g, "info")], cfg.call_timeout_s)
+    return setups, gather([c for g in others for c in fan_out(g, "info")], start_s(cfg))
 
 
 def weight_sync_address(cfg: ClusterConfig, model: ModelConfig, backends: set) -> SyncAddress:

@@ -310,3 +310,17 @@ def test_an_sft_job_refuses_the_rl_roles(tmp_path):
     assert cluster_errors(base, rl_roles=False, base=base) == []
     errors = cluster_errors(base._replace(reward_workers=2, critics=3), rl_roles=False, base=base)
     assert [e.split(" would")[0] for e in errors] == ["cluster.reward_workers 2", "cluster.critics 3"]
+
+
+@pytest.mark.parametrize("cluster, refused", [
+    ({"start_timeout_s": 0}, "cluster.start_timeout_s must be positive"),
+    ({"start_timeout_s": -5.0}, "cluster.start_timeout_s must be positive"),
+    ({"start_timeout_s": 900, "call_timeout_s": 30}, None),
+    ({}, None),
+], ids=["zero", "negative", "longer-than-calls", "default"])
+def test_the_start_timeout_is_positive_or_none(cluster, refused):
+    from cluster.jobs.checks import rl_errors
+
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "cluster": cluster})
+    errors = [e for e in rl_errors(job) if "start_timeout_s" in e]
+    assert (errors == []) if refused is None else (len(errors) == 1 and refused in errors[0]), errors

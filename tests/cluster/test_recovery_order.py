@@ -236,3 +236,41 @@ def test_filters_failing_on_the_same_rows_with_nothing_to_replace_stop_at_a_boun
     with pytest.raises(ActorFailure, match="object lost"):
         select(backend, ["row"], [lambda rows: rows])
     assert backend.calls == SELECT_ATTEMPTS + 1 and backend.recovered == SELECT_ATTEMPTS
+
+
+def test_a_replacement_and_a_rebuilt_group_start_under_the_start_bound(monkeypatch):
+    """A new actor's start (a swapped worker's ``info``, a rebuilt group's ``endpoint`` and ``setup``)
+    is waited for under ``cluster.start_timeout_s``; the calls after it under ``call_timeout_s``. Unset,
+    the start bound is the call bound."""
+    from types import SimpleNamespace
+
+    from cluster.ray_wing import replace as replace_module
+    from cluster.ray_wing.config import ClusterConfig, start_s
+
+    waits = []
+
+    def gather(calls, timeout_s, waited_s=None):
+        waits.append((tuple(c.method for c in calls), timeout_s))
+        return [("127.0.0.1", 1)] * len(calls)
+
+    class Remote:
+        def remote(self, *args, **kwargs):
+            return object()
+
+    class Actor:
+        def __getattr__(self, name):
+            return Remote()
+
+    factory = SimpleNamespace(create=lambda rank, pg, index: Actor())
+    monkeypatch.setattr(replace_module, "gather", gather)
+    monkeypatch.setattr(replace_module, "kill_actor", lambda actor: None)
+    monkeypatch.setattr(replace_module, "call", lambda group, rank, method, *a: SimpleNamespace(method=method))
+    monkeypatch.setattr(replace_module, "fan_out", lambda group, method, *a: [SimpleNamespace(method=method)] * 2)
+    cluster, _ = _backend(monkeypatch)
+    cluster = cluster.cluster._replace(factories={"generator": factory, "trainer": factory}, timeout_s=7.0,
+                                       start_timeout_s=300.0)
+    replace_module.swap_actor(cluster, "generator", 0)
+    replace_module.rebuild_group(cluster, "trainer")
+    assert waits == [(("info",), 300.0), (("endpoint",), 300.0), (("setup", "setup"), 300.0)]
+    assert cluster._replace(start_timeout_s=None).start_s == 7.0
+    assert start_s(ClusterConfig(call_timeout_s=30)) == 30 and start_s(ClusterConfig(start_timeout_s=5)) == 5
