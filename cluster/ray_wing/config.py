@@ -44,9 +44,8 @@ class ClusterConfig(NamedTuple):
     local_cpus: Optional[int] = None  # logical CPUs of a local Ray (default: enough for all actors)
     call_timeout_s: float = 600.0  # bound on every wait for actors; one that does not answer in it is taken for stuck:
     # killed and replaced like a dead one (raise it for work that is simply long)
-    start_timeout_s: Optional[float] = None  # bound on an actor's start (its process, imports, model load, DeepSpeed
-    # set-up), a replacement's too, apart from the calls after (None: call_timeout_s); a hung call is then found soon
-    # without cutting a slow model load short
+    start_timeout_s: Optional[float] = None  # bound on starting an actor, a replacement too (None: call_timeout_s):
+    # its process, imports, model load and DeepSpeed set-up, so a short call bound does not cut a slow load short
     heartbeat_s: float = 45.0  # an actor whose heartbeat (a count every 2 s from a thread of its own) stops for this
     # long is stopped or hung: killed and replaced at once, whatever call_timeout_s (0: only call_timeout_s finds it)
     max_restarts: int = 10  # actor replacements and group rebuilds a run survives in all; one more ends it, named
