@@ -236,7 +236,7 @@ class RayBackend(Recovery):
         parts, inputs = [tuple(p) for p in parts], {"values": values}
         kept: dict = {"shares": ()}  # the value shares the log replays
 
-        def again(role: Optional[str]) -> None:  # the value shares of a dead critic are lost: computed again
+        def again(roles: set) -> None:  # the value shares of a dead critic are lost: computed again
             if values is not None:
                 inputs["values"] = self.values(plan, parts)
 
@@ -299,15 +299,16 @@ class RayBackend(Recovery):
         ``snapshot_every`` steps, a new in-memory snapshot. If an actor dies or stops answering
         during the sync it is replaced (a trainer group rebuilt and brought to the state after
         the step; a tracking reference restored to before its move) and the sync made again."""
-        def again(role: Optional[str]) -> None:
+        def again(roles: set) -> None:
             # a tracking reference may have moved before the failure: back to before the move (a reference on
-            # rebuilt trainer ranks was restored to the step's end, before its move, already)
+            # rebuilt trainer ranks was restored to the step's end, before its move, already; a critic's rebuild
+            # restores the trainer ranks too)
             ref = self.cluster.reference
             if ref is not None and ref.tracks and self.snapshot is None:
                 raise ActorFailure("a weight sync failed after the tracking reference may have moved, and no "
                                    "snapshot (cluster.snapshot_every 0) can undo the move: the run stops rather "
                                    "than move it twice", "reference", 0, final=True)
-            if ref is not None and (ref.where == "workers" or role not in DEEPSPEED_ROLES):
+            if ref is not None and (ref.where == "workers" or not roles & set(DEEPSPEED_ROLES)):
                 self._restore_tracking_reference()
 
         out = self.recovering(lambda: sync_weights(self.cluster, version, step, kl), again, send_weights=False)

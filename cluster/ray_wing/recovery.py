@@ -70,8 +70,9 @@ class Recovery:
 
     def recovering(self, op: Callable, after: Optional[Callable] = None, send_weights: bool = True):
         """``op()``, made again after each recovery from an actor's death or silence (``recover``;
-        ``after(recovered role)`` runs before the next try), until it succeeds; a failure that is
-        not recoverable, or more tries than ``max_actor_restarts`` allows, is raised."""
+        ``after(roles)`` runs before the next try, with the roles the recovery replaced, those of
+        recoveries nested in it too), until it succeeds; a failure that is not recoverable, or more
+        tries than ``max_actor_restarts`` allows, is raised."""
         for attempt in itertools.count():
             t0 = time.perf_counter()
             try:
@@ -79,16 +80,16 @@ class Recovery:
             except ActorFailure as failure:
                 if attempt > self.max_actor_restarts:
                     raise
-                role = self.recover(failure, since=self.restarts, send_weights=send_weights,
-                                    lost=time.perf_counter() - t0)
+                first = len(self.faults)
+                self.recover(failure, since=self.restarts, send_weights=send_weights, lost=time.perf_counter() - t0)
             if after is not None:
-                after(role)
+                after({f["role"] for f in self.faults[first:]})
 
-    def _move_again(self, role: Optional[str]) -> None:
+    def _move_again(self, roles: set) -> None:
         """After a tracking reference worker died once the step's move was made (while its state
         was snapshotted): its replacement holds the state before the move, so every copy goes
         back there and the step's move is made once more (the sync sent again)."""
-        if role == "reference" and self._reference_workers_track():
+        if "reference" in roles and self._reference_workers_track():
             restore_reference_workers(self.cluster, self.restore_point)
             sync_weights(self.cluster, self.version, *self.last_move)
 
@@ -207,12 +208,16 @@ class Recovery:
             return None  # one replaced already: only the work is redone
         targets, last = tuple(_single_actors_first(targets, self.cluster.reference)), None
         progress: dict = {}  # _key -> (the steps done for it, its record in faults), kept across the tries
-        for _ in range(self.max_actor_restarts + 1):
+        for cuts in itertools.count():
             try:
                 return self._recover_targets(failure, targets, since, send_weights, lost, progress) or last
             except ActorFailure as nested:  # another actor died or hung while this one was being recovered
                 if nested is failure or not nested.replaceable:
                     raise
+                if cuts >= self.max_actor_restarts:  # a try after a cut costs no restart: bounded here
+                    raise ActorFailure(f"{failure} (its recovery was cut {cuts + 1} times, the last time by: "
+                                       f"{nested}; cluster.max_restarts)", failure.role, failure.rank, failure.died,
+                                       failure.stuck, final=True) from nested
                 tqdm.write(f"{nested}\n(while recovering from: {failure})")
                 before = dict(self.replaced_at)
                 last = self.recover(nested, since=self.restarts, send_weights=send_weights) or last
@@ -220,7 +225,7 @@ class Recovery:
                 # goes on from the step it was cut in (its new actors are the cluster's already: not made again)
                 targets = tuple(t for t in targets if self.replaced_at.get(_key(*t)) == before.get(_key(*t)))
                 since, lost = self.restarts, 0.0
-        raise failure
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _targets(self, failure: ActorFailure) -> Optional[tuple]:
         """``(role, rank)`` of the actors ``failure`` names; None when it is of one replaced already."""

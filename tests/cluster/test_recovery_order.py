@@ -1,6 +1,8 @@
 """The order a recovery replaces actors in, and what it records, without Ray (the cluster's
 replace and rebuild steps stand in): single actors before DeepSpeed groups, and a failed attempt
 in ``faults`` and the summary as well as the one that succeeds."""
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from cluster.loop.protocol import ActorFailure
 from cluster.ray_wing import recovery as recovery_module
 from cluster.ray_wing.backend import RayBackend
 from cluster.ray_wing.groups import WorkerGroup
-from cluster.ray_wing.handles import GeneratorWorkers
+from cluster.ray_wing.handles import GeneratorWorkers, ReferenceWorkers
 from cluster.ray_wing.recovery import _single_actors_first
 from cluster.ray_wing.roles import RLCluster
 from rl_actors.weight_sync import SyncAddress
@@ -42,12 +44,16 @@ def test_a_stopped_generator_beside_trainer_rank_0_in_a_broadcast_is_replaced_fi
     assert _single_actors_first([("trainer", 0), ("generator", 0)], None) == [("generator", 0), ("trainer", 0)]
 
 
-def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple:
+def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False, reference=False) -> tuple:
     """A backend over a cluster of named stand-in actors; ``dead`` names those that are dead. Forming
     the weight-sync group fails on the first dead member (as a gather does), a swap puts a new name
-    in the old one's place (dead too with ``born_dead``), a rebuild renames every trainer rank."""
+    in the old one's place (dead too with ``born_dead``), a rebuild renames every trainer rank, a
+    weight sync and a reference worker's restore are recorded. ``reference``: a tracking reference
+    worker ``r0``, in the sync group."""
+    tracking = ReferenceWorkers(WorkerGroup("reference", ("r0",)), tracks=True)
     cluster = RLCluster(generators=GeneratorWorkers(WorkerGroup("generator", tuple(generators))),
-                        trainers=WorkerGroup("trainer", ("t0", "t1")), rewards=None, reference=None,
+                        trainers=WorkerGroup("trainer", ("t0", "t1")), rewards=None,
+                        reference=tracking if reference else None,
                         sync_address=SyncAddress("", 0, 0, "gloo"), weight_meta=(), pad_token_id=0, bucket_bytes=0,
                         timeout_s=60, ray_address="")
     dead, calls = set(dead), []
@@ -67,10 +73,12 @@ def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple
 
     def swap(c, role, rank):
         calls.append(("swap", role, rank))
+        if role == "reference":
+            return c._replace(reference=c.reference._replace(group=renamed(c.reference.group, rank)))
         return c._replace(generators=GeneratorWorkers(renamed(c.generators.group, rank)))
 
     def join(c):
-        for group in (c.trainers, c.generators.group):
+        for group in (c.trainers, c.generators.group) + ((c.reference.group,) if c.reference else ()):
             for rank, actor in enumerate(group.actors):
                 if actor in dead:
                     calls.append(("join failed on", group.role, rank))
@@ -82,8 +90,11 @@ def _backend(monkeypatch, dead=(), generators=("g0",), born_dead=False) -> tuple
     monkeypatch.setattr(recovery_module, "swap_actor", swap)
     monkeypatch.setattr(recovery_module, "join_weight_sync", join)
     monkeypatch.setattr(RayBackend, "_restore_groups", lambda self: calls.append(("restore",)))
+    monkeypatch.setattr(recovery_module, "sync_weights", lambda c, version, **kw: calls.append(("sync",)))
+    monkeypatch.setattr(recovery_module, "call", lambda group, rank, method, *a: (group.actors[rank], method))
+    monkeypatch.setattr(recovery_module, "gather", lambda cs, timeout_s: [calls.append(c) for c in cs])
     backend = RayBackend(cluster, max_actor_restarts=5)
-    backend.snapshot = object()  # a snapshot to restore a trainer group from
+    backend.snapshot = SimpleNamespace(reference="the reference's state")  # what a group is restored from
     return backend, calls
 
 
@@ -93,6 +104,7 @@ def test_a_recovery_cut_by_another_death_is_finished_on_its_new_actors(monkeypat
     group already rebuilt and restored: it forms the group, and no rank is made a third time. Its
     record says what cut it; one restart each."""
     backend, calls = _backend(monkeypatch, dead={"g0"})
+    backend.log = [object()]  # one update since the snapshot, made again on the rebuilt ranks
     role = backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0,
                            send_weights=False)
     assert role == "trainer"
@@ -102,7 +114,7 @@ def test_a_recovery_cut_by_another_death_is_finished_on_its_new_actors(monkeypat
     assert [(f["role"], "cut" in f, "failed" in f) for f in backend.faults] == [("trainer", True, False),
                                                                                 ("generator", False, False)]
     assert "generator 0 died during init_weight_sync" in backend.faults[0]["cut"]
-    assert backend.faults[0]["seconds"] >= 0 and backend.faults[0]["replayed"] == 0  # an empty log
+    assert backend.faults[0]["replayed"] == 1 and backend.faults[1]["replayed"] == 1
     summary = backend.fault_summary()
     assert summary["restarts"] == {"trainer": 1, "generator": 1} and summary["failed_recoveries"] == {}
     assert set(summary["recovery_s_median"]) == {"trainer", "generator"}
@@ -274,3 +286,101 @@ def test_a_replacement_and_a_rebuilt_group_start_under_the_start_bound(monkeypat
     assert waits == [(("info",), 300.0), (("endpoint",), 300.0), (("setup", "setup"), 300.0)]
     assert cluster._replace(start_timeout_s=None).start_s == 7.0
     assert start_s(ClusterConfig(call_timeout_s=30)) == 30 and start_s(ClusterConfig(start_timeout_s=5)) == 5
+
+
+def test_a_generator_sync_cut_by_another_generator_is_sent_again(monkeypatch):
+    """Generator 0's replacement joined, and the weights sent to it fail on generator 1 (dead): generator
+    1 is replaced, joined and sent the weights; generator 0's recovery then sends them again, and
+    replaces nothing more."""
+    backend, calls = _backend(monkeypatch, generators=("g0", "g1"))
+
+    def sync(c, version, **kw):
+        calls.append(("sync",))
+        if calls.count(("sync",)) == 1:
+            raise ActorFailure("generator 1 died during receive_weights", "generator", 1, died=True)
+
+    monkeypatch.setattr(recovery_module, "sync_weights", sync)
+    backend.recover(ActorFailure("generator 0 died during generate", "generator", 0, died=True), since=0)
+    assert calls == [("swap", "generator", 0), ("joined",), ("sync",), ("swap", "generator", 1), ("joined",),
+                     ("sync",), ("sync",)]
+    assert backend.cluster.generators.group.actors == ("g0'", "g1'") and backend.restarts == 2
+    assert "cut" in backend.faults[0] and "cut" not in backend.faults[1]
+
+
+def test_a_cut_that_no_recovery_can_mend_is_tried_again_and_ends_bounded(monkeypatch):
+    """The rebuilt group's restore fails on an actor no longer in the cluster (replaced already): the
+    nested recovery has nothing to do, and the restore is made again on the same ranks, at no restart.
+    Once: the recovery then finishes. Every time: it ends after ``max_actor_restarts`` cuts, final,
+    naming what cut it."""
+    backend, calls = _backend(monkeypatch)
+    monkeypatch.setattr(recovery_module, "actor_id", lambda actor: actor)
+    gone = ActorFailure("trainer 0 died during restore", "trainer", 0, died=True, actor_id="an old rank")
+
+    def restore_once(self):
+        calls.append(("restore",))
+        if calls.count(("restore",)) == 1:
+            raise gone
+
+    monkeypatch.setattr(RayBackend, "_restore_groups", restore_once)
+    backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0)
+    assert calls == [("rebuild", "trainer"), ("restore",), ("restore",), ("joined",)] and backend.restarts == 1
+
+    backend, calls = _backend(monkeypatch)
+
+    def restore_never(self):
+        calls.append(("restore",))
+        raise gone
+
+    monkeypatch.setattr(RayBackend, "_restore_groups", restore_never)
+    backend.max_actor_restarts = 3
+    with pytest.raises(ActorFailure, match="its recovery was cut 4 times, the last time by: trainer 0 died") as raised:
+        backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0)
+    assert raised.value.final and calls.count(("restore",)) == 4 and backend.restarts == 1
+    assert "failed" in backend.faults[0]
+
+
+def test_a_critic_rebuild_cut_by_a_trainer_death_goes_on_after_the_trainers(monkeypatch):
+    """A critic group rebuilt; a trainer rank dies during the restore: the trainer group is rebuilt,
+    restored and joined, then the critic recovery restores again on its rebuilt ranks (the trainers'
+    restore restored both groups; once more is the same state)."""
+    backend, calls = _backend(monkeypatch)
+
+    def restore(self):
+        calls.append(("restore",))
+        if calls.count(("restore",)) == 1:
+            raise ActorFailure("trainer 0 died during restore", "trainer", 0, died=True)
+
+    monkeypatch.setattr(RayBackend, "_restore_groups", restore)
+    backend.recover(ActorFailure("critic 1 died during value_step_planned", "critic", 1, died=True), since=0)
+    assert calls == [("rebuild", "critic"), ("restore",), ("rebuild", "trainer"), ("restore",), ("joined",),
+                     ("restore",)]
+    assert backend.restarts == 2 and [f["role"] for f in backend.faults] == ["critic", "trainer"]
+
+
+def test_a_tracking_reference_cut_in_its_join_is_restored_after_the_generator(monkeypatch):
+    """A tracking reference worker's replacement joins with a dead generator: the generator is
+    replaced (its join takes the new reference in), then the reference's recovery forms the group and
+    restores its state from the snapshot, on its one replacement."""
+    backend, calls = _backend(monkeypatch, dead={"g0"}, reference=True)
+    backend.recover(ActorFailure("reference 0 died during logprobs", "reference", 0, died=True), since=0,
+                    send_weights=False)
+    assert calls == [("swap", "reference", 0), ("join failed on", "generator", 0), ("swap", "generator", 0),
+                     ("joined",), ("joined",), ("r0'", "restore")]
+    assert backend.cluster.reference.group.actors == ("r0'",) and backend.restarts == 2
+
+
+def test_the_roles_a_recovery_replaced_nested_ones_too_reach_the_retry(monkeypatch):
+    """``recovering`` hands its ``after`` every role replaced, a nested recovery's too: a tracking
+    reference replaced inside a trainer recovery must be moved again (``_move_again``), which a role
+    of the outer recovery alone ("trainer") did not show."""
+    backend, calls = _backend(monkeypatch, dead={"r0"}, reference=True)
+    seen, tries = [], []
+
+    def op():
+        tries.append(1)
+        if len(tries) == 1:
+            raise ActorFailure("trainer 0 died during snapshot", "trainer", 0, died=True)
+        return "done"
+
+    assert backend.recovering(op, seen.append) == "done"
+    assert seen == [{"trainer", "reference"}]
