@@ -123,7 +123,7 @@ def test_a_recovery_cut_by_another_death_is_finished_on_its_new_actors(monkeypat
 
 def test_a_recovery_that_fails_for_good_is_recorded_as_failed(monkeypatch):
     """A trainer rebuild whose join fails on a generator that cannot be replaced (no restarts left):
-    the trainer's record keeps the error that ended it, and the summary counts it as failed."""
+    the trainer's record keeps the failure that cut it last, and the summary counts it as failed."""
     backend, calls = _backend(monkeypatch, dead={"g0"})
     backend.max_actor_restarts = 1
     with pytest.raises(ActorFailure, match="max_restarts"):
