@@ -236,7 +236,7 @@ def start_groups(wanted: dict, timeout_s: float, check: Optional[Callable] = Non
         make_room(fresh)
         if check is not None and fresh:
             check(fresh)
-        pgs = create_placement_groups(fresh) if fresh else {}
+        pgs = create_placement_groups(fresh, timeout_s) if fresh else {}  # room may take a pod's start
     except BaseException:
         for group in groups.values():  # the rebuilt groups no cluster will hold
             kill_group(group)
