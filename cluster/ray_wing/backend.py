@@ -9,7 +9,7 @@ dead, stuck or failing actor surfaces as an ``ActorFailure`` that names its role
 ``recover`` replaces a dead or stuck actor of any role and the loop does the lost work again:
 a generator, reward or reference worker is replaced (a reference restored to the
 reference's current weights); a trainer or critic group is rebuilt whole and restored from
-the in-memory snapshot and the log of updates since (``cluster.ray_wing.recovery``), so the
+the in-memory snapshot and the log of updates since (``cluster.ray_wing.snapshots``, ``.recovery``), so the
 run goes on with the weights an undisturbed run has.
 """
 from __future__ import annotations

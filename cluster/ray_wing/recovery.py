@@ -334,7 +334,8 @@ class Recovery:
     def fault_summary(self) -> dict:
         """What the run survived, for its summary: each recovery (role, rank, stuck or dead, the
         policy version it happened at, seconds to recover, updates made again; ``failed``, the
-        error, for an attempt that did not succeed), restarts (attempts) and failed attempts by
+        error, for an attempt that did not succeed; ``cut``, the failure that cut an attempt
+        finished after it), restarts (attempts) and failed attempts by
         role, the median seconds of a successful recovery by role, seconds lost, and the
         snapshots' median cost."""
         by_role: dict = {}

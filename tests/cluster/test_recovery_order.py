@@ -1,6 +1,7 @@
 """The order a recovery replaces actors in, and what it records, without Ray (the cluster's
-replace and rebuild steps stand in): single actors before DeepSpeed groups, and a failed attempt
-in ``faults`` and the summary as well as the one that succeeds."""
+replace and rebuild steps stand in): single actors before DeepSpeed groups; a recovery cut by
+another failure goes on from the step it was cut in, its record marked ``cut``; one that fails for
+good is recorded ``failed``."""
 from types import SimpleNamespace
 
 import pytest
@@ -131,6 +132,7 @@ def test_a_recovery_that_fails_for_good_is_recorded_as_failed(monkeypatch):
                         send_weights=False)
     assert calls == [("rebuild", "trainer"), ("restore",), ("join failed on", "generator", 0)]
     assert [(f["role"], "failed" in f) for f in backend.faults] == [("trainer", True)]
+    assert "generator 0 died during init_weight_sync" in backend.faults[0]["failed"]
     assert backend.fault_summary()["failed_recoveries"] == {"trainer": 1}
 
 
@@ -196,13 +198,14 @@ def test_a_generator_dead_as_a_grown_group_forms_is_recovered_and_the_weights_se
     assert backend.cluster.generators.group.actors == ("g0", "g1'")
 
 
-def test_a_trainer_recovery_cut_by_a_second_death_is_made_whole_again(monkeypatch):
+def test_a_trainer_recovery_cut_by_a_second_death_goes_on_from_its_cut_restore(monkeypatch):
     """Trainer rank 0 died in a sync (the failure names its actor). The rebuilt group's restore is
     cut by a critic rank's death: the critic group is rebuilt (and both groups restored), then the
-    trainer recovery goes on from its cut restore on the rebuilt ranks, the weight-sync group formed. The new trainer
-    group is the cluster's before it joins, so a second try that went by the dead actor's id would
-    find it replaced and skip the join, and the next sync would reach ranks outside the sync group
-    (a first version of this did, in a chaos run: no attribute 'sync_device')."""
+    trainer recovery goes on from its cut restore on the rebuilt ranks, then forms the weight-sync
+    group. The new trainer group is the cluster's before it joins, so a try that went by the dead
+    actor's id would find it replaced and skip the join, and the next sync would reach ranks outside
+    the sync group (a first version of the two-step recovery did, in a chaos run: no attribute
+    'sync_device')."""
     backend, calls = _backend(monkeypatch)
     monkeypatch.setattr(recovery_module, "actor_id", lambda actor: actor)  # a stand-in is its own id
 
@@ -252,8 +255,8 @@ def test_filters_failing_on_the_same_rows_with_nothing_to_replace_stop_at_a_boun
 
 def test_a_replacement_and_a_rebuilt_group_start_under_the_start_bound(monkeypatch):
     """A new actor's start (a swapped worker's ``info``, a rebuilt group's ``endpoint`` and ``setup``)
-    is waited for under ``cluster.start_timeout_s``; the calls after it under ``call_timeout_s``. Unset,
-    the start bound is the call bound."""
+    is waited for under ``cluster.start_timeout_s`` (``replace.py``; the other start sites pass the same
+    bound, unchecked here). Unset, the start bound is the call bound."""
     from types import SimpleNamespace
 
     from cluster.ray_wing import replace as replace_module
@@ -370,9 +373,9 @@ def test_a_tracking_reference_cut_in_its_join_is_restored_after_the_generator(mo
 
 
 def test_the_roles_a_recovery_replaced_nested_ones_too_reach_the_retry(monkeypatch):
-    """``recovering`` hands its ``after`` every role replaced, a nested recovery's too: a tracking
-    reference replaced inside a trainer recovery must be moved again (``_move_again``), which a role
-    of the outer recovery alone ("trainer") did not show."""
+    """``recovering`` hands its ``after`` every role replaced, a nested recovery's too. (So
+    ``_move_again`` sees a tracking reference replaced inside a trainer recovery, which the outer
+    recovery's role alone, "trainer", did not show; that it then moves it is not checked here.)"""
     backend, calls = _backend(monkeypatch, dead={"r0"}, reference=True)
     seen, tries = [], []
 
