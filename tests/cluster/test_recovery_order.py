@@ -387,3 +387,28 @@ def test_the_roles_a_recovery_replaced_nested_ones_too_reach_the_retry(monkeypat
 
     assert backend.recovering(op, seen.append) == "done"
     assert seen == [{"trainer", "reference"}]
+
+
+def test_a_new_clusters_actors_start_under_the_start_bound(monkeypatch):
+    """At a cluster's start, trainer rank 0's ``endpoint`` and every other actor's ``info`` (their
+    constructors: imports, model load) are waited for under ``cluster.start_timeout_s``."""
+    from types import SimpleNamespace
+
+    from cluster.ray_wing import startup as startup_module
+    from cluster.ray_wing.config import ClusterConfig
+
+    waits = []
+
+    def gather(calls, timeout_s, waited_s=None):
+        waits.append((tuple(c.method for c in calls), timeout_s))
+        return [("127.0.0.1", 1)] * len(calls)
+
+    monkeypatch.setattr(startup_module, "gather", gather)
+    monkeypatch.setattr(startup_module, "call", lambda group, rank, method, *a: SimpleNamespace(method=method))
+    monkeypatch.setattr(startup_module, "fan_out",
+                        lambda group, method, *a: [SimpleNamespace(method=method)] * len(group.actors))
+    made = startup_module.Roles(WorkerGroup("trainer", ("t0", "t1")),
+                                GeneratorWorkers(WorkerGroup("generator", ("g0",))), WorkerGroup("reward", ("w0",)),
+                                None, {})
+    setups, _ = startup_module.start_roles(made, ClusterConfig(call_timeout_s=7.0, start_timeout_s=300.0))
+    assert waits == [(("endpoint",), 300.0), (("info", "info"), 300.0)] and len(setups) == 2
