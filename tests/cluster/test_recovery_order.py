@@ -412,3 +412,33 @@ def test_a_new_clusters_actors_start_under_the_start_bound(monkeypatch):
                                 None, {})
     setups, _ = startup_module.start_roles(made, ClusterConfig(call_timeout_s=7.0, start_timeout_s=300.0))
     assert waits == [(("endpoint",), 300.0), (("info", "info"), 300.0)] and len(setups) == 2
+
+
+def test_a_cut_recoverys_seconds_count_both_of_its_tries_and_not_the_nested_one(monkeypatch):
+    """Seconds by hand, on a clock the stand-in steps move: the trainer rebuild takes 10, its restore
+    1, its join 5 before it fails on generator 0; the generator's swap 3 and join 5; the trainer's
+    join after it 5. The trainer's record: 10 + 1 + 5 + 5 = 21 (the nested 8 not counted), the
+    generator's 8, ``faults/seconds_lost`` 29, the median recovery 21 and 8."""
+    backend, calls = _backend(monkeypatch, dead={"g0"})
+    now = [100.0]
+    monkeypatch.setattr(recovery_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    costs = {"rebuild": 10.0, "restore": 1.0, "swap": 3.0, "joined": 5.0, "join failed on": 5.0}
+
+    def advance(name, step):
+        def run(*args):
+            try:
+                return step(*args)
+            finally:
+                now[0] += costs[calls[-1][0]]
+        monkeypatch.setattr(recovery_module if name != "_restore_groups" else RayBackend, name, run)
+
+    for name in ("rebuild_group", "swap_actor", "join_weight_sync"):
+        advance(name, getattr(recovery_module, name))
+    advance("_restore_groups", RayBackend._restore_groups)
+    backend.recover(ActorFailure("trainer 1 died during train_planned", "trainer", 1, died=True), since=0,
+                    send_weights=False)
+    assert calls == [("rebuild", "trainer"), ("restore",), ("join failed on", "generator", 0),
+                     ("swap", "generator", 0), ("joined",), ("joined",)]
+    assert [(f["role"], f["seconds"]) for f in backend.faults] == [("trainer", 21.0), ("generator", 8.0)]
+    assert backend.fault_metrics()["faults/seconds_lost"] == 29.0
+    assert backend.fault_summary()["recovery_s_median"] == {"trainer": 21.0, "generator": 8.0}
