@@ -232,11 +232,27 @@ def test_dead_workers_are_replaced_and_no_prompt_is_lost(ray_local, rl_cluster, 
 
 
 def test_dead_generator_surfaces_as_named_error(ray_local, rl_cluster, trained):
-    """Last in this module: it kills generator 1."""
+    """Last in this module: it kills generator 1, and generator 0 (the test above killed it already,
+    when it ran). With both dead, a recovery of generator 1 has its replacement's join cut by
+    generator 0, recovers that one, and goes on with its own replacement: two restarts, not three,
+    and both new workers hold the trainer's weights."""
     _kill_and_wait(ray_local, rl_cluster.generators.group.actors[1])
+    _kill_and_wait(ray_local, rl_cluster.generators.group.actors[0])
     with pytest.raises(ActorFailure, match=r"generator 1 died during info") as e:
         gather([call(rl_cluster.generators.group, 1, "info")], 60)
     assert e.value.replaceable and (e.value.role, e.value.rank) == ("generator", 1)
+
+    backend = RayBackend(rl_cluster)
+    try:
+        backend.recover(e.value, since=0)
+        assert backend.restarts == 2 and [f["rank"] for f in backend.faults] == [1, 0]
+        assert "generator 0 died" in backend.faults[0]["cut"] and "failed" not in backend.faults[1]
+        cluster = backend.cluster
+        trainer = gather(fan_out(cluster.trainers, "weight_checksums"), cluster.timeout_s)[0]
+        assert gather(fan_out(cluster.generators.group, "weight_checksums"), cluster.timeout_s) == [trainer] * 2
+    finally:
+        for actor in backend.cluster.generators.group.actors:
+            ray_local.kill(actor, no_restart=True)  # the fixture's shutdown holds the dead ones, not these
 
 
 def _kill_and_wait(ray, actor, timeout_s=60.0):
