@@ -99,8 +99,8 @@ class Nodes:
         import ray
         from ray.cluster_utils import Cluster
 
-        from rl_actors.common import environ
-        from tests.conftest import ROOT
+        from tests.conftest import ray_env
+        from tests.zygote import ray_workers_forked
 
         self.groups = dict(groups)
         self._keeper: Optional[threading.Thread] = None
@@ -110,14 +110,18 @@ class Nodes:
         head = {"num_cpus": head_cpus, "include_dashboard": False, "_system_config": dict(health_checks or {})}
         if inline_bytes is not None:
             head["_system_config"]["max_direct_call_object_size"] = int(inline_bytes)
-        with environ({"PYTHONPATH": ROOT, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}):
+        with ray_workers_forked(ray_env()):  # tests/zygote.py: workers forked, as on the run's own Ray
             self.cluster = Cluster(initialize_head=True, head_node_args=head)
             self.nodes = {name: self._start(name) for name in self.groups}
             self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, log_to_driver=False)
 
     def _start(self, name: str):
-        return self.cluster.add_node(num_cpus=self.groups[name], resources={f"{name}_node": 1})
+        from tests.conftest import ray_env
+        from tests.zygote import ray_workers_forked
+
+        with ray_workers_forked(ray_env()):
+            return self.cluster.add_node(num_cpus=self.groups[name], resources={f"{name}_node": 1})
 
     def node_id(self, name: str) -> str:
         return self.nodes[name].node_id
@@ -145,14 +149,10 @@ class Nodes:
     def _keep(self) -> None:
         from unittest import mock
 
-        from rl_actors.common import environ
-        from tests.conftest import ROOT
-
         while (ask := self._asks.get()) is not None:
             name, done = ask
             try:
-                with environ({"PYTHONPATH": ROOT, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}), \
-                        mock.patch("ray._private.utils.set_sigterm_handler"):
+                with mock.patch("ray._private.utils.set_sigterm_handler"):
                     done["node"] = self._start(name)
             except Exception as error:  # handed to the asking thread
                 done["error"] = error

@@ -43,18 +43,32 @@ def ray_up():
     import ray
 
     if not ray.is_initialized():
-        from rl_actors.common import environ
+        from tests.zygote import ray_workers_forked
 
-        env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TQDM_DISABLE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
-        with environ(env):
+        with ray_workers_forked(ray_env()):
             ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     return ray
+
+
+def ray_env() -> dict:
+    """The variables the tests give the Ray they start (and so its actors)."""
+    return {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TQDM_DISABLE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def pytest_sessionfinish(session, exitstatus):
     if "ray" in sys.modules:
         sys.modules["ray"].shutdown()
+    from tests import zygote
+
+    zygote.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests import zygote
+
+    if zygote.started() is not None:
+        terminalreporter.write_line(f"tests/zygote.py: {zygote.started().summary()}")
 
 
 def run_job(args: list):

@@ -1,0 +1,162 @@
+"""The test run's forked workers (``tests/zygote.py``): a worker the zygote forks gets what the
+raylet gave the process it started (arguments, environment, directory, streams), that process's
+exit and signals are the child's, and anything the zygote cannot stand in for starts as usual.
+A stand-in ``default_worker.py`` plays Ray's worker script; the zygote preloads numpy only."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.zygote import PRELOAD, SOCKET_ENV, TITLE_ROOM, Zygote
+
+WORKER = r'''
+import json, os, signal, sys, time
+import numpy
+out = {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+       "mine": os.environ.get("MINE"), "socket": os.environ.get("RAYRL_ZYGOTE_SOCKET"),
+       "draw": float(numpy.random.random()), "cmdline": len(open("/proc/self/cmdline", "rb").read()),
+       "preloaded": "numpy" in sys.modules and "torch" not in sys.modules}
+print(json.dumps(out), flush=True)
+signal.signal(signal.SIGTERM, lambda *a: (print("terminated", flush=True), sys.exit(7)))
+mode = sys.argv[1]
+if mode == "sleep":
+    time.sleep(60)
+sys.exit(int(mode))
+'''
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    z = Zygote({"MINE": "zygote's"}, preload=("numpy",))
+    assert z.ready(60), open(z.log).read()
+    yield z
+    z.stop()
+
+
+@pytest.fixture
+def worker(tmp_path):
+    path = tmp_path / "default_worker.py"
+    path.write_text(WORKER)
+    return str(path)
+
+
+def _run(zygote, args, env=None, **kwargs):
+    env = {**os.environ, **zygote.env, "MINE": "the raylet's", **(env or {})}
+    return subprocess.Popen([zygote.executable, *args], env=env, stdout=subprocess.PIPE, text=True, **kwargs)
+
+
+def _first_line(proc) -> dict:
+    return json.loads(proc.stdout.readline())
+
+
+def test_a_worker_is_forked_with_the_raylets_arguments_environment_directory_and_exit(zygote, worker, tmp_path):
+    proc = _run(zygote, [worker, "3", "--flag=x"], cwd=str(tmp_path))
+    seen = _first_line(proc)
+    assert proc.wait(30) == 3  # its exit is the starter's
+    assert seen["ppid"] == zygote.pid and seen["pid"] != proc.pid  # forked by the zygote
+    assert seen["argv"] == [worker, "3", "--flag=x"]
+    assert seen["cwd"] == str(tmp_path) and seen["path0"] == os.path.dirname(worker)
+    assert seen["mine"] == "the raylet's"  # the starter's environment, not the zygote's
+    assert seen["socket"] is None  # the zygote's own variables are not passed on
+    assert seen["preloaded"]
+    assert seen["cmdline"] >= TITLE_ROOM  # room for Ray's process titles
+
+
+def test_each_child_draws_its_own_numpy_numbers(zygote, worker):
+    draws = []
+    for _ in range(2):
+        proc = _run(zygote, [worker, "0"])
+        draws.append(_first_line(proc)["draw"])
+        assert proc.wait(30) == 0
+    assert draws[0] != draws[1]
+
+
+def test_a_child_killed_ends_its_starter_with_the_same_signal(zygote, worker):
+    proc = _run(zygote, [worker, "sleep"])
+    child = _first_line(proc)["pid"]
+    os.kill(child, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_a_signal_to_the_starter_reaches_the_child(zygote, worker):
+    proc = _run(zygote, [worker, "sleep"])
+    _first_line(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline().strip() == "terminated"
+    assert proc.wait(30) == 7
+
+
+def test_a_starter_killed_outright_takes_its_child(zygote, worker):
+    proc = _run(zygote, [worker, "sleep"])
+    child = _first_line(proc)["pid"]
+    proc.kill()
+    proc.wait(30)
+    deadline = time.time() + 10
+    while time.time() < deadline and os.path.exists(f"/proc/{child}") and _state(child) != "Z":
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}") or _state(child) == "Z"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.parametrize("variable", ["PYTHONPATH", "OMP_NUM_THREADS", "HF_HUB_OFFLINE"])
+def test_a_worker_whose_import_variables_differ_starts_as_usual(zygote, worker, variable):
+    proc = _run(zygote, [worker, "0"], env={variable: "differs"})
+    seen = _first_line(proc)
+    assert proc.wait(30) == 0
+    assert seen["pid"] == proc.pid and seen["ppid"] == os.getpid()  # the real Python, in the starter's place
+    assert "not forked" in open(zygote.log).read() and variable in open(zygote.log).read()
+
+
+def test_anything_but_a_worker_runs_as_asked(zygote):
+    done = subprocess.run([zygote.executable, "-c", "import sys; print(sys.argv[1:]); sys.exit(4)", "a"],
+                          env={**os.environ, **zygote.env}, capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout.strip()) == (4, "['a']")
+
+
+def test_without_a_zygote_a_worker_starts_as_usual(zygote, worker):
+    proc = _run(zygote, [worker, "5"], env={SOCKET_ENV: "/nonexistent/sock"})
+    seen = _first_line(proc)
+    assert proc.wait(30) == 5 and seen["pid"] == proc.pid
+
+
+def test_the_preload_leaves_out_ray_and_vllm():
+    """Ray's modules read the raylet's per-worker variables and vLLM's import sets variables and imports Ray:
+    both are left to each worker."""
+    done = subprocess.run([sys.executable, "-c", "import sys\nfor m in sys.argv[1:]: __import__(m)\n"
+                           "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))", *PRELOAD],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr[-2000:]
+
+
+class Probe:
+    def info(self) -> tuple:
+        return os.getpid(), os.getppid(), os.environ.get("OMP_NUM_THREADS"), "torch" in sys.modules
+
+
+def test_the_runs_ray_forks_its_actors_from_the_zygote(ray_local):
+    """On the run's own Ray an actor's process is a child of the zygote with the libraries already
+    imported, the variables Ray gives its workers, and Ray's process title (the tests find actors by it)."""
+    from tests import zygote as run_zygote
+    from tests.chaos import actor_pids
+
+    if run_zygote.started() is None:
+        pytest.skip("RAYRL_TEST_FORK_WORKERS=0: workers start as usual")
+    actor = ray_local.remote(Probe).options(num_cpus=0).remote()
+    try:
+        pid, ppid, threads, preloaded = ray_local.get(actor.info.remote(), timeout=60)
+        assert ppid == run_zygote.started().pid and preloaded
+        assert threads == "1"
+        assert pid in actor_pids("Probe")
+    finally:
+        ray_local.kill(actor)

@@ -1,0 +1,274 @@
+"""The test run's actor processes forked from one that has already imported torch, transformers and
+DeepSpeed (a zygote, as Android starts its apps), instead of each importing them again.
+
+Why: a Ray worker process spends 5-6 CPU-s importing those libraries before its actor does any
+work, and the suite starts about 220 of them (new shapes, replacements, nodes of their own): about
+half of the run's CPU on 2 cores. A fork of a process that has them costs a few milliseconds.
+
+How: the Ray that a test starts (``ray_workers_forked``: the run's shared Ray, the simulated nodes)
+gets this module's client (``tests/zygote_client.py``, through a small executable standing in for
+``sys.executable``) as the Python its raylet starts workers with. For a plain worker
+(``python default_worker.py ...``) the client hands its arguments, environment, working directory
+and standard streams to the zygote, which forks; the child becomes the worker in the client's
+place, and the client waits for it and exits as it did (a signal sent to the client reaches the
+child; a client killed outright takes its child with it). Anything else, a worker whose environment
+differs in what the preloaded libraries read at import (``IMPORT_ENV``), or no zygote, and the
+client runs the real Python as Ray asked: that worker starts as it would without this module.
+
+What differs from a worker started as usual, and why it does not matter here: the libraries were
+imported under the zygote's environment (a worker that differs in what they read is not forked);
+the child's parent is the zygote, not the raylet (a worker follows its raylet through its socket,
+not its parent); numpy's global generator is seeded again in each child (Python's own ``random``
+reseeds itself at a fork). Tests that start Ray by other means (``ray start`` for ``ray job
+submit``, the product's ``start_ray``) get workers started as usual, so that path keeps its tests.
+``RAYRL_TEST_FORK_WORKERS=0`` turns it off for a whole run.
+"""
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+# what the zygote imports before it forks: what most actors import at start (the trainer, reference,
+# critic and HF generator roles). Not Ray (its modules read the raylet's per-worker variables) and not
+# vLLM (it imports Ray and changes the environment)
+PRELOAD = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "deepspeed", "peft",
+           "safetensors.torch")
+# a worker whose variables of these prefixes differ from the zygote's start environment is not forked: the
+# preloaded libraries read them at import (threads, paths, hub and backend settings)
+IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_",
+              "DS_", "DEEPSPEED_", "CUDA_", "NCCL_", "MALLOC_")
+IMPORT_ENV_IGNORED = ("PYTHONBREAKPOINT",)  # set per worker by Ray, read at a breakpoint() call
+WORKER = "default_worker.py"
+SOCKET_ENV, PYTHON_ENV = "RAYRL_ZYGOTE_SOCKET", "RAYRL_ZYGOTE_PYTHON"
+# room in the child's command line for Ray's process titles (``ray::TrainerWorker.train_step``): a title is
+# cut to the length of the command line the process started with, and the tests find actors by title
+TITLE_ROOM = 400
+
+
+def import_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and k not in IMPORT_ENV_IGNORED}
+
+
+def _recv_request(conn: socket.socket) -> tuple:
+    """``(request, fds)``: one JSON line and the descriptors sent with it."""
+    fds, data = array.array("i"), b""
+    while not data.endswith(b"\n"):
+        msg, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(8 * fds.itemsize))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        if not msg:
+            raise EOFError("the client left before its request ended")
+        data += msg
+    return json.loads(data), list(fds)
+
+
+def serve(path: str, preload=PRELOAD) -> tuple:
+    """Import ``preload``, then fork one child per request on the Unix socket ``path``, reporting
+    each child's pid and, when it ends, its wait status to the requesting client. Returns only in a
+    child: ``(connection, request, fds)``. Ends when the process that started it has gone."""
+    start_env = import_env(dict(os.environ))
+    before = dict(os.environ)
+    for name in preload:
+        __import__(name)
+    added = {k: v for k, v in os.environ.items() if before.get(k) != v}  # what the imports set
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    listener.settimeout(0.2)
+    children: dict = {}
+    counts = {"forked": 0, "refused": 0}
+    print(f"zygote {os.getpid()}: ready ({', '.join(preload)})", flush=True)
+    while os.getppid() == parent:
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            conn = None
+        if conn is not None:
+            conn.settimeout(None)
+            try:
+                request, fds = _recv_request(conn)
+            except (OSError, EOFError, ValueError) as exc:
+                print(f"zygote: a bad request ({exc})", flush=True)
+                conn.close()
+                continue
+            differ = sorted(k for k in set(start_env) | set(import_env(request["env"]))
+                            if k not in added and start_env.get(k) != request["env"].get(k))
+            if differ:
+                counts["refused"] += 1
+                print(f"zygote: not forked, these differ from the zygote's start: {differ}", flush=True)
+                conn.sendall(b"refused\n")
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                request["env"] = {**added, **request["env"]}
+                return conn, request, fds
+            counts["forked"] += 1
+            print(f"zygote: forked {pid}", flush=True)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            children[pid] = conn
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"{status}\n".encode())
+                conn.close()
+    print(f"zygote: the test run has gone; {counts['forked']} forked, {counts['refused']} refused", flush=True)
+    sys.exit(0)
+
+
+def become_worker(conn: socket.socket, request: dict, fds: list) -> None:
+    """In a fresh child: take the client's streams, directory and environment, follow the client's
+    life (its socket closing ends this process), and run the worker script as ``__main__``."""
+    import runpy
+    import signal
+    import threading
+
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    env = {k: v for k, v in request["env"].items() if k not in (SOCKET_ENV, PYTHON_ENV)}
+    os.environ.clear()
+    os.environ.update(env)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # a fresh global generator per process, as at numpy's import
+
+    def follow_client() -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(64):
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=follow_client, name="zygote-client", daemon=True).start()
+    script = request["argv"][1]
+    sys.argv = request["argv"][1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for ``python <script>``, not the zygote's
+    runpy.run_path(script, run_name="__main__")
+
+
+class Zygote:
+    """The zygote process of this test run and the executable that stands in for Python in its raylets."""
+
+    def __init__(self, env: dict, preload=PRELOAD):
+        self.dir = tempfile.mkdtemp(prefix="rayrl-zygote-")
+        self.socket = os.path.join(self.dir, "sock")
+        self.python = sys.executable
+        self.log = os.path.join(self.dir, "zygote.log")
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.executable = os.path.join(self.dir, "python")
+        with open(self.executable, "w") as f:
+            f.write(f'#!/bin/sh\nexec "{self.python}" -I -S "{os.path.join(here, "zygote_client.py")}" "$@"\n')
+        os.chmod(self.executable, 0o755)
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([self.python, os.path.abspath(__file__), self.socket, "-" * TITLE_ROOM,
+                                             *preload],
+                                            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+
+    def ready(self, timeout_s: float = 120.0) -> bool:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and self.process.poll() is None:
+            if os.path.exists(self.socket):
+                return True
+            time.sleep(0.05)
+        return False
+
+    @property
+    def env(self) -> dict:
+        return {SOCKET_ENV: self.socket, PYTHON_ENV: self.python}
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def summary(self) -> str:
+        with open(self.log) as f:
+            lines = f.read().splitlines()
+        refused = [line for line in lines if "not forked" in line]
+        forked = sum(line.startswith("zygote: forked") for line in lines)
+        return (f"{forked} Ray workers forked, {len(refused)} started as usual"
+                + (f" (the last: {refused[-1]})" if refused else ""))
+
+
+_ZYGOTE: Optional[Zygote] = None
+_FAILED = False
+
+
+def zygote(env: dict) -> Optional[Zygote]:
+    """The run's zygote, started on first use with ``env`` on top of this process's environment (the
+    variables the tests give Ray's processes); None when turned off or when it did not start."""
+    global _ZYGOTE, _FAILED
+    if os.environ.get("RAYRL_TEST_FORK_WORKERS", "1") == "0" or _FAILED:
+        return None
+    if _ZYGOTE is None:
+        started = Zygote(env)
+        if not started.ready():
+            started.stop()
+            _FAILED = True
+            print(f"tests/zygote.py: the zygote did not start; workers start as usual (see {started.log})",
+                  file=sys.stderr)
+            return None
+        _ZYGOTE = started
+    return _ZYGOTE
+
+
+def started() -> Optional[Zygote]:
+    return _ZYGOTE
+
+
+def stop() -> None:
+    if _ZYGOTE is not None:
+        _ZYGOTE.stop()
+
+
+@contextlib.contextmanager
+def ray_workers_forked(env: dict):
+    """Inside: ``env`` set, and a raylet started here (``ray.init``, ``Cluster.add_node``) starts its
+    workers through the zygote."""
+    from rl_actors.common import environ
+
+    z = zygote(env)
+    extra = z.env if z is not None else {}
+    real = sys.executable
+    with environ({**env, **extra}):
+        if z is not None:
+            sys.executable = z.executable
+        try:
+            yield
+        finally:
+            sys.executable = real
+
+
+if __name__ == "__main__":
+    become_worker(*serve(sys.argv[1], tuple(sys.argv[3:])))

@@ -1,0 +1,57 @@
+"""The Python a test's raylet starts its workers with (``tests/zygote.py``): ``python -I -S
+zygote_client.py <what Ray asked Python to run>``. A plain worker is forked by the zygote and this
+process stands in for it (its pid, its signals, its exit); anything else, or no zygote, and it
+becomes the real Python with the same arguments. Standard library only: it starts for every worker."""
+import array
+import json
+import os
+import signal
+import socket
+import sys
+from typing import NoReturn
+
+
+def as_asked(args: list) -> NoReturn:
+    python = os.environ.get("RAYRL_ZYGOTE_PYTHON") or sys.executable
+    os.execv(python, [python, *args])
+
+
+def main(args: list) -> None:
+    path = os.environ.get("RAYRL_ZYGOTE_SOCKET")
+    if not path or not args or os.path.basename(args[0]) != "default_worker.py":
+        as_asked(args)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        request = {"argv": ["python", *args], "env": dict(os.environ), "cwd": os.getcwd()}
+        sock.sendmsg([json.dumps(request).encode() + b"\n"],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+        replies = sock.makefile("rb")
+        first = replies.readline().strip()
+        pid = int(first)
+    except (OSError, ValueError):  # no zygote, or it refused this worker
+        sock.close()
+        as_asked(args)
+
+    def forward(signum, frame):
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, forward)
+    line = replies.readline()
+    if not line:  # the zygote went first: the child's status is lost
+        os._exit(1)
+    status = int(line)
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
