@@ -52,7 +52,10 @@ def ray_up():
 
 def ray_env() -> dict:
     """The variables the tests give the Ray they start (and so its actors)."""
-    return {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TQDM_DISABLE": "1",
+    path = os.environ.get("PYTHONPATH", "")
+    if path.split(os.pathsep)[0] != ROOT:  # once, when called inside a block that set it
+        path = ROOT + os.pathsep + path
+    return {"PYTHONPATH": path, "TQDM_DISABLE": "1",
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
@@ -67,8 +70,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     from tests import zygote
 
-    if zygote.started() is not None:
-        terminalreporter.write_line(f"tests/zygote.py: {zygote.started().summary()}")
+    if zygote.started():
+        terminalreporter.write_line(f"tests/zygote.py: {zygote.summary()}")
 
 
 def run_job(args: list):

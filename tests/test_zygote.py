@@ -31,7 +31,7 @@ sys.exit(int(mode))
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    z = Zygote({"MINE": "zygote's"}, preload=("numpy",))
+    z = Zygote({**os.environ, "MINE": "zygote's"}, preload=("numpy",))
     assert z.ready(60), open(z.log).read()
     yield z
     z.stop()
@@ -115,7 +115,7 @@ def test_a_worker_whose_import_variables_differ_starts_as_usual(zygote, worker, 
     seen = _first_line(proc)
     assert proc.wait(30) == 0
     assert seen["pid"] == proc.pid and seen["ppid"] == os.getpid()  # the real Python, in the starter's place
-    assert "not forked" in open(zygote.log).read() and variable in open(zygote.log).read()
+    assert any("not forked" in line and variable in line for line in zygote.lines())
 
 
 def test_anything_but_a_worker_runs_as_asked(zygote):
@@ -150,13 +150,56 @@ def test_the_runs_ray_forks_its_actors_from_the_zygote(ray_local):
     from tests import zygote as run_zygote
     from tests.chaos import actor_pids
 
-    if run_zygote.started() is None:
+    if not run_zygote.started():
         pytest.skip("RAYRL_TEST_FORK_WORKERS=0: workers start as usual")
     actor = ray_local.remote(Probe).options(num_cpus=0).remote()
     try:
         pid, ppid, threads, preloaded = ray_local.get(actor.info.remote(), timeout=60)
-        assert ppid == run_zygote.started().pid and preloaded
+        assert ppid in [z.pid for z in run_zygote.started()] and preloaded
         assert threads == "1"
         assert pid in actor_pids("Probe")
     finally:
         ray_local.kill(actor)
+
+
+@pytest.fixture
+def light_zygotes(monkeypatch):
+    """``tests.zygote.zygote`` starting zygotes that preload json alone, none started yet; stopped after."""
+    from tests import zygote as run_zygote
+
+    class Light(Zygote):
+        def __init__(self, env):
+            super().__init__(env, preload=("json",))
+
+    monkeypatch.setattr(run_zygote, "Zygote", Light)
+    monkeypatch.setattr(run_zygote, "_ZYGOTES", {})
+    monkeypatch.delenv("RAYRL_TEST_FORK_WORKERS", raising=False)
+    yield run_zygote
+    run_zygote.stop()
+
+
+def test_a_block_inside_another_runs_the_real_python(light_zygotes):
+    """Blocks nested with different variables (a simulated node added inside the cluster's start): the
+    inner zygote and its shim run the real Python, not the outer shim (which would start itself over
+    and over), and the real one is back after."""
+    real = sys.executable
+    with light_zygotes.ray_workers_forked({"PYTHONPATH": "a"}):
+        with light_zygotes.ray_workers_forked({"PYTHONPATH": "a", "LD_LIBRARY_PATH": "/elsewhere"}):
+            done = subprocess.run([sys.executable, "-c", "import sys; print(sys.executable)"], capture_output=True,
+                                  text=True, timeout=30)
+            assert len(light_zygotes.started()) == 2
+    assert done.stdout.strip() == real == sys.executable == light_zygotes.PYTHON
+    assert all(z.python == real for z in light_zygotes.started())
+
+
+def test_one_zygote_per_set_of_import_variables(light_zygotes, monkeypatch):
+    """A raylet started after this process changed a variable the preloads read gets a zygote of its own
+    (its workers would all be refused by the first); the same variables share one."""
+    run_zygote = light_zygotes
+    first = run_zygote.zygote({"PYTHONPATH": "a", "TQDM_DISABLE": "1"})
+    assert run_zygote.zygote({"PYTHONPATH": "a", "TQDM_DISABLE": "0"}) is first  # not read at import
+    other = run_zygote.zygote({"PYTHONPATH": "a", "LD_LIBRARY_PATH": "/elsewhere"})
+    assert other is not first and other.pid != first.pid
+    assert run_zygote.started() == [first, other]
+    monkeypatch.setenv("RAYRL_TEST_FORK_WORKERS", "0")
+    assert run_zygote.zygote({"PYTHONPATH": "a"}) is None

@@ -29,6 +29,7 @@ import array
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,8 +38,9 @@ import time
 from typing import Optional
 
 # what the zygote imports before it forks: what most actors import at start (the trainer, reference,
-# critic and HF generator roles). Not Ray (its modules read the raylet's per-worker variables) and not
-# vLLM (it imports Ray and changes the environment)
+# critic and HF generator roles). After the fork a worker still spends about 0.5 CPU-s, most of it importing
+# Ray. Not Ray, nor vLLM (whose import brings Ray): workers forked from a zygote that had imported vLLM died
+# before they registered (tried once). Nothing that starts a thread at import (pyarrow does)
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "deepspeed", "peft",
            "safetensors.torch")
 # a worker whose variables of these prefixes differ from the zygote's start environment is not forked: the
@@ -47,7 +49,11 @@ IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PY
               "DS_", "DEEPSPEED_", "CUDA_", "NCCL_", "MALLOC_")
 IMPORT_ENV_IGNORED = ("PYTHONBREAKPOINT",)  # set per worker by Ray, read at a breakpoint() call
 WORKER = "default_worker.py"
-SOCKET_ENV, PYTHON_ENV = "RAYRL_ZYGOTE_SOCKET", "RAYRL_ZYGOTE_PYTHON"
+SOCKET_ENV = "RAYRL_ZYGOTE_SOCKET"
+SHIM_PREFIX = "rayrl-zygote-"  # the directory of a zygote's socket, log and stand-in executable
+# the real interpreter, taken before any ``ray_workers_forked`` stands its shim in for it: a zygote, and each
+# shim, run this one (a shim that ran another shim would start itself over and over)
+PYTHON = sys.executable
 # room in the child's command line for Ray's process titles (``ray::TrainerWorker.train_step``): a title is
 # cut to the length of the command line the process started with, and the tests find actors by title
 TITLE_ROOM = 400
@@ -153,7 +159,7 @@ def become_worker(conn: socket.socket, request: dict, fds: list) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
-    env = {k: v for k, v in request["env"].items() if k not in (SOCKET_ENV, PYTHON_ENV)}
+    env = {k: v for k, v in request["env"].items() if k != SOCKET_ENV}
     os.environ.clear()
     os.environ.update(env)
     if "numpy" in sys.modules:
@@ -173,13 +179,17 @@ def become_worker(conn: socket.socket, request: dict, fds: list) -> None:
 
 
 class Zygote:
-    """The zygote process of this test run and the executable that stands in for Python in its raylets."""
+    """A zygote process started with the environment ``env`` (its raylets' own), and the executable
+    that stands in for Python in those raylets."""
 
     def __init__(self, env: dict, preload=PRELOAD):
-        self.dir = tempfile.mkdtemp(prefix="rayrl-zygote-")
+        if os.path.basename(os.path.dirname(PYTHON)).startswith(SHIM_PREFIX):
+            raise RuntimeError(f"tests/zygote.py was first imported with a zygote's shim as sys.executable ({PYTHON})")
+        self.dir = tempfile.mkdtemp(prefix=SHIM_PREFIX)
         self.socket = os.path.join(self.dir, "sock")
-        self.python = sys.executable
+        self.python = PYTHON
         self.log = os.path.join(self.dir, "zygote.log")
+        self._lines: Optional[list] = None
         here = os.path.dirname(os.path.abspath(__file__))
         self.executable = os.path.join(self.dir, "python")
         with open(self.executable, "w") as f:
@@ -188,7 +198,7 @@ class Zygote:
         with open(self.log, "w") as log:
             self.process = subprocess.Popen([self.python, os.path.abspath(__file__), self.socket, "-" * TITLE_ROOM,
                                              *preload],
-                                            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
 
     def ready(self, timeout_s: float = 120.0) -> bool:
@@ -201,55 +211,70 @@ class Zygote:
 
     @property
     def env(self) -> dict:
-        return {SOCKET_ENV: self.socket, PYTHON_ENV: self.python}
+        return {SOCKET_ENV: self.socket}
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    def lines(self) -> list:
+        """Its log (kept once it has stopped: ``stop`` removes its directory)."""
+        if self._lines is None:
+            with open(self.log) as f:
+                return f.read().splitlines()
+        return self._lines
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-
-    def summary(self) -> str:
-        with open(self.log) as f:
-            lines = f.read().splitlines()
-        refused = [line for line in lines if "not forked" in line]
-        forked = sum(line.startswith("zygote: forked") for line in lines)
-        return (f"{forked} Ray workers forked, {len(refused)} started as usual"
-                + (f" (the last: {refused[-1]})" if refused else ""))
+        if self._lines is None:
+            self._lines = self.lines()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_ZYGOTE: Optional[Zygote] = None
-_FAILED = False
+_ZYGOTES: dict = {}  # the variables the preloads read at import (sorted pairs) -> its zygote, None: did not start
 
 
 def zygote(env: dict) -> Optional[Zygote]:
-    """The run's zygote, started on first use with ``env`` on top of this process's environment (the
-    variables the tests give Ray's processes); None when turned off or when it did not start."""
-    global _ZYGOTE, _FAILED
-    if os.environ.get("RAYRL_TEST_FORK_WORKERS", "1") == "0" or _FAILED:
+    """The zygote for a raylet started with ``env`` on top of this process's environment, started on
+    first use: one per distinct set of the variables the preloaded libraries read (``IMPORT_ENV``), so
+    that a raylet started after this process changed one (an import that set ``LD_LIBRARY_PATH``, a
+    ``DS_ACCELERATOR`` set for in-process ranks) gets one of its own. None when turned off
+    (``RAYRL_TEST_FORK_WORKERS=0``) or when it did not start (its workers then start as usual)."""
+    if os.environ.get("RAYRL_TEST_FORK_WORKERS", "1") == "0":
         return None
-    if _ZYGOTE is None:
-        started = Zygote(env)
+    full = {**os.environ, **env}
+    key = tuple(sorted(import_env(full).items()))
+    if key not in _ZYGOTES:
+        started = Zygote(full)
         if not started.ready():
             started.stop()
-            _FAILED = True
-            print(f"tests/zygote.py: the zygote did not start; workers start as usual (see {started.log})",
-                  file=sys.stderr)
-            return None
-        _ZYGOTE = started
-    return _ZYGOTE
+            print("tests/zygote.py: a zygote did not start; its raylets' workers start as usual. Its log:",
+                  *started.lines()[-20:], sep="\n", file=sys.stderr)
+            started = None
+        _ZYGOTES[key] = started
+    return _ZYGOTES[key]
 
 
-def started() -> Optional[Zygote]:
-    return _ZYGOTE
+def started() -> list:
+    return [z for z in _ZYGOTES.values() if z is not None]
 
 
 def stop() -> None:
-    if _ZYGOTE is not None:
-        _ZYGOTE.stop()
+    for z in started():
+        z.stop()
+
+
+def summary() -> str:
+    """What the run's zygotes did: workers forked, and workers started as usual (the last one's reason)."""
+    forked, refused = 0, []
+    for z in started():
+        lines = z.lines()
+        forked += sum(line.startswith("zygote: forked") for line in lines)
+        refused += [line for line in lines if "not forked" in line]
+    return (f"{len(started())} zygote(s), {forked} Ray workers forked, {len(refused)} started as usual"
+            + (f" (the last: {refused[-1]})" if refused else ""))
 
 
 @contextlib.contextmanager
@@ -260,14 +285,14 @@ def ray_workers_forked(env: dict):
 
     z = zygote(env)
     extra = z.env if z is not None else {}
-    real = sys.executable
+    outer = sys.executable  # the real one, or an enclosing block's shim (of the same zygote: same variables)
     with environ({**env, **extra}):
         if z is not None:
             sys.executable = z.executable
         try:
             yield
         finally:
-            sys.executable = real
+            sys.executable = outer
 
 
 if __name__ == "__main__":

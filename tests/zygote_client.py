@@ -12,8 +12,8 @@ from typing import NoReturn
 
 
 def as_asked(args: list) -> NoReturn:
-    python = os.environ.get("RAYRL_ZYGOTE_PYTHON") or sys.executable
-    os.execv(python, [python, *args])
+    """Become the real Python (the one running this file: the shim names it) with ``args``."""
+    os.execv(sys.executable, [sys.executable, *args])
 
 
 def main(args: list) -> None:
