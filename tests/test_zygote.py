@@ -16,12 +16,14 @@ from tests.zygote import PRELOAD, SOCKET_ENV, TITLE_ROOM, Zygote
 WORKER = r'''
 import json, os, signal, sys, time
 import numpy
+signal.signal(signal.SIGTERM, lambda *a: (print("terminated", flush=True), sys.exit(7)))
+print("to stderr", file=sys.stderr, flush=True)
 out = {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
        "mine": os.environ.get("MINE"), "socket": os.environ.get("RAYRL_ZYGOTE_SOCKET"),
        "draw": float(numpy.random.random()), "cmdline": len(open("/proc/self/cmdline", "rb").read()),
        "preloaded": "numpy" in sys.modules and "torch" not in sys.modules}
+out["stdin"] = sys.stdin.readline().strip()
 print(json.dumps(out), flush=True)
-signal.signal(signal.SIGTERM, lambda *a: (print("terminated", flush=True), sys.exit(7)))
 mode = sys.argv[1]
 if mode == "sleep":
     time.sleep(60)
@@ -46,7 +48,11 @@ def worker(tmp_path):
 
 def _run(zygote, args, env=None, **kwargs):
     env = {**os.environ, **zygote.env, "MINE": "the raylet's", **(env or {})}
-    return subprocess.Popen([zygote.executable, *args], env=env, stdout=subprocess.PIPE, text=True, **kwargs)
+    proc = subprocess.Popen([zygote.executable, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+    proc.stdin.write("from the raylet\n")
+    proc.stdin.flush()
+    return proc
 
 
 def _first_line(proc) -> dict:
@@ -61,7 +67,8 @@ def test_a_worker_is_forked_with_the_raylets_arguments_environment_directory_and
     assert seen["argv"] == [worker, "3", "--flag=x"]
     assert seen["cwd"] == str(tmp_path) and seen["path0"] == os.path.dirname(worker)
     assert seen["mine"] == "the raylet's"  # the starter's environment, not the zygote's
-    assert seen["socket"] is None  # the zygote's own variables are not passed on
+    assert seen["socket"] is None  # the zygote's address, which the starter had, is not passed on
+    assert seen["stdin"] == "from the raylet" and proc.stderr.read() == "to stderr\n"  # its three streams
     assert seen["preloaded"]
     assert seen["cmdline"] >= TITLE_ROOM  # room for Ray's process titles
 
@@ -118,6 +125,41 @@ def test_a_worker_whose_import_variables_differ_starts_as_usual(zygote, worker, 
     assert any("not forked" in line and variable in line for line in zygote.lines())
 
 
+@pytest.mark.parametrize("sent", ["nothing", "garbage", "a refused request", "a request"])
+def test_a_client_that_vanishes_or_garbles_costs_its_request_alone(zygote, worker, sent):
+    """The zygote serves the next worker after a client that left at once (as the raylet's kill of a
+    starting worker does), sent garbage, or sent a whole request and vanished before the reply (the
+    zygote's reply then meets a closed socket; a forked child follows its vanished client out)."""
+    import array
+    import socket
+
+    env = {**os.environ, "MINE": "x"} if sent == "a request" else {}
+    request_sent = {"nothing": b"", "garbage": b"not json\n"}.get(sent) or (
+        json.dumps({"argv": ["python", worker, "0"], "env": env, "cwd": "/"}).encode() + b"\n")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(zygote.socket)
+    if request_sent:
+        sock.sendmsg([request_sent], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    sock.close()
+    time.sleep(0.5)
+    proc = _run(zygote, [worker, "0"])
+    assert _first_line(proc)["ppid"] == zygote.pid and proc.wait(30) == 0
+
+
+def test_the_zygote_leaves_with_the_test_run(tmp_path):
+    """A test run that dies without stopping its zygote does not leave it behind."""
+    from tests.conftest import ROOT
+
+    script = ("import os, sys; sys.path.insert(0, sys.argv[1]); from tests.zygote import Zygote; "
+              "z = Zygote(dict(os.environ), preload=('json',)); assert z.ready(60); print(z.pid)")
+    done = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=120)
+    pid = int(done.stdout.strip())
+    deadline = time.time() + 10
+    while time.time() < deadline and _state(pid) not in ("gone", "Z"):
+        time.sleep(0.05)
+    assert _state(pid) in ("gone", "Z")
+
+
 def test_anything_but_a_worker_runs_as_asked(zygote):
     done = subprocess.run([zygote.executable, "-c", "import sys; print(sys.argv[1:]); sys.exit(4)", "a"],
                           env={**os.environ, **zygote.env}, capture_output=True, text=True, timeout=30)
@@ -150,7 +192,7 @@ def test_the_runs_ray_forks_its_actors_from_the_zygote(ray_local):
     from tests import zygote as run_zygote
     from tests.chaos import actor_pids
 
-    if not run_zygote.started():
+    if os.environ.get("RAYRL_TEST_FORK_WORKERS") == "0":
         pytest.skip("RAYRL_TEST_FORK_WORKERS=0: workers start as usual")
     actor = ray_local.remote(Probe).options(num_cpus=0).remote()
     try:
@@ -196,8 +238,8 @@ def test_one_zygote_per_set_of_import_variables(light_zygotes, monkeypatch):
     """A raylet started after this process changed a variable the preloads read gets a zygote of its own
     (its workers would all be refused by the first); the same variables share one."""
     run_zygote = light_zygotes
-    first = run_zygote.zygote({"PYTHONPATH": "a", "TQDM_DISABLE": "1"})
-    assert run_zygote.zygote({"PYTHONPATH": "a", "TQDM_DISABLE": "0"}) is first  # not read at import
+    first = run_zygote.zygote({"PYTHONPATH": "a", "MINE": "1"})
+    assert run_zygote.zygote({"PYTHONPATH": "a", "MINE": "0"}) is first  # not read at import
     other = run_zygote.zygote({"PYTHONPATH": "a", "LD_LIBRARY_PATH": "/elsewhere"})
     assert other is not first and other.pid != first.pid
     assert run_zygote.started() == [first, other]

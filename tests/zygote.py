@@ -10,17 +10,24 @@ gets this module's client (``tests/zygote_client.py``, through a small executabl
 ``sys.executable``) as the Python its raylet starts workers with. For a plain worker
 (``python default_worker.py ...``) the client hands its arguments, environment, working directory
 and standard streams to the zygote, which forks; the child becomes the worker in the client's
-place, and the client waits for it and exits as it did (a signal sent to the client reaches the
-child; a client killed outright takes its child with it). Anything else, a worker whose environment
-differs in what the preloaded libraries read at import (``IMPORT_ENV``), or no zygote, and the
-client runs the real Python as Ray asked: that worker starts as it would without this module.
+place, and the client waits for it and exits as it did. SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1
+and SIGUSR2 sent to the client reach the child; a client killed outright takes its child with it.
+Anything else, a worker whose environment differs in what the preloaded libraries read at import
+(``IMPORT_ENV``), or no zygote, and the client runs the real Python as Ray asked: that worker starts
+as it would without this module.
 
-What differs from a worker started as usual, and why it does not matter here: the libraries were
-imported under the zygote's environment (a worker that differs in what they read is not forked);
-the child's parent is the zygote, not the raylet (a worker follows its raylet through its socket,
-not its parent); numpy's global generator is seeded again in each child (Python's own ``random``
-reseeds itself at a fork). Tests that start Ray by other means (``ray start`` for ``ray job
-submit``, the product's ``start_ray``) get workers started as usual, so that path keeps its tests.
+What differs from a worker started as usual, and why it does not matter here:
+* the libraries were imported under the zygote's environment: a worker that differs in what they
+  read is not forked, and the zygote serves nothing where DeepSpeed picked an accelerator other than
+  the CPU (an actor on the CPU sets ``DS_ACCELERATOR`` before it first imports DeepSpeed);
+* the child's parent is the zygote, not the raylet: a worker follows its raylet by the raylet's pid
+  (``RAY_RAYLET_PID``) and socket, not by its parent;
+* numpy's global generator is seeded again in each child (Python's own ``random`` reseeds itself at a
+  fork), but every forked worker shares the zygote's string-hash secret, so set and dict orders
+  agree across the tests' actors where a real cluster's differ (no code here depends on that order);
+* the zygote ignores a Ctrl-C in the test run's terminal (its children take theirs as any process).
+Tests that start Ray by other means (``ray start`` for ``ray job submit``, the product's
+``start_ray``) get workers started as usual, so that path keeps its tests.
 ``RAYRL_TEST_FORK_WORKERS=0`` turns it off for a whole run.
 """
 from __future__ import annotations
@@ -34,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -46,7 +54,8 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling
 # a worker whose variables of these prefixes differ from the zygote's start environment is not forked: the
 # preloaded libraries read them at import (threads, paths, hub and backend settings)
 IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_",
-              "DS_", "DEEPSPEED_", "CUDA_", "NCCL_", "MALLOC_")
+              "DS_", "DEEPSPEED_", "CUDA_", "NCCL_", "MALLOC_", "GLIBC_TUNABLES", "TQDM_", "NPY_", "NUMPY_", "USE_",
+              "XDG_", "HOME")
 IMPORT_ENV_IGNORED = ("PYTHONBREAKPOINT",)  # set per worker by Ray, read at a breakpoint() call
 WORKER = "default_worker.py"
 SOCKET_ENV = "RAYRL_ZYGOTE_SOCKET"
@@ -64,88 +73,146 @@ def import_env(env: dict) -> dict:
 
 
 def _recv_request(conn: socket.socket) -> tuple:
-    """``(request, fds)``: one JSON line and the descriptors sent with it."""
+    """``(request, fds)``: one JSON line and the descriptors sent with it (closed again if the request
+    does not arrive whole)."""
     fds, data = array.array("i"), b""
-    while not data.endswith(b"\n"):
-        msg, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(8 * fds.itemsize))
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        if not msg:
-            raise EOFError("the client left before its request ended")
-        data += msg
-    return json.loads(data), list(fds)
+    try:
+        while not data.endswith(b"\n"):
+            msg, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(8 * fds.itemsize))
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+            if not msg:
+                raise EOFError("the client left before its request ended")
+            data += msg
+        request = json.loads(data)
+        if not isinstance(request.get("argv"), list) or not isinstance(request.get("env"), dict) or len(fds) != 3:
+            raise ValueError("not a worker's request")
+        return request, list(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
-def serve(path: str, preload=PRELOAD) -> tuple:
+def _preload(names) -> dict:
+    """Import ``names``; the variables the imports set. Exits (no zygote: workers start as usual) where
+    DeepSpeed picked an accelerator other than the CPU: an actor on the CPU sets ``DS_ACCELERATOR`` before
+    its first import of DeepSpeed (``rl_actors.deepspeed_rank``), which a forked worker has already had."""
+    before = dict(os.environ)
+    for name in names:
+        __import__(name)
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            print(f"zygote: DeepSpeed chose {get_accelerator().device_name()}, not the CPU: not serving", flush=True)
+            sys.exit(0)
+    return {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+
+def serve(path: str, parent: int, preload=PRELOAD) -> tuple:
     """Import ``preload``, then fork one child per request on the Unix socket ``path``, reporting
     each child's pid and, when it ends, its wait status to the requesting client. Returns only in a
-    child: ``(connection, request, fds)``. Ends when the process that started it has gone."""
+    child: ``(connection, request, fds)``. Ends once process ``parent`` (the test run) has gone; a
+    client that vanishes, or a request it cannot serve, costs that request alone."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the test run's terminal is the run's to take
     start_env = import_env(dict(os.environ))
-    before = dict(os.environ)
-    for name in preload:
-        __import__(name)
-    added = {k: v for k, v in os.environ.items() if before.get(k) != v}  # what the imports set
-    parent = os.getppid()
+    added = _preload(preload)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".new")
     listener.listen(64)
+    os.rename(path + ".new", path)  # clients find the socket only once it listens
     listener.settimeout(0.2)
     children: dict = {}
-    counts = {"forked": 0, "refused": 0}
     print(f"zygote {os.getpid()}: ready ({', '.join(preload)})", flush=True)
-    while os.getppid() == parent:
+    while _alive(parent):
         try:
             conn, _ = listener.accept()
         except socket.timeout:
             conn = None
         if conn is not None:
-            conn.settimeout(None)
             try:
-                request, fds = _recv_request(conn)
-            except (OSError, EOFError, ValueError) as exc:
-                print(f"zygote: a bad request ({exc})", flush=True)
+                child = _answer(conn, start_env, added, children)
+            except Exception as exc:  # a client gone, a bad request, a fork refused: that request alone fails
+                print(f"zygote: a request failed ({type(exc).__name__}: {exc})", flush=True)
                 conn.close()
-                continue
-            differ = sorted(k for k in set(start_env) | set(import_env(request["env"]))
-                            if k not in added and start_env.get(k) != request["env"].get(k))
-            if differ:
-                counts["refused"] += 1
-                print(f"zygote: not forked, these differ from the zygote's start: {differ}", flush=True)
-                conn.sendall(b"refused\n")
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
+                child = None
+            if child is not None:  # in the child
                 listener.close()
-                for other in children.values():
-                    other.close()
-                request["env"] = {**added, **request["env"]}
-                return conn, request, fds
-            counts["forked"] += 1
-            print(f"zygote: forked {pid}", flush=True)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
-            children[pid] = conn
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = children.pop(pid, None)
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    conn.sendall(f"{status}\n".encode())
-                conn.close()
-    print(f"zygote: the test run has gone; {counts['forked']} forked, {counts['refused']} refused", flush=True)
+                return child
+        _reap(children)
+    print("zygote: the test run has gone", flush=True)
     sys.exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _answer(conn: socket.socket, start_env: dict, added: dict, children: dict) -> Optional[tuple]:
+    """Serve one client: refuse it, or fork. In the child: ``(conn, request, fds)``; in the zygote: None."""
+    conn.settimeout(10.0)  # a client that connects and stalls does not hold up the other raylets
+    request, fds = _recv_request(conn)
+    differ = sorted(k for k in set(start_env) | set(import_env(request["env"]))
+                    if k not in added and start_env.get(k) != request["env"].get(k))
+    if differ:
+        for fd in fds:
+            os.close(fd)
+        print(f"zygote: not forked, these differ from the zygote's start: {differ}", flush=True)
+        conn.sendall(b"refused\n")
+        conn.close()
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    if pid == 0:
+        try:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
+            for other in children.values():
+                other.close()
+            conn.settimeout(None)
+            request["env"] = {**added, **request["env"]}
+            return conn, request, fds
+        except BaseException:  # never a second zygote
+            os._exit(70)
+    for fd in fds:
+        os.close(fd)
+    children[pid] = conn
+    print(f"zygote: forked {pid}", flush=True)
+    conn.sendall(f"{pid}\n".encode())  # a client gone by now: its child follows it out (``become_worker``)
+    return None
+
+
+def _reap(children: dict) -> None:
+    """Collect the children that have ended and tell their clients how."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"{status}\n".encode())
+            conn.close()
 
 
 def become_worker(conn: socket.socket, request: dict, fds: list) -> None:
@@ -155,7 +222,7 @@ def become_worker(conn: socket.socket, request: dict, fds: list) -> None:
     import signal
     import threading
 
-    for target, fd in enumerate(fds[:3]):
+    for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
@@ -196,16 +263,23 @@ class Zygote:
             f.write(f'#!/bin/sh\nexec "{self.python}" -I -S "{os.path.join(here, "zygote_client.py")}" "$@"\n')
         os.chmod(self.executable, 0o755)
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen([self.python, os.path.abspath(__file__), self.socket, "-" * TITLE_ROOM,
-                                             *preload],
+            self.process = subprocess.Popen([self.python, os.path.abspath(__file__), self.socket, str(os.getpid()),
+                                             "-" * TITLE_ROOM, *preload],
                                             env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
 
     def ready(self, timeout_s: float = 120.0) -> bool:
+        """Whether it serves (its socket listens) and its shim runs (a temporary directory mounted
+        without exec would stop every Ray process the raylet starts)."""
         deadline = time.time() + timeout_s
         while time.time() < deadline and self.process.poll() is None:
             if os.path.exists(self.socket):
-                return True
+                try:
+                    ran = subprocess.run([self.executable, "-c", "pass"], timeout=60)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    print(f"zygote: its shim does not run ({exc})", file=sys.stderr)
+                    return False
+                return ran.returncode == 0
             time.sleep(0.05)
         return False
 
@@ -234,6 +308,9 @@ class Zygote:
 
 
 _ZYGOTES: dict = {}  # the variables the preloads read at import (sorted pairs) -> its zygote, None: did not start
+# one thread at a time starts a zygote or swaps sys.executable and the environment (the chaos test's keeper
+# thread adds nodes while the main thread runs a job)
+_LOCK = threading.RLock()
 
 
 def zygote(env: dict) -> Optional[Zygote]:
@@ -246,15 +323,16 @@ def zygote(env: dict) -> Optional[Zygote]:
         return None
     full = {**os.environ, **env}
     key = tuple(sorted(import_env(full).items()))
-    if key not in _ZYGOTES:
-        started = Zygote(full)
-        if not started.ready():
-            started.stop()
-            print("tests/zygote.py: a zygote did not start; its raylets' workers start as usual. Its log:",
-                  *started.lines()[-20:], sep="\n", file=sys.stderr)
-            started = None
-        _ZYGOTES[key] = started
-    return _ZYGOTES[key]
+    with _LOCK:
+        if key not in _ZYGOTES:
+            started = Zygote(full)
+            if not started.ready():
+                started.stop()
+                print("tests/zygote.py: a zygote did not start; its raylets' workers start as usual. Its log:",
+                      *started.lines()[-20:], sep="\n", file=sys.stderr)
+                started = None
+            _ZYGOTES[key] = started
+        return _ZYGOTES[key]
 
 
 def started() -> list:
@@ -268,13 +346,16 @@ def stop() -> None:
 
 def summary() -> str:
     """What the run's zygotes did: workers forked, and workers started as usual (the last one's reason)."""
-    forked, refused = 0, []
+    forked, refused, failed = 0, [], 0
     for z in started():
         lines = z.lines()
         forked += sum(line.startswith("zygote: forked") for line in lines)
         refused += [line for line in lines if "not forked" in line]
-    return (f"{len(started())} zygote(s), {forked} Ray workers forked, {len(refused)} started as usual"
-            + (f" (the last: {refused[-1]})" if refused else ""))
+        failed += sum(line.startswith("zygote: a request failed") for line in lines)
+    missing = sum(z is None for z in _ZYGOTES.values())
+    return (f"{len(started())} zygote(s)" + (f" ({missing} more did not start)" if missing else "")
+            + f", {forked} Ray workers forked, {len(refused)} started as usual"
+            + (f" (the last: {refused[-1]})" if refused else "") + (f", {failed} requests failed" if failed else ""))
 
 
 @contextlib.contextmanager
@@ -283,17 +364,18 @@ def ray_workers_forked(env: dict):
     workers through the zygote."""
     from rl_actors.common import environ
 
-    z = zygote(env)
-    extra = z.env if z is not None else {}
-    outer = sys.executable  # the real one, or an enclosing block's shim (of the same zygote: same variables)
-    with environ({**env, **extra}):
-        if z is not None:
-            sys.executable = z.executable
-        try:
-            yield
-        finally:
-            sys.executable = outer
+    with _LOCK:
+        z = zygote(env)
+        extra = z.env if z is not None else {}
+        outer = sys.executable  # the real one, or an enclosing block's shim
+        with environ({**env, **extra}):
+            if z is not None:
+                sys.executable = z.executable
+            try:
+                yield
+            finally:
+                sys.executable = outer
 
 
 if __name__ == "__main__":
-    become_worker(*serve(sys.argv[1], tuple(sys.argv[3:])))
+    become_worker(*serve(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[4:])))

@@ -10,9 +10,12 @@ import socket
 import sys
 from typing import NoReturn
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
 
 def as_asked(args: list) -> NoReturn:
     """Become the real Python (the one running this file: the shim names it) with ``args``."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # an exec keeps the mask
     os.execv(sys.executable, [sys.executable, *args])
 
 
@@ -20,6 +23,8 @@ def main(args: list) -> None:
     path = os.environ.get("RAYRL_ZYGOTE_SOCKET")
     if not path or not args or os.path.basename(args[0]) != "default_worker.py":
         as_asked(args)
+    # held until the child's pid is known, then forwarded to it: none is lost, none kills this process first
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
@@ -28,10 +33,13 @@ def main(args: list) -> None:
                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         replies = sock.makefile("rb")
         first = replies.readline().strip()
-        pid = int(first)
-    except (OSError, ValueError):  # no zygote, or it refused this worker
+    except OSError:  # no zygote
         sock.close()
         as_asked(args)
+    if first == b"refused" or not first:  # refused, or the zygote failed before it forked
+        sock.close()
+        as_asked(args)
+    pid = int(first)
 
     def forward(signum, frame):
         try:
@@ -39,8 +47,9 @@ def main(args: list) -> None:
         except OSError:
             pass
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     line = replies.readline()
     if not line:  # the zygote went first: the child's status is lost
         os._exit(1)
