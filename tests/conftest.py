@@ -39,7 +39,8 @@ def ray_up():
     them, so actors take the worker processes Ray starts ahead. Each job or cluster removes its actors
     and placement groups when it ends, or keeps its trainers, generators, reward workers, reference and
     critics for a later cluster of their shape (``RAYRL_REUSE_ACTORS``, below); the next one joins this Ray
-    (``start_ray`` joins a running one)."""
+    (``start_ray`` joins a running one). Its workers are forked from a process that has imported torch,
+    transformers and DeepSpeed once (``tests/zygote.py``)."""
     import ray
 
     if not ray.is_initialized():
@@ -51,7 +52,9 @@ def ray_up():
 
 
 def ray_env() -> dict:
-    """The variables the tests give the Ray they start (and so its actors)."""
+    """The variables the tests give the Ray they start (and so its actors), and the zygote that forks
+    its workers (``tests/zygote.py``): both must see the same ones. ``OMP_NUM_THREADS`` as Ray gives a
+    one-CPU worker; every actor sets its own thread count at start (``setup_process``)."""
     path = os.environ.get("PYTHONPATH", "")
     if path.split(os.pathsep)[0] != ROOT:  # once, when called inside a block that set it
         path = ROOT + os.pathsep + path
