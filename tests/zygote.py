@@ -57,7 +57,6 @@ IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PY
               "DS_", "DEEPSPEED_", "CUDA_", "NCCL_", "MALLOC_", "GLIBC_TUNABLES", "TQDM_", "NPY_", "NUMPY_", "USE_",
               "XDG_", "HOME")
 IMPORT_ENV_IGNORED = ("PYTHONBREAKPOINT",)  # set per worker by Ray, read at a breakpoint() call
-WORKER = "default_worker.py"
 SOCKET_ENV = "RAYRL_ZYGOTE_SOCKET"
 SHIM_PREFIX = "rayrl-zygote-"  # the directory of a zygote's socket, log and stand-in executable
 # the real interpreter, taken before any ``ray_workers_forked`` stands its shim in for it: a zygote, and each
