@@ -46,7 +46,7 @@ import time
 from typing import Optional
 
 # what the zygote imports before it forks: what most actors import at start (the trainer, reference,
-# critic and HF generator roles). After the fork a worker still spends about 0.5 CPU-s, most of it importing
+# critic and HF generator roles). After the fork a worker still spends 0.5 to 1 CPU-s, most of it importing
 # Ray. Not Ray, nor vLLM (whose import brings Ray): workers forked from a zygote that had imported vLLM died
 # before they registered (tried once). Nothing that starts a thread at import (pyarrow does)
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "deepspeed", "peft",
