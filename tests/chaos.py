@@ -14,6 +14,7 @@ from typing import Collection, Optional
 
 import psutil
 
+BESIDE_ENV = "RAYRL_TESTS_BESIDE_PID"  # the pytest process of the tests run beside this one (tests/suite.py)
 ROLE_CLASSES = {"trainer": "TrainerWorker", "critic": "CriticWorker", "reference": "RefLogprobWorker",
                 "generator": "GeneratorWorker", "reward": "RewardWorker"}
 
@@ -171,10 +172,22 @@ class Nodes:
 
 def our_scratch() -> list:
     """Our scratch directories (``rl_actors.scratch``) in shared memory and the temporary directory,
-    of live processes or not: after a run has shut its cluster down there must be none."""
+    of live processes or not: after a run has shut its cluster down there must be none. Those of the
+    Ray-free tests running beside this run (``tests/suite.py`` names their pytest process) are theirs,
+    while their processes live."""
     from rl_actors.scratch import ours
 
-    return [path for path, _ in ours()]
+    beside = int(os.environ.get(BESIDE_ENV) or 0)
+    return [path for path, pid in ours() if not (beside and _in_tree(pid, beside))]
+
+
+def _in_tree(pid: int, root: int) -> bool:
+    """Whether live process ``pid`` is ``root`` or descends from it."""
+    try:
+        process = psutil.Process(pid)
+        return pid == root or any(parent.pid == root for parent in process.parents())
+    except psutil.Error:
+        return False
 
 
 def cut_sender(address, meta: list, bucket_bytes: int, sent: int, linger_s: float = 3.0) -> None:
