@@ -56,9 +56,11 @@ run: venv
 
 # the project's own modules compiled first: with PYTHONDONTWRITEBYTECODE set, each of the run's few hundred
 # processes would compile what it imports again
+# The Ray tests in the foreground, the rest beside them at nice 19 in the core the Ray tests leave idle
+# (tests/suite.py; RAYRL_TEST_ONE_PROCESS=1 runs one pytest)
 test: venv
 	@$(PY) -m compileall -q -j 0 $(SOURCES) > /dev/null || true  # a file that does not compile: pytest names it
-	@$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m tests.suite $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
 # no Ray and no whole job: maths, records, config checks, data, rewards, the single-process loop. Any test

@@ -1,0 +1,164 @@
+"""``make test``: the whole suite as two pytest processes side by side, one report.
+
+    python -m tests.suite [pytest arguments]          # what `make test` runs
+
+The tests that start Ray or run a whole job (``-m "ray or slow"``) run in the foreground, their
+output as it comes. Beside them, at a lower CPU priority (``nice 5``, ``RAYRL_TEST_BESIDE_NICE``), the
+rest run as ``make test-fast`` runs them (``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails),
+their output kept and printed after. The two selections are complements: every test runs once.
+
+Why: the Ray tests leave a core idle for about a third of their time (actors waiting on each other,
+bounds waited out, one-process stretches), and the Ray-free tests are about 100 s of one core, which in
+one pytest process ran one test at a time beside that idle core. Beside the Ray tests they take the idle
+core first. Each tier has its own cache directory (``--lf`` works per tier) and its own report; the two
+reports are merged into one, which ``--junitxml`` receives, and the run ends with one summary: the
+counts, each tier's time, and the ``--durations`` slowest tests of both.
+
+``RAYRL_TEST_ONE_PROCESS=1``, or a ``-m`` of the caller's own, runs one pytest as asked. Paths among the
+arguments replace ``tests``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+from tests.chaos import BESIDE_ENV  # its scratch-directory check leaves the tier beside alone
+
+RAY_TIER = "ray or slow"
+FAST_TIER = "not ray and not slow"
+OUTCOMES = ("failure", "error", "skipped")
+FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make test-fast)
+NICE_ENV = "RAYRL_TEST_BESIDE_NICE"
+
+
+def beside_nice() -> int:
+    """How much lower the Ray-free tier runs: 5 by default. At 5 it takes a quarter of a core that a Ray
+    test wants too, and all of an idle one. Not 19: there it gets 1.5 % of a busy core, and its tests that
+    start a Python importing torch in a subprocess (about 8 CPU-s) would outlast their 120 s bounds."""
+    return int(os.environ.get(NICE_ENV, "5"))
+
+
+def split_args(args: list) -> tuple:
+    """``(rest, junitxml path or None, durations or None)``: the caller's pytest arguments less the two
+    options this runner applies to both tiers' merged report."""
+    rest, junit, durations = [], None, None
+    it = iter(args)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name in ("--junitxml", "--junit-xml", "--durations"):
+            value = value if eq else next(it, "")
+            if name == "--durations":
+                durations = int(value)
+            else:
+                junit = value
+        else:
+            rest.append(arg)
+    return rest, junit, durations
+
+
+def chooses_marks(args: list) -> bool:
+    return any(arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")) for arg in args)
+
+
+def read_cases(path: str) -> list:
+    """``[(seconds, node id, outcome), ...]`` of a JUnit report; none where pytest wrote none."""
+    if not os.path.isfile(path):
+        return []
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in OUTCOMES), "passed")
+        module = case.get("classname", "").replace(".", "/")
+        cases.append((float(case.get("time", 0.0)), f"{module}::{case.get('name', '')}", outcome))
+    return cases
+
+
+def merge_reports(paths: list, out: str) -> None:
+    """One JUnit file holding every tier's test suites."""
+    merged = ET.Element("testsuites", name="pytest tests")
+    for path in paths:
+        if os.path.isfile(path):
+            root = ET.parse(path).getroot()
+            merged.extend(root.iter("testsuite"))
+    ET.ElementTree(merged).write(out, encoding="utf-8", xml_declaration=True)
+
+
+def summary(tiers: list, durations) -> str:
+    """The run's last lines: each tier's counts and time, the whole run's, the slowest tests of both.
+    ``tiers`` is ``[(name, cases, exit code, seconds), ...]``."""
+    def counts(cases: list) -> str:
+        tally = {}
+        for _, _, outcome in cases:
+            tally[outcome] = tally.get(outcome, 0) + 1
+        return ", ".join(f"{tally[k]} {k if k != 'failure' else 'failed'}"
+                         for k in ("passed", "failure", "error", "skipped") if k in tally) or "no tests"
+
+    everything = [case for _, cases, _, _ in tiers for case in cases]
+    lines = [f"{name}: {counts(cases)} in {seconds:.0f} s (pytest exit code {rc})"
+             for name, cases, rc, seconds in tiers]
+    if durations is not None:
+        slowest = sorted(everything, reverse=True)[:durations or len(everything)]
+        lines += ["", f"slowest {len(slowest)} tests of both tiers (setup, call and teardown together):"]
+        lines += [f"{seconds:8.2f}s {node}" for seconds, node, _ in slowest]
+    wall = max(seconds for *_, seconds in tiers)
+    lines += ["", f"make test: {counts(everything)} in {wall:.0f} s ({wall / 60:.1f} min)"]
+    return "\n".join(lines)
+
+
+def exit_code(codes: list) -> int:
+    """Pytest's 5 (no tests) from one tier is fine where the other ran tests; any other failure wins."""
+    failed = [rc for rc in codes if rc not in (0, 5)]
+    if failed:
+        return failed[0]
+    return 5 if all(rc == 5 for rc in codes) else 0
+
+
+def pytest(args: list) -> list:
+    """The pytest command: over ``tests`` unless the arguments name paths of their own."""
+    paths = [] if any(os.path.exists(arg.split("::")[0]) for arg in args if not arg.startswith("-")) else ["tests"]
+    return [sys.executable, "-m", "pytest", *paths, *args]
+
+
+def run_tiers(args: list) -> int:
+    rest, junit, durations = split_args(args)
+    # Ctrl-C reaches both pytest processes from the terminal, and each stops as pytest does; this runner
+    # waits for them. A handler, not SIG_IGN: an ignored signal would stay ignored in the children.
+    signal.signal(signal.SIGINT, lambda *_: None)
+    with tempfile.TemporaryDirectory(prefix="rayrl-test-") as reports:
+        fast_xml, ray_xml, fast_log = (os.path.join(reports, name) for name in ("fast.xml", "ray.xml", "fast.log"))
+        start = time.time()
+        with open(fast_log, "w") as log:
+            fast = subprocess.Popen(pytest(["-m", FAST_TIER, "-o", "cache_dir=.pytest_cache/fast", *rest,
+                                            f"--junitxml={fast_xml}"]),
+                                    env={**os.environ, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=lambda: os.nice(beside_nice()))
+            ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
+            ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),
+                                      env={**ray_env, BESIDE_ENV: str(fast.pid)}).wait()
+            ray_done = time.time() - start
+            fast_rc = fast.wait()
+            fast_done = time.time() - start
+        with open(fast_log) as log:
+            print(f"\n{'=' * 12} the tests without Ray (-m \"{FAST_TIER}\", nice {beside_nice()}, alongside)",
+                  flush=True)
+            sys.stdout.write(log.read())
+        if junit:
+            merge_reports([ray_xml, fast_xml], junit)
+        tiers = [(f'-m "{RAY_TIER}"', read_cases(ray_xml), ray_rc, ray_done),
+                 (f'-m "{FAST_TIER}" (alongside)', read_cases(fast_xml), fast_rc, fast_done)]
+    print("\n" + summary(tiers, durations), flush=True)
+    return exit_code([ray_rc, fast_rc])
+
+
+def main(args: list) -> int:
+    if os.environ.get("RAYRL_TEST_ONE_PROCESS") == "1" or chooses_marks(args):
+        return subprocess.call(pytest(args))
+    return run_tiers(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

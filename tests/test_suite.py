@@ -1,0 +1,116 @@
+"""``make test``'s runner (``tests/suite.py``): the Ray tests in the foreground, the rest beside them at
+a lower priority, every test once, one merged report and one summary."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests import suite
+from tests.chaos import BESIDE_ENV
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["-q", "--durations=25", "--junitxml=/r.xml"], (["-q"], "/r.xml", 25)),
+    (["--durations", "0", "-k", "x", "--junit-xml", "r.xml"], (["-k", "x"], "r.xml", 0)),
+    (["-p", "no:cacheprovider", "-rfEs"], (["-p", "no:cacheprovider", "-rfEs"], None, None)),
+])
+def test_the_runner_takes_the_report_options_and_passes_the_rest(args, expected):
+    assert suite.split_args(args) == expected
+
+
+@pytest.mark.parametrize("codes, expected", [([0, 0], 0), ([0, 5], 0), ([5, 0], 0), ([5, 5], 5), ([1, 0], 1),
+                                             ([0, 2], 2), ([5, 1], 1), ([3, 1], 3)])
+def test_the_exit_code_fails_on_any_failure_and_on_no_tests_at_all(codes, expected):
+    assert suite.exit_code(codes) == expected
+
+
+def test_a_mark_of_the_callers_own_runs_one_pytest():
+    assert suite.chooses_marks(["-q", "-m", "slow"]) and suite.chooses_marks(["-mslow"])
+    assert not suite.chooses_marks(["-q", "--maxfail=1", "-k", "m"])
+
+
+def _report(path, cases) -> str:
+    """A JUnit report as pytest writes it: ``cases`` of ``(classname, name, seconds, outcome tag or None)``."""
+    rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}">' + (f"<{o} message='m'/>" if o else "")
+                   + "</testcase>" for c, n, t, o in cases)
+    path.write_text(f'<?xml version="1.0"?><testsuites name="pytest tests"><testsuite name="pytest">{rows}'
+                    "</testsuite></testsuites>")
+    return str(path)
+
+
+def test_the_reports_merge_and_the_summary_counts_both_tiers(tmp_path):
+    ray = _report(tmp_path / "ray.xml", [("tests.cluster.test_job", "test_a", 120.5, None),
+                                         ("tests.cluster.test_job", "test_b", 3.25, "failure")])
+    fast = _report(tmp_path / "fast.xml", [("tests.primitives.test_x", "test_c", 7.0, None),
+                                           ("tests.primitives.test_x", "test_d", 0.5, "skipped"),
+                                           ("tests.primitives.test_x", "test_e", 0.25, "error")])
+    suite.merge_reports([ray, fast, str(tmp_path / "absent.xml")], str(tmp_path / "all.xml"))
+    merged = suite.read_cases(str(tmp_path / "all.xml"))
+    assert merged == suite.read_cases(ray) + suite.read_cases(fast)
+    assert [outcome for *_, outcome in merged] == ["passed", "failure", "passed", "skipped", "error"]
+    text = suite.summary([("ray", suite.read_cases(ray), 1, 900.4), ("fast", suite.read_cases(fast), 1, 310.0)], 3)
+    lines = text.splitlines()
+    assert lines[0] == "ray: 1 passed, 1 failed in 900 s (pytest exit code 1)"
+    assert lines[1] == "fast: 1 passed, 1 error, 1 skipped in 310 s (pytest exit code 1)"
+    assert lines[4:7] == ["  120.50s tests/cluster/test_job::test_a", "    7.00s tests/primitives/test_x::test_c",
+                          "    3.25s tests/cluster/test_job::test_b"]
+    assert lines[-1] == "make test: 2 passed, 1 failed, 1 error, 1 skipped in 900 s (15.0 min)"
+    assert "slowest" not in suite.summary([("ray", [], 5, 1.0)], None)
+    assert suite.summary([("ray", [], 5, 1.0)], None).endswith("make test: no tests in 1 s (0.0 min)")
+
+
+PROBE = """
+import json, os, pytest
+
+def record(name):
+    with open(os.path.join(os.path.dirname(__file__), name + ".json"), "w") as f:
+        json.dump({"nice": os.nice(0), "fast": os.environ.get("RAYRL_FAST_TESTS"),
+                   "beside": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid()}, f)
+
+@pytest.mark.ray
+def test_with_ray():
+    record("ray")
+
+@pytest.mark.slow
+def test_a_job():
+    record("slow")
+
+def test_without_ray():
+    record("fast")
+
+def test_that_fails():
+    assert False
+""" % BESIDE_ENV
+
+
+def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
+    """A directory of four tests through ``python -m tests.suite``: the Ray and job tests in the
+    foreground tier, as asked, told the other tier's pytest; the rest at the lower priority with Ray
+    refused; one merged report; the failure beside fails the run."""
+    (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
+                                          '    config.addinivalue_line("markers", "ray: r")\n'
+                                          '    config.addinivalue_line("markers", "slow: s")\n')
+    (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
+    env = {**os.environ, suite.NICE_ENV: "3"}
+    env.pop(suite.FAST_ENV, None)
+    env.pop("RAYRL_TEST_ONE_PROCESS", None)
+    run = subprocess.run([sys.executable, "-m", "tests.suite", str(tmp_path), "-q", "-p", "no:cacheprovider",
+                          f"--junitxml={tmp_path / 'all.xml'}", "--durations=2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ray", "slow", "fast")}
+    base = os.nice(0)
+    assert seen["ray"]["nice"] == seen["slow"]["nice"] == base and seen["fast"]["nice"] == min(base + 3, 19)
+    assert seen["ray"]["fast"] is None and seen["fast"]["fast"] == "1"
+    assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"]
+    assert seen["ray"]["beside"] == seen["slow"]["beside"] == str(seen["fast"]["pid"])
+    names = sorted(node.rsplit("::", 1)[1] for _, node, _ in suite.read_cases(str(tmp_path / "all.xml")))
+    assert names == ["test_a_job", "test_that_fails", "test_with_ray", "test_without_ray"]
+    tail = run.stdout.splitlines()
+    assert tail[-1].startswith("make test: 3 passed, 1 failed in ")
+    assert "slowest 2 tests of both tiers" in run.stdout and "test_that_fails" in run.stdout
