@@ -125,9 +125,14 @@ def update_cosine(before: dict, after: dict, ref_before: dict, ref_after: dict) 
 
 
 def check(args) -> dict:
+    """The check, its model saved in a temporary directory removed after."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
+        return _check(args, scratch)
+
+
+def _check(args, scratch: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    scratch = tempfile.mkdtemp(prefix="gpu_check_")
     path, chat = model_dir(args, scratch)
     lora = LoraConfig(rank=args.lora)
     trainer = trainer_rank(path, args.lr, lora)

@@ -177,9 +177,14 @@ def plain_train_step(model, opt, batch, algo, temperature: float, micro_batch: i
 
 
 def step(args) -> dict:
+    """The comparison, its model saved in a temporary directory removed after."""
+    with tempfile.TemporaryDirectory(prefix="gpu_step_") as scratch:
+        return _step(args, scratch)
+
+
+def _step(args, scratch: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    scratch = tempfile.mkdtemp(prefix="gpu_step_")
     path, _ = model_dir(args, scratch)
     trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch)
     device, bf16 = trainer.ds.device, trainer.info()["bf16"]

@@ -20,15 +20,18 @@ print("FIGURES", json.dumps(fig))
 """
 
 
+@pytest.mark.no_ray
 @pytest.mark.slow  # a DeepSpeed rank's RL step in a subprocess (11-14 s each): the full suite's, not the edit loop's
 @pytest.mark.parametrize("lora", [0, 4])
 def test_gpu_check_runs_on_the_cpu_without_ray(tmp_path, lora):
     """Full fine-tuning, and LoRA adapters (rank 4) with the reference as the base model (adapters off)."""
     out = tmp_path / "benchmarks.md"
-    env = {**os.environ, "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out), "--lora", str(lora)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list((tmp_path / "tmp").glob("gpu_check_*"))  # its model's directory went with it
     fig = json.loads(proc.stdout.split("FIGURES", 1)[1])
     assert fig["bf16"] is False and fig["sampler_device"] == "cpu"
     assert fig["rollouts"] == 12 and fig["tokens"] > 0

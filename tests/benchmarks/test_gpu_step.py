@@ -23,13 +23,16 @@ print("FIGURES", json.dumps(fig))
 """
 
 
+@pytest.mark.no_ray
 @pytest.mark.slow  # a DeepSpeed rank in a subprocess: the full suite's, not the edit-test loop's
 def test_gpu_step_compares_the_same_work_on_the_cpu(tmp_path):
     out = tmp_path / "benchmarks.md"
-    env = {**os.environ, "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list((tmp_path / "tmp").glob("gpu_step_*"))  # its model's directory went with it
     fig = json.loads(proc.stdout.split("FIGURES", 1)[1])
     assert fig["dtype"] == "float32" and fig["rollouts"] == 12 and fig["micro_batch"] == 5
     # our static cache on the trainer rank (12 rows: 16; 6 + 6 tokens: 64 positions), HF generate's beside it
