@@ -2,17 +2,21 @@
 
     python -m tests.suite [pytest arguments]          # what `make test` runs
 
-The tests that start Ray or run a whole job (``-m "ray or slow"``) run in the foreground, their
-output as it comes. Beside them, at a lower CPU priority (``nice 5``, ``RAYRL_TEST_BESIDE_NICE``), the
-rest run as ``make test-fast`` runs them (``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails),
-their output kept and printed after. The two selections are complements: every test runs once.
+The tests that start Ray or run a whole job on it (``-m "ray or (slow and not no_ray)"``) run in the
+foreground, their output as it comes. Beside them, at the lowest CPU priority (``nice 19``,
+``RAYRL_TEST_BESIDE_NICE``), the rest run: ``make test-fast``'s tests and the slow ones that start no Ray
+(``no_ray``), with Ray refused as in ``make test-fast`` (``RAYRL_FAST_TESTS=1``: a test there that starts
+Ray fails). Their output is kept and printed after. The two selections are complements: every test runs
+once.
 
 Why: the Ray tests leave a core idle for about a third of their time (actors waiting on each other,
-bounds waited out, one-process stretches), and the Ray-free tests are about 100 s of one core, which in
-one pytest process ran one test at a time beside that idle core. Beside the Ray tests they take the idle
-core first. Each tier has its own cache directory (``--lf`` works per tier) and its own report; the two
-reports are merged into one, which ``--junitxml`` receives, and the run ends with one summary: the
-counts, each tier's time, and the ``--durations`` slowest tests of both.
+bounds waited out, one-process stretches), and the Ray-free tests are two to four minutes of about one
+core, which in one pytest process ran one test at a time beside that idle core. Beside the Ray tests, at
+the lowest priority, they run in it.
+
+Each tier has its own cache directory (``--lf`` works per tier) and its own report; the two reports are
+merged into one, which ``--junitxml`` receives, and the run ends with one summary: the counts, each
+tier's time, and the ``--durations`` slowest tests of both.
 
 ``RAYRL_TEST_ONE_PROCESS=1``, or a ``-m`` of the caller's own, runs one pytest as asked. Paths among the
 arguments replace ``tests``.
@@ -29,18 +33,20 @@ import xml.etree.ElementTree as ET
 
 from tests.chaos import BESIDE_ENV  # its scratch-directory check leaves the tier beside alone
 
-RAY_TIER = "ray or slow"
-FAST_TIER = "not ray and not slow"
+RAY_TIER = "ray or (slow and not no_ray)"
+BESIDE_TIER = "not ray and (not slow or no_ray)"  # the complement: make test-fast's tests and slow ones without Ray
 OUTCOMES = ("failure", "error", "skipped")
 FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make test-fast)
 NICE_ENV = "RAYRL_TEST_BESIDE_NICE"
 
 
 def beside_nice() -> int:
-    """How much lower the Ray-free tier runs: 5 by default. At 5 it takes a quarter of a core that a Ray
-    test wants too, and all of an idle one. Not 19: there it gets 1.5 % of a busy core, and its tests that
-    start a Python importing torch in a subprocess (about 8 CPU-s) would outlast their 120 s bounds."""
-    return int(os.environ.get(NICE_ENV, "5"))
+    """How much lower the Ray-free tier runs: 19 by default, the lowest, so that it takes what the Ray tests
+    leave idle and next to nothing they want. Its tests still get time: over any stretch of a minute or two of
+    a run here the Ray tests left at least a fifth of a core idle (2026-11-29), and the Ray-free tests' bounds
+    (a subprocess importing torch within 120 s, a sandboxed program within 10 s) need far less. At 5 (tried
+    first) it took a quarter of a core the Ray tests wanted, and they ran about a tenth slower beside it."""
+    return int(os.environ.get(NICE_ENV, "19"))
 
 
 def split_args(args: list) -> tuple:
@@ -77,6 +83,13 @@ def read_cases(path: str) -> list:
     return cases
 
 
+def suite_seconds(path: str) -> float:
+    """The seconds pytest took for the run a JUnit report holds (0 where it wrote none)."""
+    if not os.path.isfile(path):
+        return 0.0
+    return sum(float(suite.get("time", 0.0)) for suite in ET.parse(path).getroot().iter("testsuite"))
+
+
 def merge_reports(paths: list, out: str) -> None:
     """One JUnit file holding every tier's test suites."""
     merged = ET.Element("testsuites", name="pytest tests")
@@ -87,9 +100,9 @@ def merge_reports(paths: list, out: str) -> None:
     ET.ElementTree(merged).write(out, encoding="utf-8", xml_declaration=True)
 
 
-def summary(tiers: list, durations) -> str:
-    """The run's last lines: each tier's counts and time, the whole run's, the slowest tests of both.
-    ``tiers`` is ``[(name, cases, exit code, seconds), ...]``."""
+def summary(tiers: list, durations, wall: float) -> str:
+    """The run's last lines: each tier's counts and pytest's time, the whole run's counts and ``wall``
+    seconds, the slowest tests of both. ``tiers`` is ``[(name, cases, exit code, seconds), ...]``."""
     def counts(cases: list) -> str:
         tally = {}
         for _, _, outcome in cases:
@@ -104,7 +117,6 @@ def summary(tiers: list, durations) -> str:
         slowest = sorted(everything, reverse=True)[:durations or len(everything)]
         lines += ["", f"slowest {len(slowest)} tests of both tiers (setup, call and teardown together):"]
         lines += [f"{seconds:8.2f}s {node}" for seconds, node, _ in slowest]
-    wall = max(seconds for *_, seconds in tiers)
     lines += ["", f"make test: {counts(everything)} in {wall:.0f} s ({wall / 60:.1f} min)"]
     return "\n".join(lines)
 
@@ -129,29 +141,28 @@ def run_tiers(args: list) -> int:
     # waits for them. A handler, not SIG_IGN: an ignored signal would stay ignored in the children.
     signal.signal(signal.SIGINT, lambda *_: None)
     with tempfile.TemporaryDirectory(prefix="rayrl-test-") as reports:
-        fast_xml, ray_xml, fast_log = (os.path.join(reports, name) for name in ("fast.xml", "ray.xml", "fast.log"))
+        beside_xml, ray_xml, beside_log = (os.path.join(reports, n) for n in ("beside.xml", "ray.xml", "beside.log"))
         start = time.time()
-        with open(fast_log, "w") as log:
-            fast = subprocess.Popen(pytest(["-m", FAST_TIER, "-o", "cache_dir=.pytest_cache/fast", *rest,
-                                            f"--junitxml={fast_xml}"]),
+        with open(beside_log, "w") as log:
+            beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, "-o", "cache_dir=.pytest_cache/beside", *rest,
+                                            f"--junitxml={beside_xml}"]),
                                     env={**os.environ, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, preexec_fn=lambda: os.nice(beside_nice()))
             ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
             ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),
-                                      env={**ray_env, BESIDE_ENV: str(fast.pid)}).wait()
-            ray_done = time.time() - start
-            fast_rc = fast.wait()
-            fast_done = time.time() - start
-        with open(fast_log) as log:
-            print(f"\n{'=' * 12} the tests without Ray (-m \"{FAST_TIER}\", nice {beside_nice()}, alongside)",
+                                      env={**ray_env, BESIDE_ENV: str(beside.pid)}).wait()
+            beside_rc = beside.wait()
+            wall = time.time() - start
+        with open(beside_log) as log:
+            print(f"\n{'=' * 12} the tests without Ray (-m \"{BESIDE_TIER}\", nice {beside_nice()}, alongside)",
                   flush=True)
             sys.stdout.write(log.read())
         if junit:
-            merge_reports([ray_xml, fast_xml], junit)
-        tiers = [(f'-m "{RAY_TIER}"', read_cases(ray_xml), ray_rc, ray_done),
-                 (f'-m "{FAST_TIER}" (alongside)', read_cases(fast_xml), fast_rc, fast_done)]
-    print("\n" + summary(tiers, durations), flush=True)
-    return exit_code([ray_rc, fast_rc])
+            merge_reports([ray_xml, beside_xml], junit)
+        tiers = [(f'-m "{RAY_TIER}"', read_cases(ray_xml), ray_rc, suite_seconds(ray_xml)),
+                 (f'-m "{BESIDE_TIER}" (alongside)', read_cases(beside_xml), beside_rc, suite_seconds(beside_xml))]
+    print("\n" + summary(tiers, durations, wall), flush=True)
+    return exit_code([ray_rc, beside_rc])
 
 
 def main(args: list) -> int:

@@ -34,34 +34,39 @@ def test_a_mark_of_the_callers_own_runs_one_pytest():
     assert not suite.chooses_marks(["-q", "--maxfail=1", "-k", "m"])
 
 
-def _report(path, cases) -> str:
-    """A JUnit report as pytest writes it: ``cases`` of ``(classname, name, seconds, outcome tag or None)``."""
+def _report(path, cases, seconds) -> str:
+    """A JUnit report as pytest writes it: ``cases`` of ``(classname, name, seconds, outcome tag or None)``,
+    the run's ``seconds``."""
     rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}">' + (f"<{o} message='m'/>" if o else "")
                    + "</testcase>" for c, n, t, o in cases)
-    path.write_text(f'<?xml version="1.0"?><testsuites name="pytest tests"><testsuite name="pytest">{rows}'
-                    "</testsuite></testsuites>")
+    path.write_text(f'<?xml version="1.0"?><testsuites name="pytest tests"><testsuite name="pytest" '
+                    f'time="{seconds}">{rows}</testsuite></testsuites>')
     return str(path)
 
 
 def test_the_reports_merge_and_the_summary_counts_both_tiers(tmp_path):
     ray = _report(tmp_path / "ray.xml", [("tests.cluster.test_job", "test_a", 120.5, None),
-                                         ("tests.cluster.test_job", "test_b", 3.25, "failure")])
+                                         ("tests.cluster.test_job", "test_b", 3.25, "failure")], 900.4)
     fast = _report(tmp_path / "fast.xml", [("tests.primitives.test_x", "test_c", 7.0, None),
                                            ("tests.primitives.test_x", "test_d", 0.5, "skipped"),
-                                           ("tests.primitives.test_x", "test_e", 0.25, "error")])
+                                           ("tests.primitives.test_x", "test_e", 0.25, "error")], 310.0)
     suite.merge_reports([ray, fast, str(tmp_path / "absent.xml")], str(tmp_path / "all.xml"))
     merged = suite.read_cases(str(tmp_path / "all.xml"))
     assert merged == suite.read_cases(ray) + suite.read_cases(fast)
     assert [outcome for *_, outcome in merged] == ["passed", "failure", "passed", "skipped", "error"]
-    text = suite.summary([("ray", suite.read_cases(ray), 1, 900.4), ("fast", suite.read_cases(fast), 1, 310.0)], 3)
+    assert (suite.suite_seconds(ray), suite.suite_seconds(fast)) == (900.4, 310.0)
+    assert suite.suite_seconds(str(tmp_path / "all.xml")) == pytest.approx(1210.4)
+    assert suite.suite_seconds(str(tmp_path / "absent.xml")) == 0.0
+    text = suite.summary([("ray", suite.read_cases(ray), 1, suite.suite_seconds(ray)),
+                          ("fast", suite.read_cases(fast), 1, suite.suite_seconds(fast))], 3, 905.2)
     lines = text.splitlines()
     assert lines[0] == "ray: 1 passed, 1 failed in 900 s (pytest exit code 1)"
     assert lines[1] == "fast: 1 passed, 1 error, 1 skipped in 310 s (pytest exit code 1)"
     assert lines[4:7] == ["  120.50s tests/cluster/test_job::test_a", "    7.00s tests/primitives/test_x::test_c",
                           "    3.25s tests/cluster/test_job::test_b"]
-    assert lines[-1] == "make test: 2 passed, 1 failed, 1 error, 1 skipped in 900 s (15.0 min)"
-    assert "slowest" not in suite.summary([("ray", [], 5, 1.0)], None)
-    assert suite.summary([("ray", [], 5, 1.0)], None).endswith("make test: no tests in 1 s (0.0 min)")
+    assert lines[-1] == "make test: 2 passed, 1 failed, 1 error, 1 skipped in 905 s (15.1 min)"
+    assert "slowest" not in suite.summary([("ray", [], 5, 1.0)], None, 1.2)
+    assert suite.summary([("ray", [], 5, 1.0)], None, 1.2).endswith("make test: no tests in 1 s (0.0 min)")
 
 
 PROBE = """
@@ -83,18 +88,24 @@ def test_a_job():
 def test_without_ray():
     record("fast")
 
+@pytest.mark.slow
+@pytest.mark.no_ray
+def test_slow_without_ray():
+    record("slow_no_ray")
+
 def test_that_fails():
     assert False
 """ % BESIDE_ENV
 
 
 def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
-    """A directory of four tests through ``python -m tests.suite``: the Ray and job tests in the
-    foreground tier, as asked, told the other tier's pytest; the rest at the lower priority with Ray
-    refused; one merged report; the failure beside fails the run."""
+    """A directory of five tests through ``python -m tests.suite``: the Ray and job tests in the
+    foreground tier, as asked, told the other tier's pytest; the rest, a slow one without Ray too, at the
+    lower priority with Ray refused; one merged report; the failure beside fails the run."""
     (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
                                           '    config.addinivalue_line("markers", "ray: r")\n'
-                                          '    config.addinivalue_line("markers", "slow: s")\n')
+                                          '    config.addinivalue_line("markers", "slow: s")\n'
+                                          '    config.addinivalue_line("markers", "no_ray: n")\n')
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
     env = {**os.environ, suite.NICE_ENV: "3"}
     env.pop(suite.FAST_ENV, None)
@@ -103,14 +114,18 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
                           f"--junitxml={tmp_path / 'all.xml'}", "--durations=2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
-    seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ray", "slow", "fast")}
+    seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ray", "slow", "fast",
+                                                                               "slow_no_ray")}
     base = os.nice(0)
-    assert seen["ray"]["nice"] == seen["slow"]["nice"] == base and seen["fast"]["nice"] == min(base + 3, 19)
-    assert seen["ray"]["fast"] is None and seen["fast"]["fast"] == "1"
-    assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"]
+    assert seen["ray"]["nice"] == seen["slow"]["nice"] == base
+    assert seen["fast"]["nice"] == seen["slow_no_ray"]["nice"] == min(base + 3, 19)
+    assert seen["ray"]["fast"] is seen["slow"]["fast"] is None
+    assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == "1"
+    assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"] == seen["slow_no_ray"]["pid"]
     assert seen["ray"]["beside"] == seen["slow"]["beside"] == str(seen["fast"]["pid"])
     names = sorted(node.rsplit("::", 1)[1] for _, node, _ in suite.read_cases(str(tmp_path / "all.xml")))
-    assert names == ["test_a_job", "test_that_fails", "test_with_ray", "test_without_ray"]
+    assert names == sorted(["test_a_job", "test_slow_without_ray", "test_that_fails", "test_with_ray",
+                            "test_without_ray"])
     tail = run.stdout.splitlines()
-    assert tail[-1].startswith("make test: 3 passed, 1 failed in ")
+    assert tail[-1].startswith("make test: 4 passed, 1 failed in ")
     assert "slowest 2 tests of both tiers" in run.stdout and "test_that_fails" in run.stdout

@@ -52,6 +52,7 @@ def test_stop_strings_end_rows_alike(tiny_model, tokenizer):
     assert any(r.finish_reason == "stop" for r in static)
 
 
+@pytest.mark.no_ray
 @pytest.mark.slow  # dynamo traces the model four times: the full suite's, not the edit-test loop's
 def test_a_traced_step_compiles_once_per_bucket(tiny_model, tokenizer, monkeypatch):
     """The decode step traced by torch.compile (backend ``eager``: dynamo's graph, no CUDA graphs)
@@ -78,6 +79,7 @@ def test_a_traced_step_compiles_once_per_bucket(tiny_model, tokenizer, monkeypat
     torch._dynamo.reset()
 
 
+@pytest.mark.no_ray
 @pytest.mark.slow  # a model built, decoded three times and compiled
 def test_one_cache_per_model_reused_by_its_bucket_and_freed_with_it(tokenizer):
     """Batches of one bucket decode into the same cache tensors (a captured step replays rather

@@ -93,6 +93,7 @@ def three_steps(worker: TrainerWorker) -> tuple:
     return losses, {k: v.detach().clone() for k, v in worker.module.state_dict().items()}, numbers
 
 
+@pytest.mark.no_ray
 @pytest.mark.slow  # DeepSpeed's import and six engines: 15 s, more than the fast tier's tests take
 @pytest.mark.parametrize("stages", [(2, 2), (2, 3), (3, 3)], ids=["zero2-zero2", "zero2-zero3", "zero3-zero3"])
 def test_a_released_trainer_rank_trains_as_a_new_one(tiny_model_path, stages):
@@ -151,6 +152,7 @@ def test_freed_memory_is_reused_where_asked_and_given_back_on_release():
     assert held - after >= 70  # the freed 80 MB went back
 
 
+@pytest.mark.no_ray
 @pytest.mark.slow  # DeepSpeed's import and two engines
 def test_an_actor_hands_back_what_loading_freed(tiny_model_path, monkeypatch):
     """In an actor the heap keeps what tensors free (above), so the model's load and the trainer

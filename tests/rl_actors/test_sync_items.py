@@ -10,7 +10,7 @@ from primitives.types import ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
 from rl_actors.weight_sync import bucket_plan, free_port
 
-pytestmark = pytest.mark.slow  # DeepSpeed's import and an engine per stage: 10 s
+pytestmark = [pytest.mark.slow, pytest.mark.no_ray]  # DeepSpeed's import and an engine per stage: 10 s
 
 
 def whole(module) -> set:

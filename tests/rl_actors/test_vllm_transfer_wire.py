@@ -11,7 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.slow  # vLLM's import alone takes seconds: the full suite's, not the edit-test loop's
+# vLLM's import alone takes seconds: the full suite's, not the edit-test loop's
+pytestmark = [pytest.mark.slow, pytest.mark.no_ray]
 
 from rl_actors.vllm_transfer import (  # noqa: E402
     BACKEND,
