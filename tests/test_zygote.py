@@ -155,10 +155,11 @@ def test_the_zygote_leaves_with_the_test_run(tmp_path):
     from tests.conftest import ROOT
 
     script = ("import os, sys; sys.path.insert(0, sys.argv[1]); from tests.zygote import Zygote; "
-              "z = Zygote(dict(os.environ), preload=('json',)); assert z.ready(60); print(z.pid)")
+              "z = Zygote(dict(os.environ), preload=('json',)); assert z.ready(60); print(z.pid, z.dir)")
     done = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=120)
-    pid = int(done.stdout.strip())
-    assert _ends(pid)
+    pid, left = done.stdout.split()
+    assert _ends(int(pid))
+    assert not os.path.exists(left)  # nor its socket, log and shim
 
 
 def test_anything_but_a_worker_runs_as_asked(zygote):

@@ -113,8 +113,9 @@ def _preload(names) -> dict:
 def serve(path: str, parent: int, preload=PRELOAD) -> tuple:
     """Import ``preload``, then fork one child per request on the Unix socket ``path``, reporting
     each child's pid and, when it ends, its wait status to the requesting client. Returns only in a
-    child: ``(connection, request, fds)``. Ends once process ``parent`` (the test run) has gone; a
-    client that vanishes, or a request it cannot serve, costs that request alone."""
+    child: ``(connection, request, fds)``. Ends once process ``parent`` (the test run) has gone, and
+    removes the directory of ``path`` (the run's to remove had it stopped the zygote); a client that
+    vanishes, or a request it cannot serve, costs that request alone."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the test run's terminal is the run's to take
@@ -144,6 +145,9 @@ def serve(path: str, parent: int, preload=PRELOAD) -> tuple:
                 return child
         _reap(children)
     print("zygote: the test run has gone", flush=True)
+    here = os.path.dirname(path)
+    if os.path.basename(here).startswith(SHIM_PREFIX):  # its directory, which the run did not live to remove
+        shutil.rmtree(here, ignore_errors=True)
     sys.exit(0)
 
 
