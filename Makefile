@@ -56,7 +56,8 @@ run: venv
 
 # the project's own modules compiled first: with PYTHONDONTWRITEBYTECODE set, each of the run's few hundred
 # processes would compile what it imports again
-# The Ray tests in the foreground, the rest beside them at nice 19 in the core the Ray tests leave idle
+# The Ray tests in the foreground, the rest beside them in the idle scheduling class, in the core the Ray
+# tests leave idle
 # (tests/suite.py; RAYRL_TEST_ONE_PROCESS=1 runs one pytest)
 test: venv
 	@$(PY) -m compileall -q -j 0 $(SOURCES) > /dev/null || true  # a file that does not compile: pytest names it

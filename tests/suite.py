@@ -3,16 +3,16 @@
     python -m tests.suite [pytest arguments]          # what `make test` runs
 
 The tests that start Ray or run a whole job on it (``-m "ray or (slow and not no_ray)"``) run in the
-foreground, their output as it comes. Beside them, at the lowest CPU priority (``nice 19``,
-``RAYRL_TEST_BESIDE_NICE``), the rest run: ``make test-fast``'s tests and the slow ones that start no Ray
-(``no_ray``), with Ray refused as in ``make test-fast`` (``RAYRL_FAST_TESTS=1``: a test there that starts
-Ray fails). Their output is kept and printed after. The two selections are complements: every test runs
-once.
+foreground, their output as it comes. Beside them, in the idle scheduling class (``SCHED_IDLE``; a
+nice level where ``RAYRL_TEST_BESIDE_NICE`` gives one), the rest run: ``make test-fast``'s tests and
+the slow ones that start no Ray (``no_ray``), with Ray refused as in ``make test-fast``
+(``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails). Their output is kept and printed after.
+The two selections are complements: every test runs once.
 
 Why: the Ray tests leave a core idle for about a third of their time (actors waiting on each other,
 bounds waited out, one-process stretches), and the Ray-free tests are two to four minutes of about one
-core, which in one pytest process ran one test at a time beside that idle core. Beside the Ray tests, at
-the lowest priority, they run in it.
+core, which in one pytest process ran one test at a time beside that idle core. Beside the Ray tests, in
+the idle class, they run in it.
 
 Each tier has its own cache directory (``--lf`` works per tier) and its own report; the two reports are
 merged into one, which ``--junitxml`` receives, and the run ends with one summary: the counts, each
@@ -40,13 +40,27 @@ FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make t
 NICE_ENV = "RAYRL_TEST_BESIDE_NICE"
 
 
-def beside_nice() -> int:
-    """How much lower the Ray-free tier runs: 19 by default, the lowest, so that it takes what the Ray tests
-    leave idle and next to nothing they want. Its tests still get time: over any stretch of a minute or two of
-    a run here the Ray tests left at least a fifth of a core idle (2026-11-29), and the Ray-free tests' bounds
-    (a subprocess importing torch within 120 s, a sandboxed program within 10 s) need far less. At 5 (tried
-    first) it took a quarter of a core the Ray tests wanted, and they ran about a tenth slower beside it."""
-    return int(os.environ.get(NICE_ENV, "19"))
+def lower_priority() -> None:
+    """Run in the Ray-free tier's process before it starts: the idle scheduling class (``SCHED_IDLE``), so
+    that it takes the time the Ray tests leave idle and next to nothing they want; ``nice N`` instead where
+    ``RAYRL_TEST_BESIDE_NICE`` is N, or where the platform has no idle class.
+
+    Not a nice level by default: Ray starts its workers at nice 15 (its ``worker_niceness``), so a tier at
+    nice 5 (tried first) outweighed the actors nine to one, and one at 19 still took 15 parts to an actor's
+    36 (the Ray tests ran half and a sixth slower beside it in the first minutes of a run). The idle class
+    weighs 3. Its tests still get time: over any stretch of a minute or two of a run here the Ray tests left
+    at least a fifth of a core idle (2026-11-29), and the Ray-free tests' bounds (a subprocess importing
+    torch within 120 s, a sandboxed program within 10 s) need far less."""
+    nice = os.environ.get(NICE_ENV)
+    if nice is None and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(int(nice or 19))
+
+
+def priority_name() -> str:
+    nice = os.environ.get(NICE_ENV)
+    return f"nice {nice or 19}" if nice is not None or not hasattr(os, "SCHED_IDLE") else "SCHED_IDLE"
 
 
 def split_args(args: list) -> tuple:
@@ -147,14 +161,14 @@ def run_tiers(args: list) -> int:
             beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, "-o", "cache_dir=.pytest_cache/beside", *rest,
                                             f"--junitxml={beside_xml}"]),
                                     env={**os.environ, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=lambda: os.nice(beside_nice()))
+                                    stdin=subprocess.DEVNULL, preexec_fn=lower_priority)
             ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
             ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),
                                       env={**ray_env, BESIDE_ENV: str(beside.pid)}).wait()
             beside_rc = beside.wait()
             wall = time.time() - start
         with open(beside_log) as log:
-            print(f"\n{'=' * 12} the tests without Ray (-m \"{BESIDE_TIER}\", nice {beside_nice()}, alongside)",
+            print(f"\n{'=' * 12} the tests without Ray (-m \"{BESIDE_TIER}\", {priority_name()}, alongside)",
                   flush=True)
             sys.stdout.write(log.read())
         if junit:

@@ -74,7 +74,7 @@ import json, os, pytest
 
 def record(name):
     with open(os.path.join(os.path.dirname(__file__), name + ".json"), "w") as f:
-        json.dump({"nice": os.nice(0), "fast": os.environ.get("RAYRL_FAST_TESTS"),
+        json.dump({"nice": os.nice(0), "policy": os.sched_getscheduler(0), "fast": os.environ.get("RAYRL_FAST_TESTS"),
                    "beside": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid()}, f)
 
 @pytest.mark.ray
@@ -100,14 +100,15 @@ def test_that_fails():
 
 def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     """A directory of five tests through ``python -m tests.suite``: the Ray and job tests in the
-    foreground tier, as asked, told the other tier's pytest; the rest, a slow one without Ray too, at the
-    lower priority with Ray refused; one merged report; the failure beside fails the run."""
+    foreground tier, as asked, told the other tier's pytest; the rest, a slow one without Ray too, in the
+    idle scheduling class with Ray refused; one merged report; the failure beside fails the run."""
     (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
                                           '    config.addinivalue_line("markers", "ray: r")\n'
                                           '    config.addinivalue_line("markers", "slow: s")\n'
                                           '    config.addinivalue_line("markers", "no_ray: n")\n')
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
-    env = {**os.environ, suite.NICE_ENV: "3"}
+    env = dict(os.environ)
+    env.pop(suite.NICE_ENV, None)
     env.pop(suite.FAST_ENV, None)
     env.pop("RAYRL_TEST_ONE_PROCESS", None)
     run = subprocess.run([sys.executable, "-m", "tests.suite", str(tmp_path), "-q", "-p", "no:cacheprovider",
@@ -116,9 +117,10 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ray", "slow", "fast",
                                                                                "slow_no_ray")}
-    base = os.nice(0)
-    assert seen["ray"]["nice"] == seen["slow"]["nice"] == base
-    assert seen["fast"]["nice"] == seen["slow_no_ray"]["nice"] == min(base + 3, 19)
+    base, policy = os.nice(0), os.sched_getscheduler(0)
+    assert seen["ray"]["nice"] == seen["slow"]["nice"] == seen["fast"]["nice"] == seen["slow_no_ray"]["nice"] == base
+    assert seen["ray"]["policy"] == seen["slow"]["policy"] == policy  # as this test's process runs
+    assert seen["fast"]["policy"] == seen["slow_no_ray"]["policy"] == os.SCHED_IDLE
     assert seen["ray"]["fast"] is seen["slow"]["fast"] is None
     assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == "1"
     assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"] == seen["slow_no_ray"]["pid"]
@@ -129,3 +131,14 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     tail = run.stdout.splitlines()
     assert tail[-1].startswith("make test: 4 passed, 1 failed in ")
     assert "slowest 2 tests of both tiers" in run.stdout and "test_that_fails" in run.stdout
+
+
+def test_a_nice_level_given_replaces_the_idle_class(monkeypatch):
+    monkeypatch.setenv(suite.NICE_ENV, "3")
+    probe = "import os; print(os.nice(0), os.sched_getscheduler(0))"
+    seen = subprocess.run([sys.executable, "-c", probe], preexec_fn=suite.lower_priority, capture_output=True,
+                          text=True, timeout=60).stdout.split()
+    assert [int(x) for x in seen] == [min(os.nice(0) + 3, 19), os.sched_getscheduler(0)]
+    assert suite.priority_name() == "nice 3"
+    monkeypatch.delenv(suite.NICE_ENV)
+    assert suite.priority_name() == "SCHED_IDLE"
