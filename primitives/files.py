@@ -30,6 +30,25 @@ def atomic_directory(path: str, write: Callable[[str], None]) -> str:
     return path
 
 
+def made_once(path: str, write: Callable[[str], None], made: Callable[[str], bool]) -> str:
+    """``path`` written (``atomic_directory``) by one process however many ask for it at once: each takes
+    an exclusive lock on a sibling file (``.<name>.lock``), and only one that finds ``made(path)`` false
+    writes it; the others wait for the lock and find it made. Without the lock two writers would both
+    write, and the second's swap would leave ``path`` missing for a moment to a reader of the first's.
+    POSIX (``fcntl``); the lock goes with its process."""
+    import fcntl
+
+    if made(path):
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{os.path.basename(path)}.lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if not made(path):
+            atomic_directory(path, write)
+    return path
+
+
 def atomic_file(path: str, write: Callable) -> str:
     """Run ``write(f)`` on a temporary sibling text file and rename it to ``path`` only if it
     succeeds: a reader sees the old file or the new one, never half of one."""
