@@ -158,10 +158,11 @@ def run_tiers(args: list) -> int:
         beside_xml, ray_xml, beside_log = (os.path.join(reports, n) for n in ("beside.xml", "ray.xml", "beside.log"))
         start = time.time()
         with open(beside_log, "w") as log:
-            beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, "-o", "cache_dir=.pytest_cache/beside", *rest,
-                                            f"--junitxml={beside_xml}"]),
-                                    env={**os.environ, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=lower_priority)
+            # a cache of its own, where there is a cache (pytest warns of the option without one)
+            cache = [] if "no:cacheprovider" in rest else ["-o", "cache_dir=.pytest_cache/beside"]
+            beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, *cache, *rest, f"--junitxml={beside_xml}"]),
+                                      env={**os.environ, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, preexec_fn=lower_priority)
             ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
             ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),
                                       env={**ray_env, BESIDE_ENV: str(beside.pid)}).wait()

@@ -131,6 +131,7 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     tail = run.stdout.splitlines()
     assert tail[-1].startswith("make test: 4 passed, 1 failed in ")
     assert "slowest 2 tests of both tiers" in run.stdout and "test_that_fails" in run.stdout
+    assert "Unknown config option" not in run.stdout  # no cache option for a run without a cache
 
 
 def test_a_nice_level_given_replaces_the_idle_class(monkeypatch):
