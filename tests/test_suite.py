@@ -143,3 +143,21 @@ def test_a_nice_level_given_replaces_the_idle_class(monkeypatch):
     assert suite.priority_name() == "nice 3"
     monkeypatch.delenv(suite.NICE_ENV)
     assert suite.priority_name() == "SCHED_IDLE"
+
+
+def test_the_scratch_check_leaves_the_live_processes_of_the_tier_beside_alone(monkeypatch):
+    """``tests/chaos.py:our_scratch``: a directory of a live process under the pytest named beside is that
+    tier's; one of a process that has ended is counted, as is every one where no tier is named."""
+    from rl_actors import scratch
+    from tests import chaos
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    monkeypatch.setattr(scratch, "ours", lambda roots=None: [("/dev/shm/mine", os.getpid()),
+                                                             ("/dev/shm/ended", ended.pid)])
+    monkeypatch.delenv(BESIDE_ENV, raising=False)
+    assert chaos.our_scratch() == ["/dev/shm/mine", "/dev/shm/ended"]
+    monkeypatch.setenv(BESIDE_ENV, str(os.getppid()))  # this process descends from it
+    assert chaos.our_scratch() == ["/dev/shm/ended"]
+    monkeypatch.setenv(BESIDE_ENV, str(ended.pid))  # not this process's ancestor
+    assert chaos.our_scratch() == ["/dev/shm/mine", "/dev/shm/ended"]
