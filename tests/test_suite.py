@@ -161,3 +161,18 @@ def test_the_scratch_check_leaves_the_live_processes_of_the_tier_beside_alone(mo
     assert chaos.our_scratch() == ["/dev/shm/ended"]
     monkeypatch.setenv(BESIDE_ENV, str(ended.pid))  # not this process's ancestor
     assert chaos.our_scratch() == ["/dev/shm/mine", "/dev/shm/ended"]
+
+
+def test_a_mark_of_the_callers_own_runs_one_pytest_as_asked(tmp_path):
+    (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
+                                          '    for m in ("ray", "slow", "no_ray"):\n'
+                                          '        config.addinivalue_line("markers", m + ": m")\n')
+    (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
+    env = {k: v for k, v in os.environ.items() if k not in (suite.FAST_ENV, "RAYRL_TEST_ONE_PROCESS")}
+    run = subprocess.run([sys.executable, "-m", "tests.suite", str(tmp_path), "-q", "-p", "no:cacheprovider",
+                          "-m", "ray"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["ray.json"]  # that test alone
+    seen = json.loads((tmp_path / "ray.json").read_text())
+    assert seen["fast"] is None and seen["beside"] is None and seen["policy"] == os.sched_getscheduler(0)
+    assert "make test:" not in run.stdout  # pytest's own report, no second tier
