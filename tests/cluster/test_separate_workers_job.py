@@ -13,10 +13,6 @@ import yaml
 
 from tests.conftest import ROOT, run_job
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 CONFIGS = os.path.join(ROOT, "examples", "configs")
 # no snapshots either: a SmolLM2 snapshot takes about 15 s here, and the fault tests hold them
 PROMPTS = 2
