@@ -23,8 +23,8 @@ def actor_pids(cls: str, method: str = "", since: float = 0.0) -> list:
     """PIDs of this test run's live processes running actor class ``cls`` (and, given, inside a
     call of ``method``), started after ``since`` (a ``time.time()``: an earlier run's workers
     may linger), oldest first. This run's: descendants of this process (every Ray it starts, the
-    simulated nodes' too, is), not the actors of the Ray that ``make test``'s other tier runs beside
-    it (``tests/suite.py``), which a kill here must never reach."""
+    simulated nodes' too, is), never another Ray's on the same machine (a ``make run`` or a second
+    test run beside this one), which a kill here must not reach."""
     found, me = [], os.getpid()
     for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
         if (_runs(" ".join(p.info["cmdline"] or ()), cls, method) and p.info["create_time"] >= since
@@ -175,8 +175,8 @@ class Nodes:
 def our_scratch() -> list:
     """Our scratch directories (``rl_actors.scratch``) in shared memory and the temporary directory,
     of live processes or not: after a run has shut its cluster down there must be none. Those of the
-    tests running beside this run, and of their Ray's actors (``tests/suite.py`` names their pytest
-    process), are theirs while their processes live."""
+    Ray-free tests running beside this run (``tests/suite.py`` names their pytest process) are theirs,
+    while their processes live."""
     from rl_actors.scratch import ours
 
     beside = int(os.environ.get(BESIDE_ENV) or 0)

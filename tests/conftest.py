@@ -168,40 +168,19 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("own_ray")] + own
 
 
-@pytest.fixture(autouse=True)
-def no_ray_in_the_fast_tier(request):
-    """Under ``RAYRL_FAST_TESTS=1`` (``make test-fast``, and ``make test``'s tier beside the Ray tests) a test
-    outside the Ray selection that starts Ray anyway fails at once (``ray_refused``)."""
-    with ray_refused(request.node):
-        yield
+@pytest.fixture(autouse=True, scope="session")
+def no_ray_in_the_fast_tier():
+    """``make test-fast`` (RAYRL_FAST_TESTS=1) runs the tests without the ``ray`` mark: one that starts
+    Ray anyway fails at once, naming the mark it lacks, so the fast tier stays fast and Ray-free."""
+    if os.environ.get("RAYRL_FAST_TESTS"):
+        import ray
 
+        def refuse(*args, **kwargs):
+            raise RuntimeError("make test-fast: this test starts Ray; give it (or its module) the mark "
+                               "pytest.mark.ray")
 
-@contextlib.contextmanager
-def ray_refused(item):
-    """Under ``RAYRL_FAST_TESTS=1``, ``ray.init`` raises, naming the mark it lacks, while ``item`` runs, where
-    ``item`` is outside the Ray selection (marked neither ``ray`` nor ``slow``, or ``slow`` and ``no_ray``):
-    so the fast tier stays fast and Ray-free. A Ray test that ``make test`` runs in the tier beside
-    (``beside``) starts that tier's own Ray there."""
-    if not os.environ.get("RAYRL_FAST_TESTS") or may_start_ray(item):
-        yield
-        return
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("make test-fast: this test starts Ray; give it (or its module) the mark "
-                           "pytest.mark.ray")
-
-    started, ray.init = ray.init, refuse
-    try:
-        yield
-    finally:
-        ray.init = started
-
-
-def may_start_ray(item) -> bool:
-    """Whether ``item``'s marks put it in the Ray selection (``tests/suite.py:RAY_SELECTION``, an ``-m``)."""
-    marks = {mark.name for mark in item.iter_markers()}
-    return "ray" in marks or ("slow" in marks and "no_ray" not in marks)
+        ray.init = refuse
+    yield
 
 
 DEFAULT_JOB = os.path.join(ROOT, "examples", "configs", "default.yaml")

@@ -2,19 +2,17 @@
 
     python -m tests.suite [pytest arguments]          # what `make test` runs
 
-The tests that start Ray or run a whole job on it (``RAY_TIER``) run in the foreground, their output as
-it comes. Beside them, in the idle scheduling class (``SCHED_IDLE``; a nice level where
-``RAYRL_TEST_BESIDE_NICE`` gives one), the rest run (``BESIDE_TIER``): ``make test-fast``'s tests and the
-slow ones that start no Ray (``no_ray``), with Ray refused as in ``make test-fast`` (``RAYRL_FAST_TESTS=1``:
-a test there that starts Ray fails), and the Ray tests marked ``beside``, on a Ray of that tier's own,
-whose processes (and so whose actors) inherit the idle class. Their output is kept and printed after.
+The tests that start Ray or run a whole job on it (``-m "ray or (slow and not no_ray)"``) run in the
+foreground, their output as it comes. Beside them, in the idle scheduling class (``SCHED_IDLE``; a
+nice level where ``RAYRL_TEST_BESIDE_NICE`` gives one), the rest run: ``make test-fast``'s tests and
+the slow ones that start no Ray (``no_ray``), with Ray refused as in ``make test-fast``
+(``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails). Their output is kept and printed after.
 The two selections are complements: every test runs once.
 
-Why: the Ray tests leave a core idle for about a quarter of their time (a job's actors, one torch thread
-each, wait on each other; bounds are waited out), and the Ray-free tests are a few minutes of about one
+Why: the Ray tests leave a core idle for about a third of their time (actors waiting on each other,
+bounds waited out, one-process stretches), and the Ray-free tests are two to four minutes of about one
 core, which in one pytest process ran one test at a time beside that idle core. Beside the Ray tests, in
-the idle class, they run in it; the ``beside`` Ray tests (whole jobs with no tight time bound, that kill
-no process) fill what is still idle after them.
+the idle class, they run in it.
 
 Each tier has its own cache directory (``--lf`` works per tier) and its own report; the two reports are
 merged into one, which ``--junitxml`` receives, and the run ends with one summary: the counts, each
@@ -35,10 +33,8 @@ import xml.etree.ElementTree as ET
 
 from tests.chaos import BESIDE_ENV  # its scratch-directory check leaves the tier beside alone
 
-RAY_SELECTION = "ray or (slow and not no_ray)"  # the tests that start Ray (tests/conftest.py:may_start_ray)
-RAY_TIER = f"({RAY_SELECTION}) and not beside"
-# the complement: make test-fast's tests, slow ones without Ray, and the Ray tests marked to run beside
-BESIDE_TIER = f"not ({RAY_SELECTION}) or beside"
+RAY_TIER = "ray or (slow and not no_ray)"
+BESIDE_TIER = "not ray and (not slow or no_ray)"  # the complement: make test-fast's tests and slow ones without Ray
 OUTCOMES = ("failure", "error", "skipped")
 FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make test-fast)
 NICE_ENV = "RAYRL_TEST_BESIDE_NICE"
@@ -173,7 +169,7 @@ def run_tiers(args: list) -> int:
             beside_rc = beside.wait()
             wall = time.time() - start
         with open(beside_log) as log:
-            print(f"\n{'=' * 12} the tests beside (-m \"{BESIDE_TIER}\", {priority_name()}, alongside)",
+            print(f"\n{'=' * 12} the tests without Ray (-m \"{BESIDE_TIER}\", {priority_name()}, alongside)",
                   flush=True)
             sys.stdout.write(log.read())
         if junit:

@@ -1,14 +1,11 @@
-"""``make test``'s runner (``tests/suite.py``): the Ray tests in the foreground, the rest (and the Ray tests
-marked ``beside``) beside them at a lower priority, every test once, one merged report and one summary."""
+"""``make test``'s runner (``tests/suite.py``): the Ray tests in the foreground, the rest beside them at
+a lower priority, every test once, one merged report and one summary."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
-import psutil
 import pytest
 
 from tests import suite
@@ -96,11 +93,6 @@ def test_without_ray():
 def test_slow_without_ray():
     record("slow_no_ray")
 
-@pytest.mark.ray
-@pytest.mark.beside
-def test_ray_beside():
-    record("ray_beside")
-
 def test_that_fails():
     assert False
 """ % BESIDE_ENV
@@ -113,8 +105,7 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
                                           '    config.addinivalue_line("markers", "ray: r")\n'
                                           '    config.addinivalue_line("markers", "slow: s")\n'
-                                          '    config.addinivalue_line("markers", "no_ray: n")\n'
-                                          '    config.addinivalue_line("markers", "beside: b")\n')
+                                          '    config.addinivalue_line("markers", "no_ray: n")\n')
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
     env = dict(os.environ)
     env.pop(suite.NICE_ENV, None)
@@ -125,89 +116,22 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
     seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ray", "slow", "fast",
-                                                                               "slow_no_ray", "ray_beside")}
+                                                                               "slow_no_ray")}
     base, policy = os.nice(0), os.sched_getscheduler(0)
-    assert {record["nice"] for record in seen.values()} == {base}
+    assert seen["ray"]["nice"] == seen["slow"]["nice"] == seen["fast"]["nice"] == seen["slow_no_ray"]["nice"] == base
     assert seen["ray"]["policy"] == seen["slow"]["policy"] == policy  # as this test's process runs
-    assert seen["fast"]["policy"] == seen["slow_no_ray"]["policy"] == seen["ray_beside"]["policy"] == os.SCHED_IDLE
+    assert seen["fast"]["policy"] == seen["slow_no_ray"]["policy"] == os.SCHED_IDLE
     assert seen["ray"]["fast"] is seen["slow"]["fast"] is None
-    assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == seen["ray_beside"]["fast"] == "1"
-    assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"]
-    assert seen["fast"]["pid"] == seen["slow_no_ray"]["pid"] == seen["ray_beside"]["pid"]
+    assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == "1"
+    assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"] == seen["slow_no_ray"]["pid"]
     assert seen["ray"]["beside"] == seen["slow"]["beside"] == str(seen["fast"]["pid"])
     names = sorted(node.rsplit("::", 1)[1] for _, node, _ in suite.read_cases(str(tmp_path / "all.xml")))
     assert names == sorted(["test_a_job", "test_slow_without_ray", "test_that_fails", "test_with_ray",
-                            "test_without_ray", "test_ray_beside"])
+                            "test_without_ray"])
     tail = run.stdout.splitlines()
-    assert tail[-1].startswith("make test: 5 passed, 1 failed in ")
+    assert tail[-1].startswith("make test: 4 passed, 1 failed in ")
     assert "slowest 2 tests of both tiers" in run.stdout and "test_that_fails" in run.stdout
     assert "Unknown config option" not in run.stdout  # no cache option for a run without a cache
-
-
-MARKS = ("ray", "slow", "no_ray", "beside", "own_ray")
-
-
-@pytest.mark.parametrize("marks", [frozenset(m for i, m in enumerate(MARKS) if bits >> i & 1)
-                                   for bits in range(2 ** len(MARKS))], ids=lambda marks: "+".join(sorted(marks)))
-def test_every_test_falls_in_one_tier_and_may_start_ray_where_the_ray_selection_takes_it(marks):
-    """For every set of marks: exactly one of the two tiers' ``-m`` expressions takes the test; the
-    ``beside`` Ray tests run in the tier beside; and ``tests/conftest.py`` lets a test start Ray under
-    ``RAYRL_FAST_TESTS`` exactly where ``RAY_SELECTION`` takes it."""
-    from _pytest.mark.expression import Expression  # how pytest reads -m
-
-    from tests.conftest import may_start_ray
-
-    def takes(expression: str) -> bool:
-        return Expression.compile(expression).evaluate(lambda name: name in marks)
-
-    item = SimpleNamespace(iter_markers=lambda: [SimpleNamespace(name=m) for m in marks])
-    assert takes(suite.RAY_TIER) != takes(suite.BESIDE_TIER)
-    assert takes(suite.BESIDE_TIER) == ("beside" in marks or not takes(suite.RAY_SELECTION))
-    assert may_start_ray(item) == takes(suite.RAY_SELECTION)
-    assert takes(suite.RAY_SELECTION) == ("ray" in marks or ("slow" in marks and "no_ray" not in marks))
-
-
-def test_ray_is_refused_in_the_fast_tier_to_a_test_outside_the_ray_selection(monkeypatch):
-    import ray
-
-    from tests.conftest import ray_refused
-
-    def item(*marks):
-        return SimpleNamespace(iter_markers=lambda: [SimpleNamespace(name=m) for m in marks])
-
-    init = ray.init
-    monkeypatch.setenv(suite.FAST_ENV, "1")
-    for marks in [(), ("slow", "no_ray"), ("beside",)]:
-        with ray_refused(item(*marks)), pytest.raises(RuntimeError, match="pytest.mark.ray"):
-            ray.init()
-        assert ray.init is init  # given back after the test
-    for marks in [("ray",), ("slow",), ("ray", "beside")]:
-        with ray_refused(item(*marks)):
-            assert ray.init is init
-    monkeypatch.delenv(suite.FAST_ENV)
-    with ray_refused(item()):
-        assert ray.init is init
-
-
-def test_the_chaos_helpers_find_the_actors_of_this_run_alone(tmp_path):
-    """``tests/chaos.py:actor_pids`` finds a process titled as an actor that descends from this pytest, never
-    one outside it (the actors of the Ray that the tier beside runs, which a kill here must not reach)."""
-    from tests.chaos import actor_pids
-
-    title = f"ray::ProbeWorker{os.getpid()}"
-    mine = subprocess.Popen([title, "60"], executable="/bin/sleep")
-    pid_file = tmp_path / "pid"
-    outside = ("import subprocess, sys; p = subprocess.Popen([sys.argv[1], '60'], executable='/bin/sleep', "
-               "start_new_session=True); open(sys.argv[2], 'w').write(str(p.pid))")
-    subprocess.run([sys.executable, "-c", outside, title, str(pid_file)], check=True, timeout=60)
-    orphan = int(pid_file.read_text())  # its parent has exited: no longer under this process
-    try:
-        assert actor_pids(title[len("ray::"):]) == [mine.pid]
-        assert psutil.pid_exists(orphan) and os.getpid() not in [p.pid for p in psutil.Process(orphan).parents()]
-    finally:
-        mine.kill()
-        os.kill(orphan, signal.SIGKILL)
-        mine.wait()
 
 
 def test_a_nice_level_given_replaces_the_idle_class(monkeypatch):
@@ -241,15 +165,14 @@ def test_the_scratch_check_leaves_the_live_processes_of_the_tier_beside_alone(mo
 
 def test_a_mark_of_the_callers_own_runs_one_pytest_as_asked(tmp_path):
     (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
-                                          '    for m in ("ray", "slow", "no_ray", "beside"):\n'
+                                          '    for m in ("ray", "slow", "no_ray"):\n'
                                           '        config.addinivalue_line("markers", m + ": m")\n')
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
     env = {k: v for k, v in os.environ.items() if k not in (suite.FAST_ENV, "RAYRL_TEST_ONE_PROCESS")}
     run = subprocess.run([sys.executable, "-m", "tests.suite", str(tmp_path), "-q", "-p", "no:cacheprovider",
                           "-m", "ray"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["ray.json", "ray_beside.json"]  # those alone
-    seen = [json.loads((tmp_path / name).read_text()) for name in ("ray.json", "ray_beside.json")]
-    assert seen[0]["pid"] == seen[1]["pid"]
-    assert all(s["fast"] is None and s["beside"] is None and s["policy"] == os.sched_getscheduler(0) for s in seen)
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["ray.json"]  # that test alone
+    seen = json.loads((tmp_path / "ray.json").read_text())
+    assert seen["fast"] is None and seen["beside"] is None and seen["policy"] == os.sched_getscheduler(0)
     assert "make test:" not in run.stdout  # pytest's own report, no second tier

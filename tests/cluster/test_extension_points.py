@@ -29,10 +29,6 @@ from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.rewards import spread_and_exact
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 GEN = GenerationConfig(max_new_tokens=4, n=4, temperature=1.0)
 PROMPTS = 4
 EMA_DECAY = 0.5

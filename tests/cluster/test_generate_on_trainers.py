@@ -24,10 +24,6 @@ from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.rewards import spread_reward
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 T = 0.7
 GEN = GenerationConfig(max_new_tokens=4, n=4, temperature=T)
 

@@ -29,10 +29,6 @@ from primitives.types import LoraConfig, ModelConfig
 from rl_actors.common import GENERATE_ON_ZERO3
 from tests.conftest import ROOT, lora_numel
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 SFT = ("off", "adapters", "full weights")
 GENERATION = ("trainers", "hf", "vllm")
 REFERENCE = ("fixed", "ema", "none")

@@ -23,10 +23,6 @@ from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.rewards import spread_reward
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 T = 0.7  # a reference scored at 1.0 while the policy scores at 0.7 gives a KL that is not 0
 
 

@@ -23,10 +23,6 @@ from rl_actors.trainer import TrainerConfig
 from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 LR = 1e-3
 HEAD_STD = 0.05  # a random head, so initial values are not all zero
 

@@ -20,10 +20,6 @@ from rl_actors.trainer import TrainerConfig, TrainerWorker
 from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 LR, EPS = 1e-2, 1e-6  # a large lr: the adapters' first steps must move the logprobs measurably
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 

@@ -17,10 +17,6 @@ from primitives.types import GenerationConfig, TrainState
 from rl_actors.trainer import TrainerConfig
 from tests.rewards import spread_reward
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 ITEMS = make_arithmetic_task(ArithmeticTaskSpec(num_train=16, num_heldout=1, seed=3))[0]
 KEYS = ("loss/policy", "reward/mean", "grad_norm", "kl/ref_k3", "batch/loss_tokens")
 

@@ -15,10 +15,6 @@ from rl_actors.trainer import TrainerConfig, TrainerWorker
 from tests.actors import done, rendezvous, start_ranks
 from tests.conftest import scored_rollouts
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 LR = 1e-3
 # Adam's first update is lr * g / (|g| + eps): where |g| is near eps, a rounding-sized change
 # of g (another summation order over ranks) moves it by up to lr * dg / (4 eps). With torch's

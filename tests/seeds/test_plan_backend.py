@@ -14,10 +14,6 @@ from transformers import AutoModelForCausalLM
 from rl_primitives import PyTorchTrainingBackend, RayTrainingBackend, Sample, TrainingConfig, run_sft_training
 from rl_primitives.plan import collate_batch, nll_loss
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 
 def grpo_loss(logits, labels, loss_mask, advantages):
     """seeds/004's GRPO loss as printed (its logits and labels already aligned by the backend)."""

@@ -25,10 +25,6 @@ from rl_primitives import (
     run_rl_training,
 )
 
-# make test runs this module beside the Ray tests, in the idle class, on a Ray of its own: whole jobs with no
-# tight time bound, that kill no process (tests/suite.py)
-pytestmark = pytest.mark.beside
-
 PROMPTS = ["12+34=", "5+6=", "70+8=", "1+1=", "9+9="]
 
 

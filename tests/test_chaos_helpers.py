@@ -1,0 +1,29 @@
+"""``tests/chaos.py``'s process finder: the fault and chaos tests kill and stop the actors it finds."""
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+
+from tests.chaos import actor_pids
+
+
+def test_the_actor_finder_finds_this_runs_actors_alone(tmp_path):
+    """A process titled as an actor that descends from this pytest is found; one outside it, titled
+    the same (another Ray's actor on the machine: a ``make run`` beside the tests), never is."""
+    title = f"ray::ProbeWorker{os.getpid()}"
+    mine = subprocess.Popen([title, "60"], executable="/bin/sleep")
+    pid_file = tmp_path / "pid"
+    outside = ("import subprocess, sys; p = subprocess.Popen([sys.argv[1], '60'], executable='/bin/sleep', "
+               "start_new_session=True); open(sys.argv[2], 'w').write(str(p.pid))")
+    subprocess.run([sys.executable, "-c", outside, title, str(pid_file)], check=True, timeout=60)
+    orphan = int(pid_file.read_text())  # its parent has exited: no longer under this process
+    try:
+        assert psutil.pid_exists(orphan) and os.getpid() not in [p.pid for p in psutil.Process(orphan).parents()]
+        assert actor_pids(title[len("ray::"):]) == [mine.pid]
+        assert actor_pids(title[len("ray::"):], since=psutil.Process(mine.pid).create_time() + 1) == []
+    finally:
+        mine.kill()
+        os.kill(orphan, signal.SIGKILL)
+        mine.wait()
