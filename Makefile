@@ -33,6 +33,7 @@ UV_SPEC ?= uv==0.13.9
 UV_ARGS ?=
 ARGS   ?=
 PYTEST_ARGS ?=
+FAST_WORKERS ?= auto
 SOURCES = cluster rl_actors rl_primitives primitives tests benchmarks examples
 
 .PHONY: run test test-fast lint venv clean
@@ -66,8 +67,10 @@ test: venv
 
 # no Ray and no whole job: maths, records, config checks, data, rewards, the single-process loop. Any test
 # that starts Ray without the `ray` mark fails here (tests/conftest.py blocks the import)
+# One pytest process per core (pytest-xdist; FAST_WORKERS=0 runs them in this one), each with its share of the
+# cores' threads (tests/conftest.py)
 test-fast: venv
-	@RAYRL_FAST_TESTS=1 $(PY) -m pytest tests -m "not ray and not slow" $(PYTEST_ARGS); rc=$$?; \
+	@RAYRL_FAST_TESTS=1 $(PY) -m pytest tests -m "not ray and not slow" -n $(FAST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
 lint: venv

@@ -176,3 +176,32 @@ def test_a_mark_of_the_callers_own_runs_one_pytest_as_asked(tmp_path):
     seen = json.loads((tmp_path / "ray.json").read_text())
     assert seen["fast"] is None and seen["beside"] is None and seen["policy"] == os.sched_getscheduler(0)
     assert "make test:" not in run.stdout  # pytest's own report, no second tier
+
+
+@pytest.mark.parametrize("env, cpus, expected", [
+    ({}, 2, {}),  # one pytest process: torch's default
+    ({"PYTEST_XDIST_WORKER_COUNT": "1"}, 2, {}),
+    ({"PYTEST_XDIST_WORKER_COUNT": "2"}, 2, {"OMP_NUM_THREADS": "1"}),
+    ({"PYTEST_XDIST_WORKER_COUNT": "3"}, 8, {"OMP_NUM_THREADS": "2"}),  # the share, rounded down
+    ({"PYTEST_XDIST_WORKER_COUNT": "16"}, 2, {"OMP_NUM_THREADS": "1"}),  # never 0
+    ({"PYTEST_XDIST_WORKER_COUNT": "2", "OMP_NUM_THREADS": "4"}, 2, {}),  # the caller's own stays
+])
+def test_each_fast_test_process_takes_its_share_of_the_cores(env, cpus, expected):
+    from tests.conftest import worker_threads
+
+    assert worker_threads(env, cpus) == expected
+
+
+def test_the_fast_tiers_processes_run_torch_at_their_share(tmp_path):
+    """``make test-fast``'s processes (pytest-xdist): the share is set before torch reads it, in each."""
+    probe = tmp_path / "test_threads.py"
+    probe.write_text("import os, pytest\n"
+                     "@pytest.mark.parametrize('i', range(4))\n"
+                     "def test_threads(i):\n"
+                     "    import torch\n"
+                     "    assert os.environ['PYTEST_XDIST_WORKER_COUNT'] == '2'\n"
+                     f"    assert torch.get_num_threads() == {max(1, len(os.sched_getaffinity(0)) // 2)}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_XDIST_WORKER_COUNT")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q",
+                           "-n", "2", str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
