@@ -12,6 +12,7 @@ from primitives.fixtures.tiny import save_tiny_model
 from primitives.io.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
 from primitives.io.loggers import (
     console_logger,
+    curves_figure,
     jsonl_logger,
     multi_logger,
     noop_logger,
@@ -81,6 +82,36 @@ def test_loggers(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="none of the keys"):
         plot_curves(read_jsonl_metrics(path), ["absent"], str(tmp_path / "d.png"))
+
+
+# what matplotlib writes widest at the panels' edges: long negative tick labels, a scale (offset text) above or
+# below the axis, big step numbers under it, a long panel title, a flat line, a missing value
+WIDE = {"mismatch/max_abs_logp_diff": [-0.000123, 0.000456, -0.000789], "tiny": [1.5e-9, -2.5e-9, 3.25e-9],
+        "huge": [-123456789.5, 987654321.25, 5.5e8], "offset": [1000000.001, 1000000.002, 1000000.004],
+        "flat": [0.5, 0.5, 0.5], "gap": [1.0, float("nan"), -1.0], "loss/sft": [4.5, 0.25, 0.125]}
+
+
+@pytest.mark.parametrize("keys", [list(WIDE), ["huge"], ["tiny", "offset"]], ids=["7 panels", "1", "2"])
+def test_the_curves_panels_leave_room_for_what_they_draw(keys):
+    """The fixed layout (no ``tight_layout``): each panel's drawing - ticks, tick labels, offset text,
+    title, x label - lies inside the figure and apart from every other panel's and the figure's title."""
+    history = [{"step": 99990 + i, **{k: WIDE[k][i] for k in keys}} for i in range(3)]
+    fig = curves_figure(history, keys, title="a title as long as the job's: grpo on Ray (smollm2-135m-instruct)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # what savefig draws a PNG with
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    page = fig.bbox
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes if ax.axison]
+    assert len(boxes) == len(keys)
+    title = fig._suptitle.get_window_extent(renderer)
+    for i, box in enumerate(boxes):
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, (keys[i], box)
+        assert not box.overlaps(title), keys[i]
+        for j, other in enumerate(boxes[:i]):
+            assert not box.overlaps(other), (keys[i], keys[j])
+    assert page.x0 <= title.x0 and title.x1 <= page.x1 and title.y1 <= page.y1
 
 
 def test_wandb_offline_without_api_key(tmp_path, monkeypatch):
