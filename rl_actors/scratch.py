@@ -7,6 +7,9 @@ it; the next process that opens one on that machine removes every ``rayrl-`` dir
 process no longer runs (``sweep``), and the driver sweeps when a cluster shuts down, so each
 leftover lives only until the next snapshot or the run's end.
 
+A library that leaves files in the temporary directory for as long as its process lives (vLLM's
+rendezvous file) writes them in a directory of the process's own (``process_tempdir``), swept alike.
+
 A snapshot's files travel as ``{relative path: uint8 array}`` (``read_tree`` / ``write_tree``).
 """
 from __future__ import annotations
@@ -114,3 +117,24 @@ def snapshot_bytes(part) -> int:
     if isinstance(part, dict):
         return sum(snapshot_bytes(v) for v in part.values())
     return 0
+
+
+@contextmanager
+def process_tempdir(kind: str) -> Iterator[str]:
+    """While the block runs, the temporary directory (``tempfile`` and ``TMPDIR``, which child processes
+    read) is a new ``rayrl-<kind>-pid<pid>-...`` directory of this process. It stays after the block, as
+    what was made there may be in use for the process's life (vLLM's engine keeps its rendezvous file, a
+    ``torch.distributed`` FileStore, and removes it only if shut down, which a killed actor never is), and
+    ``sweep`` removes it once the process no longer runs."""
+    sweep()
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-pid{os.getpid()}-", dir=tempfile.gettempdir())
+    before, before_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir, os.environ["TMPDIR"] = path, path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = before
+        if before_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before_env

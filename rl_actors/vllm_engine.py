@@ -133,6 +133,7 @@ class VLLMEngine:
         from transformers import AutoTokenizer
 
         from rl_actors.common import check_model_path
+        from rl_actors.scratch import process_tempdir
 
         check_model_path(config.model_name_or_path, role)
         self.on_gpu, self.settings = gpu_visible(), settings
@@ -145,10 +146,13 @@ class VLLMEngine:
         device_kwargs = llm_device_kwargs(settings, self.on_gpu)
         # processed logprobs: after temperature (vLLM's default, raw, is before it), which the
         # trainer's importance weight compares with; top-k / top-p renormalise them (see above)
-        self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
-                       trust_remote_code=config.trust_remote_code, logprobs_mode=PROCESSED,
-                       max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
-                       **self.weights.llm_kwargs(), **device_kwargs)
+        # vLLM's rendezvous file (a vllm_dist_<id> FileStore in the temporary directory) outlives a killed actor:
+        # in a directory of the actor's own, the next sweep removes it (about 20 were left in /tmp a test run)
+        with process_tempdir("vllm"):
+            self.llm = LLM(model=config.model_name_or_path, dtype=config.dtype, enforce_eager=True,
+                           trust_remote_code=config.trust_remote_code, logprobs_mode=PROCESSED,
+                           max_model_len=settings.max_model_len, enable_prefix_caching=settings.enable_prefix_caching,
+                           **self.weights.llm_kwargs(), **device_kwargs)
         loaded()
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)  # tokens per KV-cache block
         self.prompt_tokens = [0, 0]  # prompt tokens of every call so far, and of those the prefix cache served

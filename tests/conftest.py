@@ -82,9 +82,11 @@ def ray_env() -> dict:
 def pytest_sessionfinish(session, exitstatus):
     if "ray" in sys.modules:
         sys.modules["ray"].shutdown()
+    from rl_actors.scratch import sweep
     from tests import zygote
 
     zygote.stop()
+    sweep()  # what the run's last actors left (a vLLM worker's directory: its cluster swept while it was going)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -10,6 +10,7 @@ import pytest
 
 from rl_actors import scratch as scratch_module
 from rl_actors.scratch import leftovers, ours, scratch, sweep
+from tests.conftest import ROOT
 
 
 def _dead_pid() -> int:
@@ -71,3 +72,28 @@ def test_the_room_check_counts_the_peers_writing_beside_it(monkeypatch):
     with scratch("snapshot-trainer0", 40 * 2 ** 20, sharers=2):
         pass
     assert chosen[0] == "/dev/shm" and chosen[1] == scratch_module.tempfile.gettempdir()
+
+
+def test_a_process_tempdir_holds_what_a_library_leaves_and_goes_with_its_process(tmp_path):
+    """A process (a vLLM generator, in small) points the temporary directory at one of its own while a library
+    starts, for its children too, and back after; what was left there stays while the process lives, and
+    the first sweep after it has gone removes it."""
+    child = (
+        "import os, subprocess, sys, tempfile\n"
+        "from rl_actors.scratch import leftovers, process_tempdir\n"
+        "root = tempfile.gettempdir()\n"
+        "with process_tempdir('vllm') as path:\n"
+        "    fd, left = tempfile.mkstemp(prefix='vllm_dist_')\n"
+        "    grandchild = subprocess.run([sys.executable, '-c', 'import tempfile; print(tempfile.gettempdir())'],\n"
+        "                                capture_output=True, text=True).stdout.strip()\n"
+        "assert os.path.dirname(left) == path == grandchild, (left, path, grandchild)\n"
+        "assert tempfile.gettempdir() == root and os.environ['TMPDIR'] == root\n"
+        "assert os.path.basename(path).startswith(f'rayrl-vllm-pid{os.getpid()}-') and os.path.isfile(left)\n"
+        "assert leftovers((root,)) == []  # this process runs: not a leftover\n"
+        "print(path)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path = proc.stdout.strip().splitlines()[-1]
+    assert os.path.dirname(path) == str(tmp_path) and [n[:10] for n in os.listdir(path)] == ["vllm_dist_"]
+    assert sweep((str(tmp_path),)) == 1 and os.listdir(tmp_path) == []

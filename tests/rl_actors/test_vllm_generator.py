@@ -3,7 +3,10 @@ trainer ranks on a local Ray:
 the weights it samples with equal the trainer's after every sync (read inside vLLM's worker,
 through its kernels), rollouts carry the synced version, and its behaviour logprobs agree
 with the trainer's at T = 1 and T = 0.7. vLLM must import here: a CI without it fails."""
+import glob
+import os
 import string
+import tempfile
 
 import numpy as np
 import pytest
@@ -58,6 +61,10 @@ def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
     info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
     assert info["backend"] == "vllm"
     assert vllm_cluster.sync_address.backend == "gloo"  # the trainer's bucketed wire, over gloo on CPU
+    # vLLM's rendezvous file is in a directory of the worker's own, which a sweep removes once it has gone
+    # (rl_actors.scratch.process_tempdir), not loose in the temporary directory for good
+    own = glob.glob(os.path.join(tempfile.gettempdir(), f"rayrl-vllm-pid{info['pid']}-*", "vllm_dist_*"))
+    assert len(own) == 1, own
 
 
 def _generate(cluster, prompts, gen=GenerationConfig(max_new_tokens=4, n=2)) -> list:
