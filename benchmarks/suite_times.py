@@ -14,18 +14,19 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import xml.etree.ElementTree as ET
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: tests.suite reads the reports
+    sys.path.insert(0, ROOT)
 
 
 def read_report(path: str) -> list:
-    """``[(seconds, module, test name), ...]`` of every test case in a JUnit XML report."""
-    cases = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        classname = case.get("classname", "")
-        parts = classname.split(".")
-        module = ".".join(parts[:-1]) if parts[-1][:1].isupper() else classname  # a test class's module
-        cases.append((float(case.get("time", 0.0)), module.replace(".", "/") + ".py", case.get("name", "")))
-    return cases
+    """``[(seconds, module, test name), ...]`` of every test case in a JUnit XML report (a test class's
+    name stays with the test's: it counts in its module)."""
+    from tests.suite import read_cases
+
+    return [(seconds, *node.split("::", 1)) for seconds, node, _ in read_cases(path)]
 
 
 def module_seconds(cases: list) -> dict:

@@ -86,14 +86,18 @@ def chooses_marks(args: list) -> bool:
 
 
 def read_cases(path: str) -> list:
-    """``[(seconds, node id, outcome), ...]`` of a JUnit report; none where pytest wrote none."""
+    """``[(seconds, node id, outcome), ...]`` of a JUnit report, the node id as pytest names the test
+    (``tests/x/test_y.py::TestClass::test_z``: JUnit's class name is the module's dotted path, with a test
+    class's name after it); none where pytest wrote none. ``benchmarks/suite_times.py`` reads reports so too."""
     if not os.path.isfile(path):
         return []
     cases = []
     for case in ET.parse(path).getroot().iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in OUTCOMES), "passed")
-        module = case.get("classname", "").replace(".", "/")
-        cases.append((float(case.get("time", 0.0)), f"{module}::{case.get('name', '')}", outcome))
+        parts = case.get("classname", "").split(".")
+        cls = [parts.pop()] if len(parts) > 1 and parts[-1][:1].isupper() else []  # a test class, by its capital
+        node = "::".join(["/".join(parts) + ".py", *cls, case.get("name", "")])
+        cases.append((float(case.get("time", 0.0)), node, outcome))
     return cases
 
 

@@ -44,6 +44,17 @@ def _report(path, cases, seconds) -> str:
     return str(path)
 
 
+def test_a_report_names_each_test_as_pytest_does(tmp_path):
+    """JUnit's class name is the module's dotted path, a test class's name after it: pytest's node ids back,
+    which `make test`'s summary prints and benchmarks/suite_times.py sums by module."""
+    report = _report(tmp_path / "r.xml", [("tests.cluster.test_job", "test_a[x.y]", 1.5, None),
+                                          ("tests.primitives.test_kl.TestK3", "test_c", 0.25, "skipped"),
+                                          ("test_top", "test_d", 0.5, None)], 2.25)
+    assert suite.read_cases(report) == [(1.5, "tests/cluster/test_job.py::test_a[x.y]", "passed"),
+                                        (0.25, "tests/primitives/test_kl.py::TestK3::test_c", "skipped"),
+                                        (0.5, "test_top.py::test_d", "passed")]
+
+
 def test_the_reports_merge_and_the_summary_counts_both_tiers(tmp_path):
     ray = _report(tmp_path / "ray.xml", [("tests.cluster.test_job", "test_a", 120.5, None),
                                          ("tests.cluster.test_job", "test_b", 3.25, "failure")], 900.4)
@@ -62,8 +73,8 @@ def test_the_reports_merge_and_the_summary_counts_both_tiers(tmp_path):
     lines = text.splitlines()
     assert lines[0] == "ray: 1 passed, 1 failed in 900 s (pytest exit code 1)"
     assert lines[1] == "fast: 1 passed, 1 error, 1 skipped in 310 s (pytest exit code 1)"
-    assert lines[4:7] == ["  120.50s tests/cluster/test_job::test_a", "    7.00s tests/primitives/test_x::test_c",
-                          "    3.25s tests/cluster/test_job::test_b"]
+    assert lines[4:7] == ["  120.50s tests/cluster/test_job.py::test_a", "    7.00s tests/primitives/test_x.py::test_c",
+                          "    3.25s tests/cluster/test_job.py::test_b"]
     assert lines[-1] == "make test: 2 passed, 1 failed, 1 error, 1 skipped in 905 s (15.1 min)"
     assert "slowest" not in suite.summary([("ray", [], 5, 1.0)], None, 1.2)
     assert suite.summary([("ray", [], 5, 1.0)], None, 1.2).endswith("make test: no tests in 1 s (0.0 min)")
