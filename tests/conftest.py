@@ -226,25 +226,65 @@ def sft_policy(default_job):
 def tool_caller(tmp_path_factory):
     """tool_use.yaml's SFT stage alone, once per test run for the tool tests (the job file's in
     ``test_config_scenarios``, ``examples/tool_use.py``'s in ``test_scenarios``): a model that calls the
-    tools. 150 steps at lr 1e-2 in batches of 16 (the shipped stage is 1000 at 3e-3 in 32s), on the job's
-    own SFT samples through the job's own SFT stage (``train_sft_stage``), in this process: a Ray trainer
-    group computes the same update (the SFT tests of 1 rank against N hold it), and here it costs no cluster
-    start. Saved in HF form for the RL runs. After 150 steps the RL runs' rollouts called a tool 0.81 to 1.0
-    times each, and 81 to 100 % of the calls succeeded (after 300: 1.0 calls; the tests ask for more than 0)."""
-    from cluster.jobs.config import load_job_config
-    from cluster.jobs.inputs import prepare_rl
-    from cluster.jobs.rl import train_sft_stage
-    from cluster.local import LocalBackend
-    from primitives.types import TrainState
+    tools, an HF directory (``made_tool_caller``). Under ``make test`` the tier beside the Ray tests has
+    made it, or is making it, in ``$RAYRL_TEST_SHARED``; else it is made here."""
+    from tests.suite import SHARED_ENV
 
-    out = str(tmp_path_factory.mktemp("tool_sft"))
-    job = load_job_config(os.path.join(ROOT, "examples", "configs", "tool_use.yaml"))
-    job = job._replace(sft=job.sft._replace(steps=150, batch=16, lr=1e-2), logging=job.logging._replace(out=out),
-                       eval=job.eval._replace(enabled=False))
-    inputs = prepare_rl(job)
-    backend = LocalBackend(inputs.job.model, inputs.reward_fn, seed=job.seed)
-    train_sft_stage(backend, inputs, logger=lambda metrics: None)
-    return os.path.join(backend.save(os.path.join(out, "sft"), TrainState()), "policy")
+    root = os.environ.get(SHARED_ENV) or str(tmp_path_factory.mktemp("tool_sft"))
+    return made_tool_caller(os.path.join(root, "tool_caller"))
+
+
+def made_tool_caller(path: str) -> str:
+    """The tool caller at ``path``, made once however many processes ask (``primitives.files.made_once``):
+    150 SFT steps at lr 1e-2 in batches of 16 (the shipped stage is 1000 at 3e-3 in 32s), on the job's own
+    SFT samples through the job's own SFT stage (``train_sft_stage``), in this process: a Ray trainer group
+    computes the same update (the SFT tests of 1 rank against N hold it), and here it costs no cluster start.
+    Saved in HF form for the RL runs. After 150 steps the RL runs' rollouts called a tool 0.81 to 1.0 times
+    each, and 81 to 100 % of the calls succeeded (after 300: 1.0 calls; the tests ask for more than 0).
+    Returns the policy's directory."""
+    from primitives.files import made_once
+
+    def write(tmp: str) -> None:
+        from cluster.jobs.config import load_job_config
+        from cluster.jobs.inputs import prepare_rl
+        from cluster.jobs.rl import train_sft_stage
+        from cluster.local import LocalBackend
+        from primitives.types import TrainState
+
+        job = load_job_config(os.path.join(ROOT, "examples", "configs", "tool_use.yaml"))
+        job = job._replace(sft=job.sft._replace(steps=150, batch=16, lr=1e-2),
+                           logging=job.logging._replace(out=os.path.join(tmp, "run")),
+                           eval=job.eval._replace(enabled=False))
+        inputs = prepare_rl(job)
+        backend = LocalBackend(inputs.job.model, inputs.reward_fn, seed=job.seed)
+        train_sft_stage(backend, inputs, logger=lambda metrics: None)
+        backend.save(os.path.join(tmp, "sft"), TrainState())
+
+    policy = ("sft", "policy", "config.json")
+    made_once(path, write, lambda p: os.path.isfile(os.path.join(p, *policy)))
+    return os.path.join(path, *policy[:2])
+
+
+def pytest_sessionstart(session):
+    """In ``make test``'s tier beside the Ray tests (``$RAYRL_TEST_SHARED`` given, Ray refused), before its
+    own tests: make what the Ray tier's fixtures would otherwise make in its foreground, in the time it
+    leaves idle (this process runs in the idle scheduling class). The tool caller (35 s of one process here,
+    first asked for about 4 minutes in) and the embedded SmolLM2's conversion (about 10 s). A Ray-tier
+    fixture that asks sooner waits for it, and while it waits the cores are this process's. Made or not,
+    the tests go on: a fixture makes what is missing."""
+    from tests.suite import FAST_ENV, SHARED_ENV
+
+    root = os.environ.get(SHARED_ENV)
+    if not root or not os.environ.get(FAST_ENV):
+        return
+    try:
+        from cluster.jobs.inputs import resolve_model
+        from primitives.types import ModelConfig
+
+        made_tool_caller(os.path.join(root, "tool_caller"))
+        resolve_model(ModelConfig("smollm2"), "", seed=0)
+    except Exception as error:  # the fixtures make it then, and name what fails
+        print(f"tests/conftest.py: not made ahead ({error!r}); the tests that need it make it", flush=True)
 
 
 @contextlib.contextmanager

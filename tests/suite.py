@@ -36,6 +36,7 @@ from tests.chaos import BESIDE_ENV  # its scratch-directory check leaves the tie
 RAY_TIER = "ray or (slow and not no_ray)"
 BESIDE_TIER = "not ray and (not slow or no_ray)"  # the complement: make test-fast's tests and slow ones without Ray
 OUTCOMES = ("failure", "error", "skipped")
+SHARED_ENV = "RAYRL_TEST_SHARED"  # tests/conftest.py: what both tiers use, made once, the tier beside first
 FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make test-fast)
 NICE_ENV = "RAYRL_TEST_BESIDE_NICE"
 
@@ -160,16 +161,17 @@ def run_tiers(args: list) -> int:
     signal.signal(signal.SIGINT, lambda *_: None)
     with tempfile.TemporaryDirectory(prefix="rayrl-test-") as reports:
         beside_xml, ray_xml, beside_log = (os.path.join(reports, n) for n in ("beside.xml", "ray.xml", "beside.log"))
+        shared = {SHARED_ENV: os.path.join(reports, "shared")}  # made once for both tiers (tests/conftest.py)
         start = time.time()
         with open(beside_log, "w") as log:
             # a cache of its own, where there is a cache (pytest warns of the option without one)
             cache = [] if "no:cacheprovider" in rest else ["-o", "cache_dir=.pytest_cache/beside"]
             beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, *cache, *rest, f"--junitxml={beside_xml}"]),
-                                      env={**os.environ, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **shared, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, preexec_fn=lower_priority)
             ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
             ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),
-                                      env={**ray_env, BESIDE_ENV: str(beside.pid)}).wait()
+                                      env={**ray_env, **shared, BESIDE_ENV: str(beside.pid)}).wait()
             beside_rc = beside.wait()
             wall = time.time() - start
         with open(beside_log) as log:

@@ -86,7 +86,8 @@ import json, os, pytest
 def record(name):
     with open(os.path.join(os.path.dirname(__file__), name + ".json"), "w") as f:
         json.dump({"nice": os.nice(0), "policy": os.sched_getscheduler(0), "fast": os.environ.get("RAYRL_FAST_TESTS"),
-                   "beside": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid()}, f)
+                   "beside": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid(),
+                   "shared": os.environ.get("RAYRL_TEST_SHARED")}, f)
 
 @pytest.mark.ray
 def test_with_ray():
@@ -136,6 +137,8 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == "1"
     assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"] == seen["slow_no_ray"]["pid"]
     assert seen["ray"]["beside"] == seen["slow"]["beside"] == str(seen["fast"]["pid"])
+    shared = {record["shared"] for record in seen.values()}  # one directory for both tiers, gone after the run
+    assert len(shared) == 1 and None not in shared and not os.path.exists(shared.pop())
     names = sorted(node.rsplit("::", 1)[1] for _, node, _ in suite.read_cases(str(tmp_path / "all.xml")))
     assert names == sorted(["test_a_job", "test_slow_without_ray", "test_that_fails", "test_with_ray",
                             "test_without_ray"])
@@ -216,3 +219,26 @@ def test_the_fast_tiers_processes_run_torch_at_their_share(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q",
                            "-n", "2", str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("env, made", [({}, False), ({"RAYRL_TEST_SHARED": "/s"}, False),  # the Ray tier: its fixture
+                                       ({"RAYRL_FAST_TESTS": "1"}, False),  # make test-fast: nothing shared
+                                       ({"RAYRL_TEST_SHARED": "/s", "RAYRL_FAST_TESTS": "1"}, True)])
+def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(env, made, monkeypatch, capsys):
+    import cluster.jobs.inputs
+    import tests.conftest as conftest
+
+    asked = []
+    monkeypatch.setattr(conftest, "made_tool_caller", lambda path: asked.append(path))
+    monkeypatch.setattr(cluster.jobs.inputs, "resolve_model",
+                        lambda model, *_, **__: asked.append(model.model_name_or_path))
+    for name in ("RAYRL_TEST_SHARED", "RAYRL_FAST_TESTS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    conftest.pytest_sessionstart(None)
+    assert asked == (["/s/tool_caller", "smollm2"] if made else [])
+    if made:
+        monkeypatch.setattr(conftest, "made_tool_caller", lambda path: 1 / 0)
+        conftest.pytest_sessionstart(None)  # no raise: the Ray tier's fixture makes it then
+        assert "not made ahead (ZeroDivisionError" in capsys.readouterr().out
