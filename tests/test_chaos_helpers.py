@@ -27,3 +27,26 @@ def test_the_actor_finder_finds_this_runs_actors_alone(tmp_path):
         mine.kill()
         os.kill(orphan, signal.SIGKILL)
         mine.wait()
+
+
+def test_a_watch_among_given_processes_reads_their_titles_alone_and_catches_a_short_call(monkeypatch):
+    """``signal_when`` with ``among`` (the fault tests': the cluster's own actors) reads only those processes'
+    titles, never a listing of the machine's, and so catches a call of 2 ms that comes every 20 ms (a
+    reference worker scoring the tiny model's rows) within its first few calls."""
+    import tests.chaos as chaos
+
+    cls = f"ShortCall{os.getpid()}"
+    child = ("import setproctitle, sys, time\n"
+             "while True:\n"
+             "    setproctitle.setproctitle(f'ray::{sys.argv[1]}.score')\n"
+             "    time.sleep(0.002)\n"
+             "    setproctitle.setproctitle(f'ray::{sys.argv[1]}')\n"
+             "    time.sleep(0.018)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child, cls])
+    try:
+        monkeypatch.setattr(chaos, "actor_pids", lambda *a, **k: 1 / 0)  # a listing: the watch dies, nothing sent
+        done = chaos.signal_when(cls, "score", signal.SIGKILL, timeout_s=10.0, among={proc.pid})
+        assert proc.wait(timeout=10) == -signal.SIGKILL and done["pid"] == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()

@@ -69,8 +69,8 @@ def _run(path, kills=(), snapshot_every=1, prompts=4, n=2, algo=None, staleness=
 
     def logger(m):
         for step, cls, method, sig in kills:
-            if m["step"] == step:  # a kill at any moment ("") may pick only this cluster's actors, not kept idle ones
-                signal_when(cls, method, sig, among=None if method else _pids(backend.cluster, cls))
+            if m["step"] == step:  # only this cluster's actors (not kept idle ones), their titles alone read
+                signal_when(cls, method, sig, among=_pids(backend.cluster, cls))
 
     try:
         state = train(backend, make_prompt_source(ITEMS, seed=4), constant_schedule(algo or grpo(kl_coef=0.05)),
