@@ -162,12 +162,17 @@ def run_tiers(args: list) -> int:
     with tempfile.TemporaryDirectory(prefix="rayrl-test-") as reports:
         beside_xml, ray_xml, beside_log = (os.path.join(reports, n) for n in ("beside.xml", "ray.xml", "beside.log"))
         shared = {SHARED_ENV: os.path.join(reports, "shared")}  # made once for both tiers (tests/conftest.py)
+        # one torch thread beside: in the idle class a thread of two is often preempted, and the other spins at
+        # the pair's barriers. Two threads there made the tool caller in 273 s, while the Ray tier's default job
+        # beside it took 148 s against 136 without it
+        threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
         start = time.time()
         with open(beside_log, "w") as log:
             # a cache of its own, where there is a cache (pytest warns of the option without one)
             cache = [] if "no:cacheprovider" in rest else ["-o", "cache_dir=.pytest_cache/beside"]
             beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, *cache, *rest, f"--junitxml={beside_xml}"]),
-                                      env={**os.environ, **shared, FAST_ENV: "1"}, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **shared, **threads, FAST_ENV: "1"}, stdout=log,
+                                      stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, preexec_fn=lower_priority)
             ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
             ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),

@@ -87,7 +87,8 @@ def record(name):
     with open(os.path.join(os.path.dirname(__file__), name + ".json"), "w") as f:
         json.dump({"nice": os.nice(0), "policy": os.sched_getscheduler(0), "fast": os.environ.get("RAYRL_FAST_TESTS"),
                    "beside": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid(),
-                   "shared": os.environ.get("RAYRL_TEST_SHARED")}, f)
+                   "shared": os.environ.get("RAYRL_TEST_SHARED"),
+                   "threads": os.environ.get("OMP_NUM_THREADS")}, f)
 
 @pytest.mark.ray
 def test_with_ray():
@@ -123,6 +124,7 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     env.pop(suite.NICE_ENV, None)
     env.pop(suite.FAST_ENV, None)
     env.pop("RAYRL_TEST_ONE_PROCESS", None)
+    env.pop("OMP_NUM_THREADS", None)
     run = subprocess.run([sys.executable, "-m", "tests.suite", str(tmp_path), "-q", "-p", "no:cacheprovider",
                           f"--junitxml={tmp_path / 'all.xml'}", "--durations=2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -137,6 +139,8 @@ def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
     assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == "1"
     assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"] == seen["slow_no_ray"]["pid"]
     assert seen["ray"]["beside"] == seen["slow"]["beside"] == str(seen["fast"]["pid"])
+    assert seen["fast"]["threads"] == seen["slow_no_ray"]["threads"] == "1"  # one torch thread in the idle class
+    assert seen["ray"]["threads"] == seen["slow"]["threads"] is None  # the caller's (none set here)
     shared = {record["shared"] for record in seen.values()}  # one directory for both tiers, gone after the run
     assert len(shared) == 1 and None not in shared and not os.path.exists(shared.pop())
     names = sorted(node.rsplit("::", 1)[1] for _, node, _ in suite.read_cases(str(tmp_path / "all.xml")))
