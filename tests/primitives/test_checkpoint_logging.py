@@ -105,7 +105,7 @@ def test_the_curves_panels_leave_room_for_what_they_draw(keys):
     page = fig.bbox
     boxes = [ax.get_tightbbox(renderer) for ax in fig.axes if ax.axison]
     assert len(boxes) == len(keys)
-    title = fig._suptitle.get_window_extent(renderer)
+    (title,) = [text.get_window_extent(renderer) for text in fig.texts]  # the figure's one text: its title
     for i, box in enumerate(boxes):
         assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, (keys[i], box)
         assert not box.overlaps(title), keys[i]
