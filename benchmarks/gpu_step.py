@@ -198,7 +198,7 @@ def _step(args, scratch: str) -> dict:
     n_matmul = matmul_params(plain)
     items = make_arithmetic_task(ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0))[0]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.group, decode=args.decode)
-    decode = decode_mode(trainer.ds.module, args.decode, device)
+    decode = decode_mode(trainer.ds.module, args.decode, device, args.prompts * args.group, args.max_new_tokens)
     flops, bandwidth = machine_rates(device, dtype)
 
     def decode_floor(rollouts) -> float:  # compute, or the weights read once per decode step, whichever is more
@@ -209,7 +209,8 @@ def _step(args, scratch: str) -> dict:
     # HF generate on the weights in the run's dtype (a bf16 copy on a GPU)
     gen_model = (plain if dtype == torch.float32 else copy.deepcopy(plain).to(dtype)).eval()
     ours, plain_runs = _alternate(lambda: trainer.generate(items, gen),
-                                  lambda: plain_generate(gen_model, tokenizer, items, gen, device, decode != "eager"),
+                                  lambda: plain_generate(gen_model, tokenizer, items, gen, device,
+                                                                 decode in ("static", "captured")),
                                   device, args.repeats)
     rollouts = ours[-1][1]
     kept = trainer.ds.module.__dict__.get(static_decode.STATE, {}).get("cache")  # the static path really ran

@@ -24,11 +24,13 @@ prompt end to end in one process (``create_rollout``) for notebooks.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
+from primitives.model import packed_decode, static_decode
 from primitives.model.prompts import encode_prompts
 from primitives.padding import left_pad, position_ids_from_mask
 from primitives.types import GenerationConfig, Rollout, group_id, make_uid
@@ -172,25 +174,27 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
     was_training = model.training
     model.eval()
     rows_np = np.concatenate([ids_np, mask_np], 1)
-    steps = decode_steps(model, ids, mask, config, lambda i, m, p: _prefill(model, rows_np, i, m, p))
-    feed = None
-    for t in range(config.max_new_tokens):
-        logits = steps.first() if t == 0 else steps.next(feed, active)
-        tokens, logp = sample_next(logits, config, generator)
-        tokens, logp = tokens.cpu(), logp.cpu()
-        out_tokens[active, t], out_logp[active, t], lengths[active] = tokens[active], logp[active], t + 1
-        stopped = active & torch.isin(tokens, stop_ids)
-        for i in torch.nonzero(stopped).flatten().tolist():
-            reasons[i] = "stop"
-        active &= ~stopped
-        if config.stop:
-            for i in torch.nonzero(active).flatten().tolist():
-                keep = _stop_cut(tokenizer, out_tokens[i, : t + 1].tolist(), config.stop)
-                if keep is not None:
-                    active[i], reasons[i], lengths[i] = False, "stop", keep
-        if not active.any():
-            break
-        feed = torch.where(active, tokens, torch.full_like(tokens, tokenizer.pad_token_id))
+    mode = static_decode.decode_mode(model, config.decode, device, B, config.max_new_tokens)
+    with _packed(model, mode, B):
+        steps = decode_steps(model, ids, mask, config, lambda i, m, p: _prefill(model, rows_np, i, m, p), mode)
+        feed = None
+        for t in range(config.max_new_tokens):
+            logits = steps.first() if t == 0 else steps.next(feed, active)
+            tokens, logp = sample_next(logits, config, generator)
+            tokens, logp = tokens.cpu(), logp.cpu()
+            out_tokens[active, t], out_logp[active, t], lengths[active] = tokens[active], logp[active], t + 1
+            stopped = active & torch.isin(tokens, stop_ids)
+            for i in torch.nonzero(stopped).flatten().tolist():
+                reasons[i] = "stop"
+            active &= ~stopped
+            if config.stop:
+                for i in torch.nonzero(active).flatten().tolist():
+                    keep = _stop_cut(tokenizer, out_tokens[i, : t + 1].tolist(), config.stop)
+                    if keep is not None:
+                        active[i], reasons[i], lengths[i] = False, "stop", keep
+            if not active.any():
+                break
+            feed = torch.where(active, tokens, torch.full_like(tokens, tokenizer.pad_token_id))
     model.train(was_training)
 
     results = []
@@ -200,6 +204,11 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
         results.append(GenerationOutput(comp, out_logp[i, :n].numpy().astype(np.float32), reasons[i],
                                         tokenizer.decode(comp.tolist(), skip_special_tokens=True)))
     return results
+
+
+def _packed(model, mode: str, rows: int):
+    """``packed_linears`` over the block when ``mode`` is ``packed``, else nothing."""
+    return packed_decode.packed_linears(model, rows) if mode == "packed" else nullcontext()
 
 
 class EagerSteps:
@@ -225,13 +234,10 @@ class EagerSteps:
         return out.logits[:, -1, :]
 
 
-def decode_steps(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig, prefill):
-    """The batch's decode: eager, or over a static cache, compiled or not (``config.decode``,
-    ``primitives.model.static_decode``)."""
-    from primitives.model import static_decode
-
-    mode = static_decode.decode_mode(model, config.decode, ids.device)
-    if mode == "eager":
+def decode_steps(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig, prefill, mode: str):
+    """The batch's decode in ``mode`` (``static_decode.decode_mode``): eager (its layers packed or
+    not, ``primitives.model.packed_decode``), or over a static cache, compiled or not."""
+    if mode in ("eager", "packed"):
         return EagerSteps(model, ids, mask, prefill)
     forward = static_decode.compiled_forward(model) if mode == "captured" else None
     return static_decode.StaticSteps(model, ids, mask, config.max_new_tokens, prefill, forward)
@@ -284,12 +290,15 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
     prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items], config.template_kwargs)
     rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
     step = batch_size or len(rows)
+    device = next(model.parameters()).device
+    mode = static_decode.decode_mode(model, config.decode, device, min(step, len(rows)), config.max_new_tokens)
     rollouts = []
-    for start in range(0, len(rows), step):
-        chunk = rows[start: start + step]
-        outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
-        for (it, ids, k), o in zip(chunk, outs):
-            rollouts.append(pack_rollout(it, ids, o, k, policy_version))
+    with _packed(model, mode, min(step, len(rows))):  # once for all the chunks
+        for start in range(0, len(rows), step):
+            chunk = rows[start: start + step]
+            outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
+            for (it, ids, k), o in zip(chunk, outs):
+                rollouts.append(pack_rollout(it, ids, o, k, policy_version))
     return rollouts
 
 

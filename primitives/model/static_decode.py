@@ -19,9 +19,11 @@ and their keys and values are copied into the static cache. The tokens and logpr
 eager loop's for the same seed (the logits differ in the last bits: attention sums over masked
 columns too; tested on CPU, where the static cache runs uncompiled).
 
-Modes (``GenerationConfig.decode``): ``eager``; ``static`` (this cache, uncompiled);
-``captured`` (compiled; on CUDA with CUDA graphs); ``auto``: ``captured`` on CUDA for a
-transformers model whose class supports a static cache, else ``eager``.
+Modes (``GenerationConfig.decode``): ``eager``; ``packed`` (the eager loop with the linear
+layers' weights packed for oneDNN, CPU only: ``primitives.model.packed_decode``); ``static`` (this
+cache, uncompiled); ``captured`` (compiled; on CUDA with CUDA graphs); ``auto``: ``captured`` on
+CUDA for a transformers model whose class supports a static cache, ``packed`` on a CPU for a batch
+that pays the packing back (``packed_decode.worth_packing``), else ``eager``.
 """
 from __future__ import annotations
 
@@ -67,12 +69,25 @@ def supports_static_cache(model) -> bool:
     return full and bool(getattr(base, "_can_compile_fullgraph", False))
 
 
-def decode_mode(model, requested: str, device: torch.device) -> str:
-    """The mode a batch decodes in: ``requested``, with ``auto`` resolved (see the module)."""
+def decode_mode(model, requested: str, device: torch.device, rows: int = 0, new_tokens: int = 0) -> str:
+    """The mode a batch of ``rows`` rows and up to ``new_tokens`` tokens decodes in: ``requested``,
+    with ``auto`` resolved (see the module; ``packed``: ``primitives.model.packed_decode``)."""
+    from primitives.model import packed_decode
+
     if requested not in DECODE_MODES:
         raise ValueError(f"GenerationConfig.decode must be one of {DECODE_MODES}, got {requested!r}")
     if requested == "auto":
-        return "captured" if device.type == "cuda" and supports_static_cache(model) else "eager"
+        if device.type == "cuda":
+            return "captured" if supports_static_cache(model) else "eager"
+        cpu = device.type == "cpu" and packed_decode.worth_packing(model, rows, new_tokens)
+        return "packed" if cpu else "eager"
+    if requested == "packed":
+        if device.type != "cpu" or not packed_decode.can_pack(model):
+            raise ValueError(f"GenerationConfig.decode='packed' packs float32 linear layers of "
+                             f"{packed_decode.PACK_MIN_BYTES >> 20} MiB or more for oneDNN on a CPU; "
+                             f"{type(model).__name__} on {device} has none (or this torch lacks oneDNN): use "
+                             f"decode='eager' or 'auto'")
+        return requested
     if requested != "eager" and not supports_static_cache(model):
         raise ValueError(f"GenerationConfig.decode={requested!r}: {type(model).__name__} does not take a static "
                          f"cache (transformers 5, _can_compile_fullgraph, full attention in every layer); use "

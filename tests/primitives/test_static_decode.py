@@ -63,7 +63,7 @@ def test_a_traced_step_compiles_once_per_bucket(tiny_model, tokenizer, monkeypat
     torch._dynamo.reset()
     real = static_decode.compiled_forward
     monkeypatch.setattr(static_decode, "compiled_forward", lambda model: real(model, backend="eager"))
-    monkeypatch.setattr(static_decode, "decode_mode", lambda model, requested, device: requested)
+    monkeypatch.setattr(static_decode, "decode_mode", lambda model, requested, *shape: requested)
     counters = dynamo.utils.counters
     counters.clear()
     eager = _rollouts(tiny_model, tokenizer, "eager", n=1)

@@ -1,0 +1,193 @@
+"""Decoding with the linear layers' weights packed for oneDNN (``primitives.model.packed_decode``):
+the eager loop's tokens and logprobs for the same seed, weights read anew at every call, the
+layers given back their own forward, autograd left alone, and the batches ``auto`` packs."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from primitives.io.data import PromptItem
+from primitives.model import packed_decode
+from primitives.model.generation import generate_rollouts, generate_tokens
+from primitives.model.logprobs import rollout_logprobs
+from primitives.model.packed_decode import packed_linears
+from primitives.model.static_decode import decode_mode
+from primitives.types import GenerationConfig
+
+PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def _rollouts(model, tokenizer, decode, n=3, batch_size=None, **kwargs):
+    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS)]
+    cfg = GenerationConfig(max_new_tokens=12, n=n, decode=decode, **kwargs)
+    return generate_rollouts(model, tokenizer, items, cfg, generator=torch.Generator().manual_seed(0),
+                             batch_size=batch_size)
+
+
+@pytest.fixture(autouse=True)
+def small_weights_pack(monkeypatch):
+    """The tiny model's weights are far under ``PACK_MIN_BYTES``: here every size packs."""
+    monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 0)
+
+
+@pytest.fixture
+def products(monkeypatch):
+    """Counts of the packed products and of the weights packed while the test runs."""
+    counts = {"products": 0, "packed": 0}
+    real_product, real_pack = packed_decode.packed_product, packed_decode.pack
+
+    def product(*args):
+        counts["products"] += 1
+        return real_product(*args)
+
+    def pack(*args):
+        counts["packed"] += 1
+        return real_pack(*args)
+
+    monkeypatch.setattr(packed_decode, "packed_product", product)
+    monkeypatch.setattr(packed_decode, "pack", pack)
+    return counts
+
+
+def _linears(model) -> int:
+    return sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
+                                      {"temperature": 0.0}], ids=["t1", "t0.7-topk", "greedy"])
+def test_packed_layers_sample_what_the_eager_loop_samples(tiny_model, tokenizer, products, sampling):
+    """12 rows of prompts of 4 widths, shared prefills, q/k/v with biases (Qwen2): the same tokens,
+    finish reasons and logprobs (within 1e-5) as the eager loop from the same seed, and the
+    logprobs are what the trainer recomputes; every linear layer ran packed at every forward."""
+    eager = _rollouts(tiny_model, tokenizer, "eager", **sampling)
+    assert products == {"products": 0, "packed": 0}
+    packed = _rollouts(tiny_model, tokenizer, "packed", **sampling)
+    assert [r.completion_ids.tolist() for r in packed] == [r.completion_ids.tolist() for r in eager]
+    assert [r.finish_reason for r in packed] == [r.finish_reason for r in eager]
+    if sampling == {"temperature": 1.0}:
+        assert len({r.num_tokens for r in eager}) > 1  # rows ended at different steps (eos)
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(packed, eager)) < 1e-5
+    recomputed = rollout_logprobs(tiny_model, packed, tokenizer.pad_token_id, sampling["temperature"] or 1.0)
+    assert max(float(np.abs(a - r.logprobs).max()) for a, r in zip(recomputed, packed)) < 1e-4
+    layers, forwards = _linears(tiny_model), max(r.num_tokens for r in eager)  # a prefill, then a step a token
+    assert products["packed"] == layers == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    assert products["products"] == layers * forwards
+
+
+def test_a_call_packs_the_weights_as_they_are_then(tiny_model, tokenizer):
+    """Weights changed in place between two calls (as a sync's copy writes them, through ``.data``,
+    which no version counter sees) are the ones the next call samples from."""
+    model = copy.deepcopy(tiny_model)
+    before = _rollouts(model, tokenizer, "packed", n=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(p.data * 1.5 + 0.01)
+    after_packed = _rollouts(model, tokenizer, "packed", n=2)
+    after_eager = _rollouts(model, tokenizer, "eager", n=2)
+    assert [r.completion_ids.tolist() for r in after_packed] == [r.completion_ids.tolist() for r in after_eager]
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(after_packed, after_eager)) < 1e-5
+    assert [r.completion_ids.tolist() for r in after_packed] != [r.completion_ids.tolist() for r in before]
+
+
+def test_chunks_of_one_call_share_one_packing(tiny_model, tokenizer, products):
+    """``batch_size`` 4 decodes the 12 rows in 3 batches; the weights are packed once for them all."""
+    chunked = _rollouts(tiny_model, tokenizer, "packed", batch_size=4)
+    assert products["packed"] == _linears(tiny_model)
+    whole = _rollouts(tiny_model, tokenizer, "eager", batch_size=4)
+    assert [r.completion_ids.tolist() for r in chunked] == [r.completion_ids.tolist() for r in whole]
+
+
+def test_the_block_gives_the_layers_back(tiny_model):
+    """Inside, every linear layer has a forward of its own and a nested block packs nothing;
+    after it, even when it ends in an error, no layer keeps one and no mark stays on the model."""
+    layers = [m for m in tiny_model.modules() if type(m) is torch.nn.Linear]
+    with pytest.raises(RuntimeError, match="inside"):
+        with packed_linears(tiny_model, rows=4) as count:
+            assert count == len(layers) and all("forward" in m.__dict__ for m in layers)
+            with packed_linears(tiny_model) as inner:
+                assert inner == 0
+            assert all("forward" in m.__dict__ for m in layers)  # the inner block took nothing away
+            raise RuntimeError("inside")
+    assert not any("forward" in m.__dict__ for m in tiny_model.modules())
+    assert packed_decode.ACTIVE not in tiny_model.__dict__
+
+
+def test_products_and_gradients_inside_the_block(products):
+    """A layer with a bias: the packed product equals ``F.linear`` on 1-D, 2-D and 3-D inputs and on a
+    transposed one; with grad on and a weight that trains, autograd's own product runs and its
+    gradients are the ones outside the block."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40)
+    inputs = [torch.randn(24), torch.randn(5, 24), torch.randn(2, 3, 24), torch.randn(24, 6).t()]
+    with torch.no_grad():
+        plain = [layer(x) for x in inputs]
+    x = torch.randn(6, 24)
+    layer(x).square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    with packed_linears(layer, rows=5) as count:
+        assert count == 1
+        with torch.no_grad():
+            for p, y in zip(inputs, plain):
+                assert _close(layer(p), y)
+        seen = products["products"]
+        layer(x).square().sum().backward()
+        assert products["products"] == seen == len(inputs)
+    for p, g in zip(layer.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+
+
+def test_what_is_not_packed(tiny_model, monkeypatch):
+    """Weights under ``PACK_MIN_BYTES`` (16 MiB: a 4096 x 1024 float32 weight packs, 4095 x 1024
+    does not), bfloat16 weights, a subclass of Linear (its forward may do more) and ZeRO-3's
+    partitioned parameters (``ds_id``: no weight between forwards) are left alone."""
+    monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 16 << 20)
+    sizes = torch.nn.Sequential(torch.nn.Linear(1024, 4096, bias=False), torch.nn.Linear(1024, 4095, bias=False))
+    with packed_linears(sizes) as count:
+        assert count == 1 and "forward" in sizes[0].__dict__ and "forward" not in sizes[1].__dict__
+    assert not packed_decode.can_pack(tiny_model)
+    monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 0)
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert not packed_decode.can_pack(torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16)))
+    assert not packed_decode.can_pack(torch.nn.Sequential(Scaled(4, 4)))
+    mixed = torch.nn.Sequential(Scaled(4, 4), torch.nn.Linear(4, 4))
+    with packed_linears(mixed) as count:
+        assert count == 1 and "forward" not in mixed[0].__dict__
+    zero3 = copy.deepcopy(tiny_model)
+    next(zero3.parameters()).ds_id = 0
+    assert packed_decode.can_pack(tiny_model) and not packed_decode.can_pack(zero3)
+
+
+def test_modes(tiny_model):
+    """``auto`` packs on a CPU from 8 rows and 8 new tokens; ``packed`` is refused where nothing packs."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    rows, steps = packed_decode.PACK_MIN_ROWS, packed_decode.PACK_MIN_STEPS
+    assert decode_mode(tiny_model, "auto", cpu, rows, steps) == "packed"
+    assert decode_mode(tiny_model, "auto", cpu, rows - 1, steps) == "eager"
+    assert decode_mode(tiny_model, "auto", cpu, rows, steps - 1) == "eager"
+    assert decode_mode(tiny_model, "auto", cuda, rows, steps) == "captured"
+    assert decode_mode(tiny_model, "eager", cpu, rows, steps) == "eager"
+    assert decode_mode(tiny_model, "packed", cpu, 1, 1) == "packed"
+    with pytest.raises(ValueError, match="decode='packed' packs float32 linear layers .* on cuda"):
+        decode_mode(tiny_model, "packed", cuda)
+    with pytest.raises(ValueError, match="Sequential on cpu has none"):
+        decode_mode(torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16)), "packed", cpu)
+
+
+def test_auto_packs_a_big_batch_and_not_a_single_row(tiny_model, tokenizer, products):
+    """Through ``generate_tokens``: 12 rows x 12 tokens pack, one row (a tool turn) does not."""
+    ids = [np.array([5, 6, 7])] * 12
+    generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=12), torch.Generator().manual_seed(0))
+    assert products["packed"] == _linears(tiny_model)
+    generate_tokens(tiny_model, tokenizer, ids[:1], GenerationConfig(max_new_tokens=12),
+                    torch.Generator().manual_seed(0))
+    assert products["packed"] == _linears(tiny_model)
