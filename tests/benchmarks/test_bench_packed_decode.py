@@ -1,0 +1,23 @@
+"""benchmarks/bench_packed_decode.py on the tiny model in a subprocess (it sets the process up as an
+actor's): both modes sample, the packing packs every layer when told to, and the figures print."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.no_ray
+def test_bench_packed_decode_runs_on_the_tiny_model():
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/bench_packed_decode.py", "--model", "tiny", "--repeats", "1",
+                           "--threads", "1", "--min-mib", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    # the tiny Qwen2: 2 layers x 7 projections + the head; one round sampled alike in both modes
+    assert re.search(r"packed / eager \d+\.\d+ \(median of 1 rounds\); 22 layers of >= 0 MiB packed", line), line
+    assert line.endswith("the same tokens in 1 of 1 rounds"), line
