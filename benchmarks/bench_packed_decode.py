@@ -61,8 +61,8 @@ def main():
             pack.append(time.perf_counter() - t0)
     ratio = median([p / e for p, e in zip(times["packed"], times["eager"])])
     print(table([[m, f"{median(t):.3f}"] for m, t in times.items()], ["decode", "median s"]))
-    print(f"packed / eager {ratio:.3f} (median of {args.repeats} rounds); {layers} layers of "
-          f">= {packed_decode.PACK_MIN_BYTES / (1 << 20):g} MiB packed in {1e3 * median(pack):.0f} ms; "
+    print(f"packed / eager {ratio:.3f} (median of {args.repeats} rounds); layers of "
+          f">= {packed_decode.PACK_MIN_BYTES / (1 << 20):g} MiB packed: {layers}, in {1e3 * median(pack):.0f} ms; "
           f"{median(tokens):.0f} tokens a round; the same tokens in {same} of {args.repeats} rounds")
 
 

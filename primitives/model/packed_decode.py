@@ -19,9 +19,10 @@ autograd would need it (grad mode on and an input or weight that requires grad) 
 that are not float32.
 
 On SmolLM2 only the head is that large: generating 4 chat prompts x 8 samples x 16 tokens took
-0.837 of the eager loop's time (median of 6 paired rounds, packing included, 80 ms of it); packing
-every layer as well was no faster (0.87). The products differ from ``F.linear``'s in the last bits
-(another summation order), as a kernel chosen for another batch size does.
+0.84-0.91 of the eager loop's time (paired rounds, packing included, 80 ms of it;
+``benchmarks/bench_packed_decode.py``); packing every layer as well was no faster (0.87-0.94). The
+products differ from ``F.linear``'s in the last bits (another summation order), as a kernel chosen
+for another batch size does.
 """
 from __future__ import annotations
 
