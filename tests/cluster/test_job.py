@@ -257,7 +257,7 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
     text = str(e.value)
     for part in ("cluster.zero_stage must be 1, 2 or 3", "cluster.generators must be at least 1",
                  "generation.temperature must be > 0", "cluster.critics must be at least 1",
-                 "generation.decode must be one of auto, eager, static, captured, got 'fast'"):
+                 "generation.decode must be one of auto, eager, packed, static, captured, got 'fast'"):
         assert part in text
     with pytest.raises(ConfigErrors, match="sft.path is required"):
         run_sft(SFTJob(logging=LoggingConfig(out=str(tmp_path))))
