@@ -76,17 +76,36 @@ def init_sync_group(address: SyncAddress, rank: int, timeout_s: float = 300.0):
 
 ABANDONED_KEY = "rayrl-sync-abandoned-"  # + a group's token: in Ray's key-value store once the driver gave it up
 T = TypeVar("T")
+_MARKED: list = []  # the tokens this process marked given up (abandon_sync_group), until forget_abandoned
 
 
-def abandon_sync_group(address: SyncAddress) -> None:
+def abandon_sync_group(address: SyncAddress, driver: bool = True) -> None:
     """The members still forming ``address``'s group leave it (``join_unless_abandoned``). Called by
     the driver when one of them died, stopped or raised while the group formed, and by a member
-    whose own join raised: the others would wait for it in the rendezvous until its timeout
-    (minutes), every later call to them queued behind."""
+    whose own join raised (``driver=False``): the others would wait for it in the rendezvous until
+    its timeout (minutes), every later call to them queued behind. The driver remembers its marks
+    for ``forget_abandoned``; a member's mark is the driver's too (its join failing makes the
+    driver mark the group)."""
     if address.token:
         from ray.experimental.internal_kv import _internal_kv_put
 
         _internal_kv_put((ABANDONED_KEY + address.token).encode(), b"1", overwrite=True)
+        if driver:
+            _MARKED.append(address.token)
+
+
+def forget_abandoned() -> int:
+    """Delete the marks this process left in Ray's key-value store (``abandon_sync_group``); how
+    many. The driver calls it once a group has formed after them: every member of that group had
+    left the given-up join before it joined (an actor answers its calls one after the other), and
+    the given-up group's other members are dead or gone from the cluster, so nobody reads the marks
+    again. A job that ends right after a given-up forming leaves its mark (a few bytes)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    forgotten = 0
+    while _MARKED:
+        forgotten += bool(_internal_kv_del((ABANDONED_KEY + _MARKED.pop()).encode()))
+    return forgotten
 
 
 def abandoned_by_driver(address: SyncAddress) -> Optional[Callable[[], bool]]:
@@ -113,7 +132,8 @@ def join_sync_group(join: Callable[[], T], address: SyncAddress) -> Optional[T]:
     """A member's ``join()`` of ``address``'s group (``join_unless_abandoned``, watching the driver's
     mark in a Ray actor); a join that raises gives the group up itself, so the other members leave
     at once: the driver's wait ends at once on a dead member, not on one that raised."""
-    return join_unless_abandoned(join, abandoned_by_driver(address), give_up=lambda: abandon_sync_group(address))
+    return join_unless_abandoned(join, abandoned_by_driver(address),
+                                 give_up=lambda: abandon_sync_group(address, driver=False))
 
 
 def join_unless_abandoned(join: Callable[[], T], abandoned: Optional[Callable[[], bool]],

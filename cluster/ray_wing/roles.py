@@ -33,7 +33,7 @@ from cluster.ray_wing.startup import UserFunctions, create_roles, start_roles, w
 from primitives.types import ModelConfig
 from rl_actors.common import environ
 from rl_actors.trainer import TrainerConfig
-from rl_actors.weight_sync import SyncAddress, abandon_sync_group
+from rl_actors.weight_sync import SyncAddress, abandon_sync_group, forget_abandoned
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -299,6 +299,7 @@ def join_weight_sync(cluster: RLCluster) -> RLCluster:
     except BaseException:  # the members waiting in the rendezvous for the one that failed leave it at once
         abandon_sync_group(sync)
         raise
+    forget_abandoned()  # every member left the given-up joins before this one: their marks are read no more
     return cluster._replace(sync_address=sync)
 
 

@@ -93,18 +93,21 @@ def test_a_member_dead_as_the_sync_group_forms_frees_the_others_at_once(ray_loca
     so trainer rank 0 and both reference ranks, which wait in the rendezvous for the generator,
     leave it and answer at once. Before, they waited out the rendezvous's 300 s timeout, and the
     recovery's next call to trainer rank 0 timed out (a chaos run failed so). The generator
-    replaced, the group forms again; the sync reaches the new generator and leaves the
-    references where they were."""
+    replaced, the group forms again, and the given-up group's mark leaves Ray's key-value store;
+    the sync reaches the new generator and leaves the references where they were."""
     import time
 
     from ray.exceptions import RayActorError
+    from ray.experimental.internal_kv import _internal_kv_list
 
     from cluster.ray_wing.groups import ActorFailure, call
     from cluster.ray_wing.replace import swap_actor
     from cluster.ray_wing.roles import join_weight_sync
     from cluster.ray_wing.weights import sync_weights
+    from rl_actors.weight_sync import ABANDONED_KEY
 
     refs = _checksums(cluster.reference.group)
+    marks = set(_internal_kv_list(ABANDONED_KEY))
     dead = cluster.generators.group.actors[0]
     ray_local.kill(dead, no_restart=True)
     with pytest.raises(RayActorError):
@@ -116,7 +119,9 @@ def test_a_member_dead_as_the_sync_group_forms_frees_the_others_at_once(ray_loca
         join_weight_sync(cluster)
     gather([call(cluster.trainers, 0, "endpoint")] + fan_out(cluster.reference.group, "info"), 30)
     assert time.monotonic() - t0 < 30
+    assert len(set(_internal_kv_list(ABANDONED_KEY)) - marks) == 1  # the given-up group's mark
     replaced = join_weight_sync(swap_actor(cluster, "generator", 0))
+    assert set(_internal_kv_list(ABANDONED_KEY)) <= marks  # read no more once a group formed after it: deleted
     sync_weights(replaced, version=1, move_reference=False)
     assert _checksums(replaced.generators.group) == _checksums(replaced.trainers)
     assert _checksums(replaced.reference.group) == refs

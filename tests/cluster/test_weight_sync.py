@@ -122,3 +122,28 @@ def test_a_rendezvous_given_up_is_left_at_once_and_one_that_completes_is_kept():
     assert started == []
     assert join_unless_abandoned(lambda: 7, None) == 7  # nothing to watch (outside an actor): joined here
     assert abandoned_by_driver(address) is None  # not in a Ray actor
+
+
+def test_the_driver_forgets_its_marks_and_only_its_own(monkeypatch):
+    """``abandon_sync_group`` writes a group's mark; ``forget_abandoned`` deletes the marks the driver
+    wrote since the last call, once each, and none that a member wrote (``driver=False``: the
+    driver marks that group too, when its join fails) or that another process wrote; a group
+    without a token leaves none."""
+    import ray.experimental.internal_kv as kv
+
+    from rl_actors import weight_sync
+    from rl_actors.weight_sync import ABANDONED_KEY, abandon_sync_group, forget_abandoned
+
+    store = {(ABANDONED_KEY + "other-driver").encode(): b"1"}
+    monkeypatch.setattr(kv, "_internal_kv_put", lambda key, value, overwrite=False: store.__setitem__(key, value))
+    monkeypatch.setattr(kv, "_internal_kv_del", lambda key: int(store.pop(key, None) is not None))
+    monkeypatch.setattr(weight_sync, "_MARKED", [])
+    address = SyncAddress("127.0.0.1", 1, 2, "gloo")
+    abandon_sync_group(address._replace(token="a"))
+    abandon_sync_group(address._replace(token="b"))
+    abandon_sync_group(address._replace(token="m"), driver=False)
+    abandon_sync_group(address)  # no token: nothing to mark
+    assert sorted(store) == sorted(f"{ABANDONED_KEY}{t}".encode() for t in ("a", "b", "m", "other-driver"))
+    assert forget_abandoned() == 2
+    assert sorted(store) == sorted(f"{ABANDONED_KEY}{t}".encode() for t in ("m", "other-driver"))
+    assert forget_abandoned() == 0
