@@ -68,7 +68,7 @@ class GenerationConfig(NamedTuple):
     stop_token_ids: tuple = ()  # extra token ids that end a completion (e.g. <|im_end|>)
     template_kwargs: Optional[dict] = None  # extra chat-template variables, e.g. {"enable_thinking": False}
     # HF decode loop: "auto" (captured on CUDA where the model allows a static cache; packed on a CPU for
-    # a batch of 8+ rows and 8+ tokens; else eager), "eager", "packed" (eager, the linear weights of
+    # a batch of 8+ rows and 16+ tokens; else eager), "eager", "packed" (eager, the linear weights of
     # 16 MiB or more packed for oneDNN on a CPU), "static" (a static KV cache, uncompiled) or "captured"
     # (static + torch.compile; CUDA graphs on CUDA). vLLM ignores it (primitives.model.static_decode,
     # primitives.model.packed_decode)

@@ -99,12 +99,20 @@ def forget_abandoned() -> int:
     many. The driver calls it once a group has formed after them: every member of that group had
     left the given-up join before it joined (an actor answers its calls one after the other), and
     the given-up group's other members are dead or gone from the cluster, so nobody reads the marks
-    again. A job that ends right after a given-up forming leaves its mark (a few bytes)."""
+    again. A job that ends right after a given-up forming leaves its mark (a few bytes). Best effort:
+    a mark the store could not delete now is kept for the next call, and the group that formed is
+    not failed for it. The marks are the process's, not a cluster's: one driver process running two
+    clusters at once could delete the other's fresh mark."""
     from ray.experimental.internal_kv import _internal_kv_del
 
-    forgotten = 0
+    forgotten, kept = 0, []
     while _MARKED:
-        forgotten += bool(_internal_kv_del((ABANDONED_KEY + _MARKED.pop()).encode()))
+        token = _MARKED.pop()
+        try:
+            forgotten += bool(_internal_kv_del((ABANDONED_KEY + token).encode()))
+        except Exception:  # the store unreachable for a moment
+            kept.append(token)
+    _MARKED.extend(kept)
     return forgotten
 
 

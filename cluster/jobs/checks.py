@@ -344,6 +344,10 @@ def rl_errors(job: RLJob) -> list:
         (0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1], got {gen.top_p}"),
         (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),
         (gen.decode in DECODE_MODES, f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {gen.decode!r}"),
+        (gen.decode != "packed" or not (job.cluster.trainer_gpus if job.cluster.generate_on_trainers
+                                        else job.cluster.generator_gpus),
+         "generation.decode packed packs weights for oneDNN on a CPU, and generation here runs on GPUs "
+         "(cluster.generator_gpus, or cluster.trainer_gpus with cluster.generate_on_trainers): use auto"),
         (ev.every >= 0, "eval.every must be >= 0"),
         (ev.k >= 1, f"eval.k must be at least 1, got {ev.k}"),
         (ev.temperature >= 0, f"eval.temperature must be >= 0, got {ev.temperature}"),

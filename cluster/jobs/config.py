@@ -114,7 +114,7 @@ class SamplingConfig(NamedTuple):
     top_k: int = 0  # top-k sampling (0: off)
     stop: tuple[str, ...] = ()  # stop strings; a completion ends after the first one (eos always ends it)
     # HF generators' decode loop: auto (a static KV cache captured in CUDA graphs on a GPU; on a CPU, weights of
-    # 16 MiB or more packed for oneDNN for 8+ rows and 8+ tokens; else eager), eager, packed, static or captured
+    # 16 MiB or more packed for oneDNN for 8+ rows and 16+ tokens; else eager), eager, packed, static or captured
     # (primitives.model.static_decode, primitives.model.packed_decode); vLLM has its own
     decode: str = "auto"
 

@@ -7,16 +7,19 @@ memory twice a product, and at a few rows that copy costs more than the product.
 weight already in its layout (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's CPU
 freezing uses). At 32 rows, 2 threads, fp32, here (32 MiB of L3): SmolLM2's 49k x 576 head (108 MiB)
 took 57 -> 22.6 ms, and weights of 16 to 128 MiB took 0.33-0.71 of their time, paying their packing
-back within 2.4 to 10.6 products; weights of 3 to 8 MiB took 0.58-0.65 but needed 10 to 16.
+back within 2.4 to 10.6 products; weights of 3 to 8 MiB took 0.58-0.65 but needed 10 to 16
+(docs/benchmarks.md, 2026-11-30).
 
 ``packed_linears(model)`` packs, once, every ``torch.nn.Linear`` whose weight is float32 on the CPU
 and at least ``PACK_MIN_BYTES``, and points the layer's forward at the packed copy until the block
 ends, when the layers get their own forward back and the copies are freed. The packing reads the
 weights as they are when the block starts, so a weight changed later (a sync, an optimizer step) is
 never served stale: a generation call packs anew. ``GenerationConfig.decode="auto"`` packs only
-batches that pay it back (``worth_packing``). Inside the block a layer runs its own forward where
-autograd would need it (grad mode on and an input or weight that requires grad) and for inputs
-that are not float32.
+batches of many rows and tokens (``worth_packing``), where the weights measured paid their packing
+back. The copies take memory while the call runs: on SmolLM2 only the head (108 MiB); on a model
+whose MLP weights are 16 MiB or more, nearly the model again. Inside the block a layer runs its own
+forward where autograd would need it (grad mode on and an input or weight that requires grad) and
+for inputs that are not float32 or not on the CPU.
 
 On SmolLM2 only the head is that large: generating 4 chat prompts x 8 samples x 16 tokens took
 0.84-0.91 of the eager loop's time (paired rounds, packing included, 80 ms of it;
@@ -33,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 # decode="auto" packs on a CPU a batch of at least PACK_MIN_ROWS rows and PACK_MIN_STEPS new tokens:
-# SmolLM2's head packs in 80 ms and saves 23 ms a step at 8 rows, 35 at 32, 9 at one row.
+# SmolLM2's head packs in 35-83 ms and saves 23 ms a product at 8 rows, 35 at 32, 9 at one row; the
+# weights of 16-128 MiB measured paid their packing back within 2.4-10.6 products at 32 rows.
 PACK_MIN_ROWS = 8
-PACK_MIN_STEPS = 8
+PACK_MIN_STEPS = 16
 PACK_MIN_BYTES = 16 << 20  # smaller weights pay their packing back only over 10 or more products (above)
 ACTIVE = "_rayrl_packed_linears"  # in the model's __dict__ while its layers run packed
 
@@ -44,9 +48,11 @@ def can_pack(model) -> bool:
     """oneDNN's packed linear is in this torch, and ``model`` has a packable layer: a
     ``torch.nn.Linear`` (not a subclass, whose forward may do more) with a float32 weight of at
     least ``PACK_MIN_BYTES`` on the CPU. ZeRO-3's partitioned parameters (``ds_id``) hold no weight
-    between forwards: never."""
+    between forwards: never. Inside a ``packed_linears`` block on ``model``: yes (packed already)."""
+    if model.__dict__.get(ACTIVE):
+        return True
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return False
@@ -59,8 +65,11 @@ def worth_packing(model, rows: int, new_tokens: int) -> bool:
 
 
 def _packable(module) -> bool:
+    """A plain ``nn.Linear`` with a large float32 CPU weight and the class's own forward (not one an
+    instance was given, as accelerate's hooks and an enclosing ``packed_linears`` set)."""
     w = getattr(module, "weight", None)
-    return (type(module) is torch.nn.Linear and w is not None and w.dtype == torch.float32
+    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and w is not None
+            and w.dtype == torch.float32
             and w.device.type == "cpu" and w.dim() == 2 and w.numel() > 0
             and w.numel() * w.element_size() >= PACK_MIN_BYTES)
 
@@ -69,7 +78,8 @@ def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor) -> Callable:
     weight, bias = layer.weight, layer.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad
                                                                       or (bias is not None and bias.requires_grad))):
             return F.linear(x, weight, bias)
         out = packed_product(x.reshape(-1, x.shape[-1]), packed, bias)
@@ -99,12 +109,14 @@ def packed_linears(model, rows: int = 0) -> Iterator[int]:
         return
     layers = [m for m in model.modules() if _packable(m)]
     model.__dict__[ACTIVE] = True
+    ours: dict = {}
     try:
         with torch.no_grad():
             for layer in layers:
-                layer.forward = _packed_forward(layer, pack(layer.weight, rows))
+                layer.forward = ours[id(layer)] = _packed_forward(layer, pack(layer.weight, rows))
         yield len(layers)
     finally:
         for layer in layers:
-            layer.__dict__.pop("forward", None)
+            if layer.__dict__.get("forward") is ours.get(id(layer)):  # not one set since by someone else
+                layer.__dict__.pop("forward", None)
         model.__dict__.pop(ACTIVE, None)

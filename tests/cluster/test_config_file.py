@@ -245,6 +245,24 @@ def test_which_generator_and_truncation_go_together(changes, refused):
 
 
 @pytest.mark.parametrize("cluster, refused", [
+    ({"generator_gpus": 1}, True),  # generator workers on GPUs
+    ({"generate_on_trainers": True, "generators": 0, "trainer_gpus": 1}, True),  # the trainer ranks on GPUs
+    ({"generate_on_trainers": True, "generators": 0, "generator_gpus": 1}, False),  # the generators' GPUs unused
+    ({"trainer_gpus": 1}, False),  # generator workers on the CPU
+    ({}, False),
+], ids=["generator-gpus", "trainer-gpus-generating", "generator-gpus-unused", "trainer-gpus-only", "cpu"])
+def test_packed_decoding_is_refused_where_generation_runs_on_gpus(cluster, refused):
+    from cluster.jobs.checks import rl_errors
+
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "generation": {"decode": "packed"},
+                                   "cluster": cluster})
+    errors = [e for e in rl_errors(job) if "generation.decode packed" in e]
+    assert errors == (["generation.decode packed packs weights for oneDNN on a CPU, and generation here runs on "
+                       "GPUs (cluster.generator_gpus, or cluster.trainer_gpus with cluster.generate_on_trainers): "
+                       "use auto"] if refused else []), errors
+
+
+@pytest.mark.parametrize("cluster, refused", [
     ({"generator_backend": "vllm", "vllm": {"tensor_parallel_size": 2}},
      "cluster.vllm.tensor_parallel_size 2 splits the model over GPUs; the generators run on CPU"),
     ({"generator_backend": "vllm", "generator_gpus": 2, "trainer_gpus": 1, "vllm": {"tensor_parallel_size": 2}},

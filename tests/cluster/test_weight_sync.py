@@ -128,7 +128,8 @@ def test_the_driver_forgets_its_marks_and_only_its_own(monkeypatch):
     """``abandon_sync_group`` writes a group's mark; ``forget_abandoned`` deletes the marks the driver
     wrote since the last call, once each, and none that a member wrote (``driver=False``: the
     driver marks that group too, when its join fails) or that another process wrote; a group
-    without a token leaves none."""
+    without a token leaves none; a delete the store fails is tried again at the next call, without
+    raising."""
     import ray.experimental.internal_kv as kv
 
     from rl_actors import weight_sync
@@ -147,3 +148,12 @@ def test_the_driver_forgets_its_marks_and_only_its_own(monkeypatch):
     assert forget_abandoned() == 2
     assert sorted(store) == sorted(f"{ABANDONED_KEY}{t}".encode() for t in ("m", "other-driver"))
     assert forget_abandoned() == 0
+    abandon_sync_group(address._replace(token="c"))  # the store fails the delete once: kept for the next call
+
+    def flaky_del(key):
+        monkeypatch.setattr(kv, "_internal_kv_del", lambda k: int(store.pop(k, None) is not None))
+        raise ConnectionError("GCS unreachable")
+
+    monkeypatch.setattr(kv, "_internal_kv_del", flaky_del)
+    assert forget_abandoned() == 0 and f"{ABANDONED_KEY}c".encode() in store
+    assert forget_abandoned() == 1 and f"{ABANDONED_KEY}c".encode() not in store

@@ -168,7 +168,7 @@ def test_what_is_not_packed(tiny_model, monkeypatch):
 
 
 def test_modes(tiny_model):
-    """``auto`` packs on a CPU from 8 rows and 8 new tokens; ``packed`` is refused where nothing packs."""
+    """``auto`` packs on a CPU from 8 rows and 16 new tokens; ``packed`` is refused where nothing packs."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     rows, steps = packed_decode.PACK_MIN_ROWS, packed_decode.PACK_MIN_STEPS
     assert decode_mode(tiny_model, "auto", cpu, rows, steps) == "packed"
@@ -184,10 +184,39 @@ def test_modes(tiny_model):
 
 
 def test_auto_packs_a_big_batch_and_not_a_single_row(tiny_model, tokenizer, products):
-    """Through ``generate_tokens``: 12 rows x 12 tokens pack, one row (a tool turn) does not."""
+    """Through ``generate_tokens``: 12 rows x 16 tokens pack; one row (a tool turn) and 12 rows x 15
+    tokens do not."""
     ids = [np.array([5, 6, 7])] * 12
-    generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=12), torch.Generator().manual_seed(0))
+    generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=16), torch.Generator().manual_seed(0))
     assert products["packed"] == _linears(tiny_model)
-    generate_tokens(tiny_model, tokenizer, ids[:1], GenerationConfig(max_new_tokens=12),
+    generate_tokens(tiny_model, tokenizer, ids[:1], GenerationConfig(max_new_tokens=16),
                     torch.Generator().manual_seed(0))
+    generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=15), torch.Generator().manual_seed(0))
     assert products["packed"] == _linears(tiny_model)
+
+
+def test_a_forward_set_by_someone_else_is_kept(products):
+    """A layer that already has a forward of its own (accelerate's hooks set one) is not packed and
+    keeps it; one given a forward by someone else inside the block keeps that one after it."""
+    torch.manual_seed(0)
+    hooked, other = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(hooked, other)
+    hook = hooked.forward = lambda x: torch.nn.Linear.forward(hooked, x) + 1
+    with packed_linears(model) as count:
+        assert count == 1 and hooked.__dict__["forward"] is hook
+        later = other.forward = lambda x: torch.nn.Linear.forward(other, x) * 2
+    assert hooked.__dict__["forward"] is hook and other.__dict__["forward"] is later
+    assert products["packed"] == 1
+
+
+def test_an_input_off_the_cpu_or_not_float32_takes_the_layers_own_product(monkeypatch, products):
+    """The packed product runs only for float32 inputs on the CPU; a float64 input and one on
+    another device (``meta`` here) go to ``F.linear``, as without the block."""
+    layer = torch.nn.Linear(6, 4)
+    own = []
+    monkeypatch.setattr(packed_decode.F, "linear", lambda x, w, b: own.append(x.dtype) or torch.zeros(()))
+    with packed_linears(layer), torch.no_grad():
+        layer(torch.ones(2, 6))
+        layer(torch.ones(2, 6, dtype=torch.float64))
+        layer(torch.ones(2, 6, device="meta"))
+    assert products["products"] == 1 and own == [torch.float64, torch.float32]
