@@ -7,23 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.io.data import PromptItem
 from primitives.model import packed_decode
-from primitives.model.generation import generate_rollouts, generate_tokens
-from primitives.model.logprobs import rollout_logprobs
+from primitives.model.generation import generate_tokens
 from primitives.model.packed_decode import packed_linears
 from primitives.model.static_decode import decode_mode
 from primitives.types import GenerationConfig
+from tests.primitives.decoding import SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample
 
-PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-
-
-def _rollouts(model, tokenizer, decode, n=3, batch_size=None, **kwargs):
-    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS)]
-    cfg = GenerationConfig(max_new_tokens=12, n=n, decode=decode, **kwargs)
-    return generate_rollouts(model, tokenizer, items, cfg, generator=torch.Generator().manual_seed(0),
-                             batch_size=batch_size)
 
 
 @pytest.fixture(autouse=True)
@@ -55,22 +46,15 @@ def _linears(model) -> int:
     return sum(type(m) is torch.nn.Linear for m in model.modules())
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
-                                      {"temperature": 0.0}], ids=["t1", "t0.7-topk", "greedy"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=SAMPLING_IDS)
 def test_packed_layers_sample_what_the_eager_loop_samples(tiny_model, tokenizer, products, sampling):
     """12 rows of prompts of 4 widths, shared prefills, q/k/v with biases (Qwen2): the same tokens,
     finish reasons and logprobs (within 1e-5) as the eager loop from the same seed, and the
     logprobs are what the trainer recomputes; every linear layer ran packed at every forward."""
-    eager = _rollouts(tiny_model, tokenizer, "eager", **sampling)
+    eager = sample(tiny_model, tokenizer, "eager", **sampling)
     assert products == {"products": 0, "packed": 0}
-    packed = _rollouts(tiny_model, tokenizer, "packed", **sampling)
-    assert [r.completion_ids.tolist() for r in packed] == [r.completion_ids.tolist() for r in eager]
-    assert [r.finish_reason for r in packed] == [r.finish_reason for r in eager]
-    if sampling == {"temperature": 1.0}:
-        assert len({r.num_tokens for r in eager}) > 1  # rows ended at different steps (eos)
-    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(packed, eager)) < 1e-5
-    recomputed = rollout_logprobs(tiny_model, packed, tokenizer.pad_token_id, sampling["temperature"] or 1.0)
-    assert max(float(np.abs(a - r.logprobs).max()) for a, r in zip(recomputed, packed)) < 1e-4
+    packed = sample(tiny_model, tokenizer, "packed", **sampling)
+    assert_samples_alike(packed, eager, tiny_model, tokenizer, sampling)
     layers, forwards = _linears(tiny_model), max(r.num_tokens for r in eager)  # a prefill, then a step a token
     assert products["packed"] == layers == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert products["products"] == layers * forwards
@@ -80,12 +64,12 @@ def test_a_call_packs_the_weights_as_they_are_then(tiny_model, tokenizer):
     """Weights changed in place between two calls (as a sync's copy writes them, through ``.data``,
     which no version counter sees) are the ones the next call samples from."""
     model = copy.deepcopy(tiny_model)
-    before = _rollouts(model, tokenizer, "packed", n=2)
+    before = sample(model, tokenizer, "packed", n=2)
     with torch.no_grad():
         for p in model.parameters():
             p.data.copy_(p.data * 1.5 + 0.01)
-    after_packed = _rollouts(model, tokenizer, "packed", n=2)
-    after_eager = _rollouts(model, tokenizer, "eager", n=2)
+    after_packed = sample(model, tokenizer, "packed", n=2)
+    after_eager = sample(model, tokenizer, "eager", n=2)
     assert [r.completion_ids.tolist() for r in after_packed] == [r.completion_ids.tolist() for r in after_eager]
     assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(after_packed, after_eager)) < 1e-5
     assert [r.completion_ids.tolist() for r in after_packed] != [r.completion_ids.tolist() for r in before]
@@ -93,9 +77,9 @@ def test_a_call_packs_the_weights_as_they_are_then(tiny_model, tokenizer):
 
 def test_chunks_of_one_call_share_one_packing(tiny_model, tokenizer, products):
     """``batch_size`` 4 decodes the 12 rows in 3 batches; the weights are packed once for them all."""
-    chunked = _rollouts(tiny_model, tokenizer, "packed", batch_size=4)
+    chunked = sample(tiny_model, tokenizer, "packed", batch_size=4)
     assert products["packed"] == _linears(tiny_model)
-    whole = _rollouts(tiny_model, tokenizer, "eager", batch_size=4)
+    whole = sample(tiny_model, tokenizer, "eager", batch_size=4)
     assert [r.completion_ids.tolist() for r in chunked] == [r.completion_ids.tolist() for r in whole]
 
 

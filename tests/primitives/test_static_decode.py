@@ -6,20 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from primitives.io.data import PromptItem
 from primitives.model import static_decode
-from primitives.model.generation import generate_rollouts, generate_tokens
-from primitives.model.logprobs import rollout_logprobs
+from primitives.model.generation import generate_tokens
 from primitives.model.static_decode import bucket_positions, bucket_rows, decode_mode
 from primitives.types import GenerationConfig
-
-PROMPTS = ["1+2=", "12+34=", "a much longer prompt: 7+40=", "9"]
-
-
-def _rollouts(model, tokenizer, decode, n=3, prompts=PROMPTS, **kwargs):
-    items = [PromptItem(i, p) for i, p in enumerate(prompts)]
-    cfg = GenerationConfig(max_new_tokens=12, n=n, decode=decode, **kwargs)
-    return generate_rollouts(model, tokenizer, items, cfg, generator=torch.Generator().manual_seed(0))
+from tests.primitives.decoding import PROMPTS, SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample
 
 
 def test_buckets():
@@ -27,26 +18,19 @@ def test_buckets():
     assert [bucket_positions(n) for n in (1, 63, 64, 65, 130)] == [64, 64, 64, 128, 192]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
-                                      {"temperature": 0.0}], ids=["t1", "t0.7-topk", "greedy"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=SAMPLING_IDS)
 def test_static_cache_samples_what_the_eager_loop_samples(tiny_model, tokenizer, sampling):
     """12 rows (bucketed to 16: 4 rows that repeat the first and are never sampled) of prompts of
     4 widths, shared prefills: the same tokens, finish reasons and logprobs as the eager loop
     from the same seed, and the logprobs are what the trainer recomputes."""
-    eager = _rollouts(tiny_model, tokenizer, "eager", **sampling)
-    static = _rollouts(tiny_model, tokenizer, "static", **sampling)
-    assert [r.completion_ids.tolist() for r in static] == [r.completion_ids.tolist() for r in eager]
-    assert [r.finish_reason for r in static] == [r.finish_reason for r in eager]
-    if sampling == {"temperature": 1.0}:
-        assert len({r.num_tokens for r in eager}) > 1  # rows ended at different steps (eos)
-    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(static, eager)) < 1e-5
-    recomputed = rollout_logprobs(tiny_model, static, tokenizer.pad_token_id, sampling["temperature"] or 1.0)
-    assert max(float(np.abs(a - r.logprobs).max()) for a, r in zip(recomputed, static)) < 1e-4
+    eager = sample(tiny_model, tokenizer, "eager", **sampling)
+    static = sample(tiny_model, tokenizer, "static", **sampling)
+    assert_samples_alike(static, eager, tiny_model, tokenizer, sampling)
 
 
 def test_stop_strings_end_rows_alike(tiny_model, tokenizer):
-    eager = _rollouts(tiny_model, tokenizer, "eager", stop=("1",))
-    static = _rollouts(tiny_model, tokenizer, "static", stop=("1",))
+    eager = sample(tiny_model, tokenizer, "eager", stop=("1",))
+    static = sample(tiny_model, tokenizer, "static", stop=("1",))
     assert [(r.completion_ids.tolist(), r.finish_reason) for r in static] == \
         [(r.completion_ids.tolist(), r.finish_reason) for r in eager]
     assert any(r.finish_reason == "stop" for r in static)
@@ -66,15 +50,15 @@ def test_a_traced_step_compiles_once_per_bucket(tiny_model, tokenizer, monkeypat
     monkeypatch.setattr(static_decode, "decode_mode", lambda model, requested, *shape: requested)
     counters = dynamo.utils.counters
     counters.clear()
-    eager = _rollouts(tiny_model, tokenizer, "eager", n=1)
-    traced = _rollouts(tiny_model, tokenizer, "captured", n=1)
+    eager = sample(tiny_model, tokenizer, "eager", n=1)
+    traced = sample(tiny_model, tokenizer, "captured", n=1)
     assert [r.completion_ids.tolist() for r in traced] == [r.completion_ids.tolist() for r in eager]
     first = counters["stats"]["unique_graphs"]
     assert first >= 1
-    _rollouts(tiny_model, tokenizer, "captured", n=1, prompts=PROMPTS[:3])  # 3 rows, other widths
-    _rollouts(tiny_model, tokenizer, "captured", n=1, prompts=["7+7=", "1+1="] * 2)
+    sample(tiny_model, tokenizer, "captured", n=1, prompts=PROMPTS[:3])  # 3 rows, other widths
+    sample(tiny_model, tokenizer, "captured", n=1, prompts=["7+7=", "1+1="] * 2)
     assert counters["stats"]["unique_graphs"] == first
-    _rollouts(tiny_model, tokenizer, "captured", n=1, prompts=PROMPTS + ["5"])  # 5 rows: 8
+    sample(tiny_model, tokenizer, "captured", n=1, prompts=PROMPTS + ["5"])  # 5 rows: 8
     assert counters["stats"]["unique_graphs"] > first
     torch._dynamo.reset()
 
@@ -93,12 +77,12 @@ def test_one_cache_per_model_reused_by_its_bucket_and_freed_with_it(tokenizer):
 
     spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     model = build_tiny_model(tokenizer, spec, seed=2)
-    _rollouts(model, tokenizer, "static", n=1)  # 4 rows
+    sample(model, tokenizer, "static", n=1)  # 4 rows
     (shape, cache) = model.__dict__[static_decode.STATE]["cache"]
     address = cache.layers[0].keys.data_ptr()
-    _rollouts(model, tokenizer, "static", n=1, prompts=PROMPTS[:3])  # 3 rows: the same bucket
+    sample(model, tokenizer, "static", n=1, prompts=PROMPTS[:3])  # 3 rows: the same bucket
     assert model.__dict__[static_decode.STATE]["cache"][1] is cache and cache.layers[0].keys.data_ptr() == address
-    _rollouts(model, tokenizer, "static", n=2)  # 8 rows
+    sample(model, tokenizer, "static", n=2)  # 8 rows
     assert model.__dict__[static_decode.STATE]["cache"][0] == (8, shape[1])
     assert copy.deepcopy(model).__dict__[static_decode.STATE]["cache"] is None
     static_decode.compiled_forward(model, backend="eager")
