@@ -204,3 +204,25 @@ def test_an_input_off_the_cpu_or_not_float32_takes_the_layers_own_product(monkey
         layer(torch.ones(2, 6, dtype=torch.float64))
         layer(torch.ones(2, 6, device="meta"))
     assert products["products"] == 1 and own == [torch.float64, torch.float32]
+
+
+def test_adapters_over_packed_base_layers(tiny_model, tokenizer, products):
+    """A PEFT model (what ``model.lora`` builds): its wrappers are not plain ``Linear``s and are not
+    packed; the plain layers under them are (the base layers, the head, and here, where every size
+    packs, the adapters' A and B), and the adapters (B made nonzero, so they move the logits) add to
+    the base products as without packing: the eager loop's samples, within 1e-5."""
+    from primitives.model.lora import with_lora
+    from primitives.types import LoraConfig
+
+    torch.manual_seed(3)
+    model = with_lora(copy.deepcopy(tiny_model), LoraConfig(rank=4, alpha=8.0)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    base = sample(tiny_model, tokenizer, "eager")
+    eager = sample(model, tokenizer, "eager")
+    assert [r.completion_ids.tolist() for r in eager] != [r.completion_ids.tolist() for r in base]  # adapters act
+    packed = sample(model, tokenizer, "packed")
+    assert_samples_alike(packed, eager, model, tokenizer, {"temperature": 1.0})
+    assert products["packed"] == _linears(model) == _linears(tiny_model) + 2 * 14  # and A, B on 14 projections
