@@ -12,7 +12,7 @@ from primitives.model.generation import generate_tokens
 from primitives.model.packed_decode import packed_linears
 from primitives.model.static_decode import decode_mode
 from primitives.types import GenerationConfig
-from tests.primitives.decoding import SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample
+from tests.primitives.decoding import PROMPTS, SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -226,3 +226,20 @@ def test_adapters_over_packed_base_layers(tiny_model, tokenizer, products):
     packed = sample(model, tokenizer, "packed")
     assert_samples_alike(packed, eager, model, tokenizer, {"temperature": 1.0})
     assert products["packed"] == _linears(model) == _linears(tiny_model) + 2 * 14  # and A, B on 14 projections
+
+
+def test_a_generator_workers_engine_packs_its_batch(tiny_model, tokenizer, products):
+    """``HFEngine.generate`` (what an HF generator worker and a trainer rank call) with ``decode: auto``:
+    4 prompts x 3 samples x 16 tokens pack once, and sample what the eager loop samples from the same
+    sampler key."""
+    from primitives.io.data import PromptItem
+    from rl_actors.hf_engine import HFEngine
+
+    engine = HFEngine(tiny_model, tokenizer)
+    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS)]
+    auto = engine.generate(items, GenerationConfig(max_new_tokens=16, n=3), 0, engine.sampler(0, 0, 0, items))
+    assert products["packed"] == _linears(tiny_model)
+    eager = engine.generate(items, GenerationConfig(max_new_tokens=16, n=3, decode="eager"), 0,
+                            engine.sampler(0, 0, 0, items))
+    assert products["packed"] == _linears(tiny_model)
+    assert_samples_alike(auto, eager, tiny_model, tokenizer, {"temperature": 1.0})
