@@ -234,6 +234,7 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
 
     asked = []
     monkeypatch.setattr(conftest, "made_tool_caller", lambda path: asked.append(path))
+    monkeypatch.setattr(conftest, "made_default_policy", lambda path: asked.append(path))
     monkeypatch.setattr(cluster.jobs.inputs, "resolve_model",
                         lambda model, *_, **__: asked.append(model.model_name_or_path))
     for name in ("RAYRL_TEST_SHARED", "RAYRL_FAST_TESTS"):
@@ -241,8 +242,10 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     conftest.pytest_sessionstart(None)
-    assert asked == (["/s/tool_caller", "smollm2"] if made else [])
+    assert asked == (["/s/tool_caller", "smollm2", "/s/default_policy"] if made else [])
     if made:
+        asked.clear()
         monkeypatch.setattr(conftest, "made_tool_caller", lambda path: 1 / 0)
         conftest.pytest_sessionstart(None)  # no raise: the Ray tier's fixture makes it then
         assert "not made ahead (ZeroDivisionError" in capsys.readouterr().out
+        assert asked == ["smollm2", "/s/default_policy"]  # and the others are made all the same

@@ -313,15 +313,37 @@ def test_ppo_with_a_critic_learns_the_default_task(tmp_path, sft_policy):
     # so the critic's own copy is built there)
     assert os.path.isfile(os.path.join(out, "sft_model", "hf", "config.json"))
     assert summary["sft_model"] == os.path.join(out, "sft_model")
+    # the SFT stage on the job's trainer ranks handed RL what it trained: its model moved off the given one, and
+    # the evaluation before RL (the generators', after the stage's sync) scored that model
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.env.rewards import exact_match
+    from primitives.fixtures.tasks import arithmetic_task
+    from primitives.io.evaluation import greedy_accuracy
+
+    sft = os.path.join(out, "sft_model", "hf")
+    given, trained = (load_file(os.path.join(p, "model.safetensors")) for p in (sft_policy, sft))
+    assert max(float(np.abs(given[k] - trained[k]).max()) for k in given) > 1e-4
+    accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(sft), AutoTokenizer.from_pretrained(sft),
+                               arithmetic_task(seed=0, num_heldout=128).eval, exact_match("first_number"),
+                               max_new_tokens=5)
+    assert accuracy == pytest.approx(summary["accuracy_before_rl"], abs=1e-9)
 
 
 @pytest.mark.slow
-def test_default_job_lifts_heldout_accuracy(default_job):
-    """The default job as `make run` runs it (shorter), through the command-line entry point (the
-    ``default_job`` fixture, whose SFT'd policy other tests start from)."""
-    out, summary = default_job
-    assert summary["sft_model"] == os.path.join(out, "sft_model")
-    assert os.path.isfile(os.path.join(out, "sft_model", "hf", "model.safetensors"))
+def test_default_job_lifts_heldout_accuracy(tmp_path, sft_policy):
+    """The default job's RL as `make run` runs it (40 of its 80 steps, 128 held-out problems), through the
+    command-line entry point, from its SFT stage's policy (``sft_policy``: the same stage, made once per test
+    run in one process; the stage on the job's trainer ranks, and its hand-over to RL, is the PPO test's)."""
+    from cluster.jobs.cli import run
+
+    ray_up()
+    out = str(tmp_path / "run")
+    summary = run(["rl", DEFAULT, "--logging.out", out, "--model.model-name-or-path", sft_policy, "--sft.steps", "0",
+                   "--algorithm.steps", "40", "--eval.every", "20",
+                   "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
+    assert summary["sft_steps"] == 0 and "sft_model" not in summary
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10
     assert summary["reward_mean_last5"] > summary["reward_mean_first5"]
     assert (summary["generators"], summary["trainer_ranks"], summary["zero_stage"]) == (2, 2, 2)
@@ -360,10 +382,10 @@ def test_default_job_lifts_heldout_accuracy(default_job):
     accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf), heldout,
                                exact_match("first_number"), max_new_tokens=5)
     assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)
-    # and the kept SFT model (sft.save), the one the evaluation before RL scored
-    sft = os.path.join(out, "sft_model", "hf")
-    accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(sft), AutoTokenizer.from_pretrained(sft), heldout,
-                               exact_match("first_number"), max_new_tokens=5)
+    # and the policy it started from, the one the evaluation before RL scored
+    accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(sft_policy),
+                               AutoTokenizer.from_pretrained(sft_policy), heldout, exact_match("first_number"),
+                               max_new_tokens=5)
     assert accuracy == pytest.approx(summary["accuracy_before_rl"], abs=1e-9)
 
 
