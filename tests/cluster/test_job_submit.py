@@ -1,7 +1,7 @@
 """`ray job submit` against a real local head (`ray start --head` on loopback, free ports):
 the short default job (`python -m cluster rl examples/configs/default.yaml`) succeeds and
-writes its summary and resolved config, and so does a user's own script (an example); then
-the head is stopped."""
+writes its summary and resolved config, and so does a user's own script (an example), the two
+submitted at once; then the head is stopped."""
 import json
 import os
 import secrets
@@ -80,20 +80,51 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def _submit(ray_head: dict, root: str, entrypoint: list, prefix: str) -> tuple:
+    """``ray job submit`` of ``entrypoint`` with ``--working-dir .`` and ``$RAYRL_OUTPUT_ROOT`` at ``root``,
+    tailing its logs until it ends: ``(the client's process, the submission id)``."""
+    submission = f"{prefix}-{int(time.time())}"
+    runtime_env = json.dumps({"env_vars": {"RAYRL_OUTPUT_ROOT": root}})
+    cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
+           "--runtime-env-json", runtime_env, "--working-dir", ".", "--", sys.executable, *entrypoint]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ray_head["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True), submission
+
+
+@pytest.fixture(scope="module")
+def submissions(ray_head, tmp_path_factory):
+    """Both jobs submitted at once, each a driver of its own on the head: each waits on its driver's and its
+    actors' starts, so the two together take less than one after the other (95 s one after the other here).
+    ``{name: (process, submission id, output root)}``; a client still running at the end is killed."""
+    jobs = {"default": (["-m", "cluster", "rl", "examples/configs/default.yaml", "--logging.out", "runs/job",
+                         "--sft.steps", "30", "--algorithm.steps", "3", "--eval.every", "0",
+                         "--data.task-kwargs", "num_heldout", "16", "--cluster.call-timeout-s", "300"], "rayrl-test"),
+            "script": (["examples/custom_kl_ema.py", "--steps", "2", "--out", "runs/script"], "rayrl-script")}
+    started = {}
+    for name, (entrypoint, prefix) in jobs.items():
+        root = str(tmp_path_factory.mktemp(f"submit_{name}"))
+        started[name] = (*_submit(ray_head, root, entrypoint, prefix), root)
+    yield started
+    for proc, _, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _ended(proc) -> str:
+    """The client's output once its job has ended; it must have succeeded."""
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
+
+
 @pytest.mark.slow
-def test_job_submit_runs_default_job(ray_head, tmp_path):
+def test_job_submit_runs_default_job(ray_head, submissions):
     """A relative --out, as the README's command gives, lands under $RAYRL_OUTPUT_ROOT - not in
     Ray's temporary copy of the working directory, which vanishes with the session."""
-    out = str(tmp_path / "runs" / "job")
-    submission = f"rayrl-test-{int(time.time())}"
-    runtime_env = json.dumps({"env_vars": {"RAYRL_OUTPUT_ROOT": str(tmp_path)}})
-    cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
-           "--runtime-env-json", runtime_env,
-           "--working-dir", ".", "--", sys.executable, "-m", "cluster", "rl", "examples/configs/default.yaml",
-           "--logging.out", "runs/job", "--sft.steps", "30", "--algorithm.steps", "3", "--eval.every", "0",
-           "--data.task-kwargs", "num_heldout", "16", "--cluster.call-timeout-s", "300"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, submission, root = submissions["default"]
+    _ended(proc)
+    out = os.path.join(root, "runs", "job")
 
     def job(*args):
         return subprocess.run([RAY, "job", *args, "--address", ray_head["dashboard"], submission], env=ray_head["env"],
@@ -117,19 +148,14 @@ def test_job_submit_runs_default_job(ray_head, tmp_path):
 
 
 @pytest.mark.slow
-def test_job_submit_of_a_script_writes_under_the_output_root(ray_head, tmp_path):
+def test_job_submit_of_a_script_writes_under_the_output_root(submissions):
     """A user's own script, submitted with `--working-dir .`: its relative --out goes through
     `primitives.io.outputs.output_dir` to $RAYRL_OUTPUT_ROOT, so the outputs outlive Ray's
     temporary copy of the working directory (which holds none of them)."""
-    submission = f"rayrl-script-{int(time.time())}"
-    runtime_env = json.dumps({"env_vars": {"RAYRL_OUTPUT_ROOT": str(tmp_path)}})
-    cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--submission-id", submission,
-           "--runtime-env-json", runtime_env, "--working-dir", ".", "--",
-           sys.executable, "examples/custom_kl_ema.py", "--steps", "2", "--out", "runs/script"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = str(tmp_path / "runs" / "script")
-    assert f"writing outputs to {out}" in proc.stdout
+    proc, _, root = submissions["script"]
+    stdout = _ended(proc)
+    out = os.path.join(root, "runs", "script")
+    assert f"writing outputs to {out}" in stdout
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["steps"] == 2 and set(summary["mean_over_steps"]["kl/ref_k3"]) == {"ema", "fixed"}
