@@ -249,3 +249,31 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
         conftest.pytest_sessionstart(None)  # no raise: the Ray tier's fixture makes it then
         assert "not made ahead (ZeroDivisionError" in capsys.readouterr().out
         assert asked == ["smollm2", "/s/default_policy"]  # and the others are made all the same
+
+
+class _Item:
+    """What ``pytest_collection_modifyitems`` reads of a collected test."""
+
+    def __init__(self, nodeid: str, fixtures=(), marks=()):
+        self.nodeid, self.fixturenames, self.marks = nodeid, list(fixtures), set(marks)
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.marks else None
+
+    def add_marker(self, mark) -> None:
+        self.marks.add(mark.name)
+
+
+def test_the_shared_policys_modules_run_late_whole_and_the_own_ray_tests_last():
+    """The modules with a test on ``sft_policy`` (made beside the Ray tests, so asked for as late as can be) run
+    after the rest, each whole, in their order; the tests that own their Ray after them; a test on the run's Ray
+    fixture is a Ray test."""
+    import tests.conftest as conftest
+
+    items = [_Item("a.py::t"), _Item("b.py::t1"), _Item("b.py::t2", ["sft_policy"]),
+             _Item("b.py::t3", marks=["own_ray"]), _Item("b.py::t4"), _Item("c.py::t", marks=["own_ray"]),
+             _Item("d.py::t", ["ray_local"]), _Item("e.py::t", ["sft_policy"])]  # pytest's order: module by module
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [item.nodeid for item in items] == ["a.py::t", "d.py::t", "b.py::t1", "b.py::t2", "b.py::t4", "e.py::t",
+                                               "b.py::t3", "c.py::t"]
+    assert [item.nodeid for item in items if "ray" in item.marks] == ["d.py::t"]
