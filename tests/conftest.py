@@ -264,10 +264,22 @@ def made_sft_policy(path: str, config: str, sft: dict, task_kwargs=None) -> str:
     arguments by ``task_kwargs``) at ``path``, made once however many processes ask (``primitives.files.made_once``):
     the job's own SFT samples through the job's own SFT stage (``train_sft_stage``), in this process. A Ray trainer
     group computes the same update (the SFT tests of 1 rank against N hold it), and here it costs no cluster start
-    and no second rank's share of the work. Saved in HF form for the RL runs. Returns the policy's directory."""
+    and no second rank's share of the work. Saved in HF form for the RL runs. Returns the policy's directory.
+    At one torch thread, as the tier beside runs it: the same policy however the tests are run (a stage whose
+    rounding grows, as the default one's does, would otherwise start the tests elsewhere under one pytest)."""
     from primitives.files import made_once
 
     def write(tmp: str) -> None:
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train(tmp)
+        finally:
+            torch.set_num_threads(threads)
+
+    def train(tmp: str) -> None:
         from cluster.jobs.config import load_job_config
         from cluster.jobs.inputs import prepare_rl
         from cluster.jobs.rl import train_sft_stage
