@@ -300,19 +300,35 @@ def made_sft_policy(path: str, config: str, sft: dict, task_kwargs=None) -> str:
     return os.path.join(path, *policy[:2])
 
 
-def pytest_sessionstart(session):
+_DESELECTED: list = []  # the tests this pytest collected and left to another tier (or to -k)
+
+
+def pytest_deselected(items):
+    _DESELECTED.extend(items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    make_shared_ahead(session.items, _DESELECTED)
+
+
+def make_shared_ahead(here: list, elsewhere: list) -> None:
     """In ``make test``'s tier beside the Ray tests (``$RAYRL_TEST_SHARED`` given, Ray refused), before its
     own tests: make what the Ray tier's fixtures would otherwise make in its foreground, in the time it
-    leaves idle (this process runs in the idle scheduling class). The tool caller (35 s of one process here,
-    first asked for about 4 minutes in), the embedded SmolLM2's conversion (about 10 s), and the default
-    task's SFT'd policy (130 s of one process; the modules that start from it run last in the Ray tier,
-    ``pytest_collection_modifyitems``). A Ray-tier fixture that asks sooner waits for it, and while it waits the
-    cores are this process's. Made or not, the tests go on: a fixture makes what is missing."""
+    leaves idle (this process runs in the idle scheduling class), where a test of the run asks for it
+    (``here``: this tier's tests; ``elsewhere``: those it collected and left to the others). The tool
+    caller (35 s of one process here, first asked for about 4 minutes in), the embedded SmolLM2's
+    conversion (about 10 s; wherever the other tiers have tests: jobs load it by name, no fixture asks),
+    and the default task's SFT'd policy (130 s of one process; the modules that start from it run last in
+    the Ray tier, ``pytest_collection_modifyitems``). A Ray-tier fixture that asks sooner waits for it, and
+    while it waits the cores are this process's. Made or not, the tests go on: a fixture makes what is
+    missing. A run of a few Ray-free paths makes none of them."""
     from tests.suite import FAST_ENV, SHARED_ENV
 
     root = os.environ.get(SHARED_ENV)
     if not root or not os.environ.get(FAST_ENV):
         return
+    asked = {name for item in [*here, *elsewhere] for name in getattr(item, "fixturenames", ())}
 
     def smollm2() -> None:
         from cluster.jobs.inputs import resolve_model
@@ -320,8 +336,12 @@ def pytest_sessionstart(session):
 
         resolve_model(ModelConfig("smollm2"), "", seed=0)
 
-    for make in (lambda: made_tool_caller(os.path.join(root, "tool_caller")), smollm2,
-                 lambda: made_default_policy(os.path.join(root, "default_policy"))):
+    makers = [("tool_caller" in asked, lambda: made_tool_caller(os.path.join(root, "tool_caller"))),
+              (bool(elsewhere), smollm2),
+              ("sft_policy" in asked, lambda: made_default_policy(os.path.join(root, "default_policy")))]
+    for wanted, make in makers:
+        if not wanted:
+            continue
         try:
             make()
         except Exception as error:  # the fixture makes it then, and names what fails
