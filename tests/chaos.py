@@ -14,7 +14,7 @@ from typing import Collection, Optional
 
 import psutil
 
-BESIDE_ENV = "RAYRL_TESTS_BESIDE_PID"  # the pytest process of the tests run beside this one (tests/suite.py)
+TIER_ENV = "RAYRL_TEST_TIER"  # the tier of make test a process runs (tests/suite.py); its Rays inherit it
 ROLE_CLASSES = {"trainer": "TrainerWorker", "critic": "CriticWorker", "reference": "RefLogprobWorker",
                 "generator": "GeneratorWorker", "reward": "RewardWorker"}
 
@@ -182,13 +182,24 @@ class Nodes:
 
 def our_scratch() -> list:
     """Our scratch directories (``rl_actors.scratch``) in shared memory and the temporary directory,
-    of live processes or not: after a run has shut its cluster down there must be none. Those of the
-    Ray-free tests running beside this run (``tests/suite.py`` names their pytest process) are theirs,
-    while their processes live."""
+    of live processes or not: after a run has shut its cluster down there must be none. Those of live
+    processes of another tier of ``make test`` (``tests/suite.py`` names each tier in its processes'
+    environment, which its Rays' raylets and workers inherit, a ``ray start`` head's too) are that
+    tier's; one of a process that has ended is counted, as is one of a live process without a tier
+    (an orphaned worker of this run inherits this tier's name). A directory removed while it was
+    looked at is not counted."""
     from rl_actors.scratch import ours
 
-    beside = int(os.environ.get(BESIDE_ENV) or 0)
-    return [path for path, pid in ours() if not (beside and _in_tree(pid, beside))]
+    mine = os.environ.get(TIER_ENV)
+    return [path for path, pid in ours() if not _of_another_tier(pid, mine) and os.path.exists(path)]
+
+
+def _of_another_tier(pid: int, mine: Optional[str]) -> bool:
+    try:
+        tier = psutil.Process(pid).environ().get(TIER_ENV)
+    except psutil.Error:  # ended (a zombie too)
+        return False
+    return tier is not None and tier != mine
 
 
 def _in_tree(pid: int, root: int) -> bool:

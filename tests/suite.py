@@ -1,22 +1,27 @@
-"""``make test``: the whole suite as two pytest processes side by side, one report.
+"""``make test``: the whole suite as three pytest processes side by side, one report.
 
     python -m tests.suite [pytest arguments]          # what `make test` runs
 
-The tests that start Ray or run a whole job on it (``-m "ray or (slow and not no_ray)"``) run in the
-foreground, their output as it comes. Beside them, in the idle scheduling class (``SCHED_IDLE``; a
-nice level where ``RAYRL_TEST_BESIDE_NICE`` gives one), the rest run: ``make test-fast``'s tests and
-the slow ones that start no Ray (``no_ray``), with Ray refused as in ``make test-fast``
-(``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails). Their output is kept and printed after.
-The two selections are complements: every test runs once.
+The tests that start Ray or run a whole job on the run's Ray (``-m "(ray or (slow and not no_ray)) and not
+apart"``) run in the foreground, their output as it comes. Beside them, at the same priority, run the tests
+marked ``apart``: a Ray of their own (a ``ray start`` head) that nothing of the run's Ray touches, nor they it.
+Beside both, in the idle scheduling class (``SCHED_IDLE``; a nice level where ``RAYRL_TEST_BESIDE_NICE``
+gives one), the rest run: ``make test-fast``'s tests and the slow ones that start no Ray (``no_ray``), with
+Ray refused as in ``make test-fast`` (``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails). The two
+tiers beside keep their output, printed after. The three selections partition the tests: every test runs
+once. Each process, and every process it starts, carries its tier's name in ``RAYRL_TEST_TIER``
+(``tests/chaos.py``: a scratch directory of a live process of another tier is that tier's).
 
 Why: the Ray tests leave a core idle for about a third of their time (actors waiting on each other,
 bounds waited out, one-process stretches), and the Ray-free tests are two to four minutes of about one
 core, which in one pytest process ran one test at a time beside that idle core. Beside the Ray tests, in
-the idle class, they run in it.
+the idle class, they run in it. They ended about 12 minutes before the Ray tests (2026-11-30), whose last
+stretch then left a third of a core idle: the tests apart, two jobs through ``ray job submit`` on a head of
+their own (about 110 s at the Ray tier's end), run in that time now.
 
-Each tier has its own cache directory (``--lf`` works per tier) and its own report; the two reports are
+Each tier has its own cache directory (``--lf`` works per tier) and its own report; the reports are
 merged into one, which ``--junitxml`` receives, and the run ends with one summary: the counts, each
-tier's time, and the ``--durations`` slowest tests of both.
+tier's time, and the ``--durations`` slowest tests of all.
 
 ``RAYRL_TEST_ONE_PROCESS=1``, or a ``-m`` of the caller's own, runs one pytest as asked. Paths among the
 arguments replace ``tests``.
@@ -31,10 +36,11 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-from tests.chaos import BESIDE_ENV  # its scratch-directory check leaves the tier beside alone
+from tests.chaos import TIER_ENV  # its scratch-directory check leaves the other tiers' alone
 
-RAY_TIER = "ray or (slow and not no_ray)"
-BESIDE_TIER = "not ray and (not slow or no_ray)"  # the complement: make test-fast's tests and slow ones without Ray
+RAY_TIER = "(ray or (slow and not no_ray)) and not apart"
+APART_TIER = "apart"
+BESIDE_TIER = "not ray and (not slow or no_ray) and not apart"  # make test-fast's tests and slow ones without Ray
 OUTCOMES = ("failure", "error", "skipped")
 SHARED_ENV = "RAYRL_TEST_SHARED"  # tests/conftest.py: what both tiers use, made once, the tier beside first
 FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make test-fast)
@@ -134,7 +140,7 @@ def summary(tiers: list, durations, wall: float) -> str:
              for name, cases, rc, seconds in tiers]
     if durations is not None:
         slowest = sorted(everything, reverse=True)[:durations or len(everything)]
-        lines += ["", f"slowest {len(slowest)} tests of both tiers (setup, call and teardown together):"]
+        lines += ["", f"slowest {len(slowest)} tests of all tiers (setup, call and teardown together):"]
         lines += [f"{seconds:8.2f}s {node}" for seconds, node, _ in slowest]
     lines += ["", f"make test: {counts(everything)} in {wall:.0f} s ({wall / 60:.1f} min)"]
     return "\n".join(lines)
@@ -156,39 +162,54 @@ def pytest(args: list) -> list:
 
 def run_tiers(args: list) -> int:
     rest, junit, durations = split_args(args)
-    # Ctrl-C reaches both pytest processes from the terminal, and each stops as pytest does; this runner
+    # Ctrl-C reaches every pytest process from the terminal, and each stops as pytest does; this runner
     # waits for them. A handler, not SIG_IGN: an ignored signal would stay ignored in the children.
     signal.signal(signal.SIGINT, lambda *_: None)
+    # a cache of its own for each tier beside, where there is a cache (pytest warns of the option without one)
+    cached = "no:cacheprovider" not in rest
     with tempfile.TemporaryDirectory(prefix="rayrl-test-") as reports:
-        beside_xml, ray_xml, beside_log = (os.path.join(reports, n) for n in ("beside.xml", "ray.xml", "beside.log"))
-        shared = {SHARED_ENV: os.path.join(reports, "shared")}  # made once for both tiers (tests/conftest.py)
+        xml = {tier: os.path.join(reports, f"{tier}.xml") for tier in ("ray", "apart", "beside")}
+        shared = {SHARED_ENV: os.path.join(reports, "shared")}  # made once for every tier (tests/conftest.py)
         # one torch thread beside: in the idle class a thread of two is often preempted, and the other spins at
         # the pair's barriers. Two threads there made the tool caller in 273 s, while the Ray tier's default job
         # beside it took 148 s against 136 without it
         threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+        ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
         start = time.time()
-        with open(beside_log, "w") as log:
-            # a cache of its own, where there is a cache (pytest warns of the option without one)
-            cache = [] if "no:cacheprovider" in rest else ["-o", "cache_dir=.pytest_cache/beside"]
-            beside = subprocess.Popen(pytest(["-m", BESIDE_TIER, *cache, *rest, f"--junitxml={beside_xml}"]),
-                                      env={**os.environ, **shared, **threads, FAST_ENV: "1"}, stdout=log,
-                                      stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=lower_priority)
-            ray_env = {name: value for name, value in os.environ.items() if name != FAST_ENV}
-            ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={ray_xml}"]),
-                                      env={**ray_env, **shared, BESIDE_ENV: str(beside.pid)}).wait()
-            beside_rc = beside.wait()
-            wall = time.time() - start
-        with open(beside_log) as log:
-            print(f"\n{'=' * 12} the tests without Ray (-m \"{BESIDE_TIER}\", {priority_name()}, alongside)",
-                  flush=True)
-            sys.stdout.write(log.read())
+
+        def aside(tier: str, marks: str, env: dict, **popen) -> tuple:
+            log = open(os.path.join(reports, f"{tier}.log"), "w")
+            cache = ["-o", f"cache_dir=.pytest_cache/{tier}"] if cached else []
+            proc = subprocess.Popen(pytest(["-m", marks, *cache, *rest, f"--junitxml={xml[tier]}"]),
+                                    env={**env, **shared, TIER_ENV: tier}, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, **popen)
+            return proc, log
+
+        tiers_aside = {"beside": aside("beside", BESIDE_TIER, {**os.environ, **threads, FAST_ENV: "1"},
+                                       preexec_fn=lower_priority),
+                       "apart": aside("apart", APART_TIER, ray_env)}
+        ray_rc = subprocess.Popen(pytest(["-m", RAY_TIER, *rest, f"--junitxml={xml['ray']}"]),
+                                  env={**ray_env, **shared, TIER_ENV: "ray"}).wait()
+        codes = {"ray": ray_rc}
+        for tier, (proc, log) in tiers_aside.items():
+            codes[tier] = proc.wait()
+            log.close()
+        wall = time.time() - start
+        headers = {"beside": f'the tests without Ray (-m "{BESIDE_TIER}", {priority_name()}, alongside)',
+                   "apart": f'the tests with a Ray of their own (-m "{APART_TIER}", alongside)'}
+        for tier, header in headers.items():
+            print(f"\n{'=' * 12} {header}", flush=True)
+            with open(os.path.join(reports, f"{tier}.log")) as log:
+                sys.stdout.write(log.read())
         if junit:
-            merge_reports([ray_xml, beside_xml], junit)
-        tiers = [(f'-m "{RAY_TIER}"', read_cases(ray_xml), ray_rc, suite_seconds(ray_xml)),
-                 (f'-m "{BESIDE_TIER}" (alongside)', read_cases(beside_xml), beside_rc, suite_seconds(beside_xml))]
+            merge_reports([xml["ray"], xml["beside"], xml["apart"]], junit)
+        tiers = [(f'-m "{RAY_TIER}"', read_cases(xml["ray"]), ray_rc, suite_seconds(xml["ray"])),
+                 (f'-m "{BESIDE_TIER}" (alongside)', read_cases(xml["beside"]), codes["beside"],
+                  suite_seconds(xml["beside"])),
+                 (f'-m "{APART_TIER}" (alongside)', read_cases(xml["apart"]), codes["apart"],
+                  suite_seconds(xml["apart"]))]
     print("\n" + summary(tiers, durations, wall), flush=True)
-    return exit_code([ray_rc, beside_rc])
+    return exit_code([codes[tier] for tier in ("ray", "beside", "apart")])
 
 
 def main(args: list) -> int:

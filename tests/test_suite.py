@@ -1,15 +1,16 @@
-"""``make test``'s runner (``tests/suite.py``): the Ray tests in the foreground, the rest beside them at
-a lower priority, every test once, one merged report and one summary."""
+"""``make test``'s runner (``tests/suite.py``): the Ray tests in the foreground, the tests with a Ray of their
+own beside them, the rest beside both at a lower priority, every test once, one merged report and one summary."""
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from tests import suite
-from tests.chaos import BESIDE_ENV
+from tests.chaos import TIER_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +87,7 @@ import json, os, pytest
 def record(name):
     with open(os.path.join(os.path.dirname(__file__), name + ".json"), "w") as f:
         json.dump({"nice": os.nice(0), "policy": os.sched_getscheduler(0), "fast": os.environ.get("RAYRL_FAST_TESTS"),
-                   "beside": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid(),
+                   "tier": os.environ.get("%s"), "pid": os.getpid(), "ppid": os.getppid(),
                    "shared": os.environ.get("RAYRL_TEST_SHARED"),
                    "threads": os.environ.get("OMP_NUM_THREADS")}, f)
 
@@ -106,49 +107,56 @@ def test_without_ray():
 def test_slow_without_ray():
     record("slow_no_ray")
 
+@pytest.mark.slow
+@pytest.mark.apart
+def test_apart():
+    record("apart")
+
 def test_that_fails():
     assert False
-""" % BESIDE_ENV
+""" % TIER_ENV
 
 
-def test_each_test_runs_once_in_its_tier_and_the_run_reports_both(tmp_path):
-    """A directory of five tests through ``python -m tests.suite``: the Ray and job tests in the
-    foreground tier, as asked, told the other tier's pytest; the rest, a slow one without Ray too, in the
-    idle scheduling class with Ray refused; one merged report; the failure beside fails the run."""
+def test_each_test_runs_once_in_its_tier_and_the_run_reports_all(tmp_path):
+    """A directory of six tests through ``python -m tests.suite``: the Ray and job tests in the
+    foreground tier, as asked; the one apart in a process of its own at the same priority; the rest, a slow
+    one without Ray too, in the idle scheduling class with Ray refused; each told its tier; one merged
+    report; the failure beside fails the run."""
     (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
                                           '    config.addinivalue_line("markers", "ray: r")\n'
                                           '    config.addinivalue_line("markers", "slow: s")\n'
-                                          '    config.addinivalue_line("markers", "no_ray: n")\n')
+                                          '    config.addinivalue_line("markers", "no_ray: n")\n'
+                                          '    config.addinivalue_line("markers", "apart: a")\n')
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
     env = dict(os.environ)
-    env.pop(suite.NICE_ENV, None)
-    env.pop(suite.FAST_ENV, None)
-    env.pop("RAYRL_TEST_ONE_PROCESS", None)
-    env.pop("OMP_NUM_THREADS", None)
+    for name in (suite.NICE_ENV, suite.FAST_ENV, "RAYRL_TEST_ONE_PROCESS", "OMP_NUM_THREADS", TIER_ENV):
+        env.pop(name, None)
     run = subprocess.run([sys.executable, "-m", "tests.suite", str(tmp_path), "-q", "-p", "no:cacheprovider",
                           f"--junitxml={tmp_path / 'all.xml'}", "--durations=2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
     seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ray", "slow", "fast",
-                                                                               "slow_no_ray")}
+                                                                               "slow_no_ray", "apart")}
     base, policy = os.nice(0), os.sched_getscheduler(0)
-    assert seen["ray"]["nice"] == seen["slow"]["nice"] == seen["fast"]["nice"] == seen["slow_no_ray"]["nice"] == base
-    assert seen["ray"]["policy"] == seen["slow"]["policy"] == policy  # as this test's process runs
+    assert {record["nice"] for record in seen.values()} == {base}
+    assert seen["ray"]["policy"] == seen["slow"]["policy"] == seen["apart"]["policy"] == policy  # as this one
     assert seen["fast"]["policy"] == seen["slow_no_ray"]["policy"] == os.SCHED_IDLE
-    assert seen["ray"]["fast"] is seen["slow"]["fast"] is None
+    assert seen["ray"]["fast"] is seen["slow"]["fast"] is seen["apart"]["fast"] is None
     assert seen["fast"]["fast"] == seen["slow_no_ray"]["fast"] == "1"
     assert seen["ray"]["pid"] == seen["slow"]["pid"] != seen["fast"]["pid"] == seen["slow_no_ray"]["pid"]
-    assert seen["ray"]["beside"] == seen["slow"]["beside"] == str(seen["fast"]["pid"])
+    assert seen["apart"]["pid"] not in (seen["ray"]["pid"], seen["fast"]["pid"])
+    assert [seen[name]["tier"] for name in ("ray", "slow", "fast", "slow_no_ray", "apart")] == [
+        "ray", "ray", "beside", "beside", "apart"]
     assert seen["fast"]["threads"] == seen["slow_no_ray"]["threads"] == "1"  # one torch thread in the idle class
-    assert seen["ray"]["threads"] == seen["slow"]["threads"] is None  # the caller's (none set here)
-    shared = {record["shared"] for record in seen.values()}  # one directory for both tiers, gone after the run
+    assert seen["ray"]["threads"] == seen["slow"]["threads"] == seen["apart"]["threads"] is None  # the caller's
+    shared = {record["shared"] for record in seen.values()}  # one directory for every tier, gone after the run
     assert len(shared) == 1 and None not in shared and not os.path.exists(shared.pop())
     names = sorted(node.rsplit("::", 1)[1] for _, node, _ in suite.read_cases(str(tmp_path / "all.xml")))
     assert names == sorted(["test_a_job", "test_slow_without_ray", "test_that_fails", "test_with_ray",
-                            "test_without_ray"])
+                            "test_without_ray", "test_apart"])
     tail = run.stdout.splitlines()
-    assert tail[-1].startswith("make test: 4 passed, 1 failed in ")
-    assert "slowest 2 tests of both tiers" in run.stdout and "test_that_fails" in run.stdout
+    assert tail[-1].startswith("make test: 5 passed, 1 failed in ")
+    assert "slowest 2 tests of all tiers" in run.stdout and "test_that_fails" in run.stdout
     assert "Unknown config option" not in run.stdout  # no cache option for a run without a cache
 
 
@@ -163,27 +171,44 @@ def test_a_nice_level_given_replaces_the_idle_class(monkeypatch):
     assert suite.priority_name() == "SCHED_IDLE"
 
 
-def test_the_scratch_check_leaves_the_live_processes_of_the_tier_beside_alone(monkeypatch):
-    """``tests/chaos.py:our_scratch``: a directory of a live process under the pytest named beside is that
-    tier's; one of a process that has ended is counted, as is every one where no tier is named."""
+def test_the_scratch_check_leaves_the_live_processes_of_the_other_tiers_alone(monkeypatch, tmp_path):
+    """``tests/chaos.py:our_scratch``: a directory of a live process whose environment names another tier is
+    that tier's; one of a process that has ended, of this tier, or of none is counted; one gone is not."""
     from rl_actors import scratch
     from tests import chaos
 
+    def live(tier):
+        env = {k: v for k, v in os.environ.items() if k != TIER_ENV}
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env={**env, **({TIER_ENV: tier} if tier else {})})
+
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    monkeypatch.setattr(scratch, "ours", lambda roots=None: [("/dev/shm/mine", os.getpid()),
-                                                             ("/dev/shm/ended", ended.pid)])
-    monkeypatch.delenv(BESIDE_ENV, raising=False)
-    assert chaos.our_scratch() == ["/dev/shm/mine", "/dev/shm/ended"]
-    monkeypatch.setenv(BESIDE_ENV, str(os.getppid()))  # this process descends from it
-    assert chaos.our_scratch() == ["/dev/shm/ended"]
-    monkeypatch.setenv(BESIDE_ENV, str(ended.pid))  # not this process's ancestor
-    assert chaos.our_scratch() == ["/dev/shm/mine", "/dev/shm/ended"]
+    others, mine, untiered = live("apart"), live("ray"), live(None)
+    dirs = {name: tmp_path / name for name in ("others", "mine", "untiered", "ended", "me")}
+    for path in dirs.values():
+        path.mkdir()
+    owners = {"others": others.pid, "mine": mine.pid, "untiered": untiered.pid, "ended": ended.pid,
+              "me": os.getpid(), "gone": ended.pid}
+    try:
+        monkeypatch.setattr(scratch, "ours", lambda roots=None: [(str(tmp_path / n), pid) for n, pid in owners.items()])
+        monkeypatch.setenv(TIER_ENV, "ray")
+        time.sleep(0.5)  # the children have their environment (it is read from /proc)
+        expected = [str(dirs[n]) for n in ("mine", "untiered", "ended", "me")]
+        assert chaos.our_scratch() == expected
+        monkeypatch.setenv(TIER_ENV, "apart")
+        assert chaos.our_scratch() == [str(dirs[n]) for n in ("others", "untiered", "ended", "me")]
+        monkeypatch.delenv(TIER_ENV)  # outside make test: a live process of any tier is another run's
+        assert chaos.our_scratch() == [str(dirs[n]) for n in ("untiered", "ended", "me")]
+    finally:
+        for proc in (others, mine, untiered):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_mark_of_the_callers_own_runs_one_pytest_as_asked(tmp_path):
     (tmp_path / "conftest.py").write_text('def pytest_configure(config):\n'
-                                          '    for m in ("ray", "slow", "no_ray"):\n'
+                                          '    for m in ("ray", "slow", "no_ray", "apart"):\n'
                                           '        config.addinivalue_line("markers", m + ": m")\n')
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
     env = {k: v for k, v in os.environ.items() if k not in (suite.FAST_ENV, "RAYRL_TEST_ONE_PROCESS")}
@@ -192,7 +217,7 @@ def test_a_mark_of_the_callers_own_runs_one_pytest_as_asked(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["ray.json"]  # that test alone
     seen = json.loads((tmp_path / "ray.json").read_text())
-    assert seen["fast"] is None and seen["beside"] is None and seen["policy"] == os.sched_getscheduler(0)
+    assert seen["fast"] is None and seen["tier"] is None and seen["policy"] == os.sched_getscheduler(0)
     assert "make test:" not in run.stdout  # pytest's own report, no second tier
 
 
@@ -241,14 +266,26 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    conftest.pytest_sessionstart(None)
+    here = [_Item("tests/primitives/test_x.py::test_a", ["tmp_path"])]
+    elsewhere = [_Item("tests/cluster/test_t.py::test_b", ["tool_caller"]),
+                 _Item("tests/cluster/test_p.py::test_c", ["ray_local", "sft_policy"])]
+    conftest.make_shared_ahead(here, elsewhere)
     assert asked == (["/s/tool_caller", "smollm2", "/s/default_policy"] if made else [])
     if made:
         asked.clear()
         monkeypatch.setattr(conftest, "made_tool_caller", lambda path: 1 / 0)
-        conftest.pytest_sessionstart(None)  # no raise: the Ray tier's fixture makes it then
+        conftest.make_shared_ahead(here, elsewhere)  # no raise: the Ray tier's fixture makes it then
         assert "not made ahead (ZeroDivisionError" in capsys.readouterr().out
         assert asked == ["smollm2", "/s/default_policy"]  # and the others are made all the same
+        asked.clear()
+        conftest.make_shared_ahead(here, elsewhere[1:])  # only what some test asks for
+        assert asked == ["smollm2", "/s/default_policy"]
+        asked.clear()
+        conftest.make_shared_ahead(here + elsewhere[:1], [])  # a tool test beside; no Ray tests: no SmolLM2
+        assert asked == [] and "not made ahead (ZeroDivisionError" in capsys.readouterr().out
+        asked.clear()
+        conftest.make_shared_ahead(here, [])  # a run of a few Ray-free paths makes nothing
+        assert asked == []
 
 
 class _Item:

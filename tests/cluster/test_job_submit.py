@@ -14,7 +14,9 @@ import pytest
 from rl_actors.weight_sync import free_port
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.own_ray  # a real head of its own, the run's Ray shut down first
+# a real head of its own, the run's Ray shut down first; under make test, in a pytest process of its own beside the
+# Ray tests (tests/suite.py): its jobs and their head share nothing with the run's Ray
+pytestmark = [pytest.mark.own_ray, pytest.mark.apart]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
