@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded tiny tokenizer and a randomly initialised tiny Qwen2."""
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 
@@ -300,6 +301,23 @@ def made_sft_policy(path: str, config: str, sft: dict, task_kwargs=None) -> str:
     return os.path.join(path, *policy[:2])
 
 
+# the architectures the run's vLLM engines load: the tiny model's (primitives/fixtures/tiny.py) and SmolLM2's
+VLLM_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+def vllm_model_infos(architectures=VLLM_ARCHITECTURES, timeout_s: float = 600) -> None:
+    """vLLM's model information for ``architectures``, in its cache (``$VLLM_CACHE_ROOT/modelinfos``, one file each).
+    An engine that finds none there inspects the model's class in a Python subprocess of its own that imports vLLM:
+    33 s of the first vLLM job of each architecture in a test run here (52 s against 19 s with the cache), in the
+    Ray tests' foreground. Asked here, in a subprocess (vLLM stays out of this pytest), it is made beside them."""
+    script = ("import sys\nfrom vllm.model_executor.models.registry import ModelRegistry\n"
+              "for arch in sys.argv[1:]:\n    ModelRegistry.models[arch].inspect_model_cls()\n")
+    done = subprocess.run([sys.executable, "-c", script, *architectures], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM's model information: {done.stderr.strip()[-500:]}")
+
+
 _DESELECTED: list = []  # the tests this pytest collected and left to another tier (or to -k)
 
 
@@ -318,9 +336,10 @@ def make_shared_ahead(here: list, elsewhere: list) -> None:
     leaves idle (this process runs in the idle scheduling class), where a test of the run asks for it
     (``here``: this tier's tests; ``elsewhere``: those it collected and left to the others). The tool
     caller (35 s of one process here, first asked for about 4 minutes in), the embedded SmolLM2's
-    conversion (about 10 s; wherever the other tiers have tests: jobs load it by name, no fixture asks),
-    and the default task's SFT'd policy (130 s of one process; the modules that start from it run last in
-    the Ray tier, ``pytest_collection_modifyitems``). A Ray-tier fixture that asks sooner waits for it, and
+    conversion (about 10 s) and vLLM's information on the run's model classes (``vllm_model_infos``, about
+    48 s; both wherever the other tiers have tests: jobs load them by name, no fixture asks), and the
+    default task's SFT'd policy (130 s of one process; the modules that start from it run last in the Ray
+    tier, ``pytest_collection_modifyitems``). A Ray-tier fixture that asks sooner waits for it, and
     while it waits the cores are this process's. Made or not, the tests go on: a fixture makes what is
     missing. A run of a few Ray-free paths makes none of them."""
     from tests.suite import FAST_ENV, SHARED_ENV
@@ -338,6 +357,7 @@ def make_shared_ahead(here: list, elsewhere: list) -> None:
 
     makers = [("tool_caller" in asked, lambda: made_tool_caller(os.path.join(root, "tool_caller"))),
               (bool(elsewhere), smollm2),
+              (bool(elsewhere), vllm_model_infos),
               ("sft_policy" in asked, lambda: made_default_policy(os.path.join(root, "default_policy")))]
     for wanted, make in makers:
         if not wanted:

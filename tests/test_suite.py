@@ -264,6 +264,7 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
     monkeypatch.setattr(conftest, "made_default_policy", lambda path: asked.append(path))
     monkeypatch.setattr(cluster.jobs.inputs, "resolve_model",
                         lambda model, *_, **__: asked.append(model.model_name_or_path))
+    monkeypatch.setattr(conftest, "vllm_model_infos", lambda: asked.append("vllm"))
     for name in ("RAYRL_TEST_SHARED", "RAYRL_FAST_TESTS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -272,16 +273,16 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
     elsewhere = [_Item("tests/cluster/test_t.py::test_b", ["tool_caller"]),
                  _Item("tests/cluster/test_p.py::test_c", ["ray_local", "sft_policy"])]
     conftest.make_shared_ahead(here, elsewhere)
-    assert asked == (["/s/tool_caller", "smollm2", "/s/default_policy"] if made else [])
+    assert asked == (["/s/tool_caller", "smollm2", "vllm", "/s/default_policy"] if made else [])
     if made:
         asked.clear()
         monkeypatch.setattr(conftest, "made_tool_caller", lambda path: 1 / 0)
         conftest.make_shared_ahead(here, elsewhere)  # no raise: the Ray tier's fixture makes it then
         assert "not made ahead (ZeroDivisionError" in capsys.readouterr().out
-        assert asked == ["smollm2", "/s/default_policy"]  # and the others are made all the same
+        assert asked == ["smollm2", "vllm", "/s/default_policy"]  # and the others are made all the same
         asked.clear()
         conftest.make_shared_ahead(here, elsewhere[1:])  # only what some test asks for
-        assert asked == ["smollm2", "/s/default_policy"]
+        assert asked == ["smollm2", "vllm", "/s/default_policy"]
         asked.clear()
         conftest.make_shared_ahead(here + elsewhere[:1], [])  # a tool test beside; no Ray tests: no SmolLM2
         assert asked == [] and "not made ahead (ZeroDivisionError" in capsys.readouterr().out
@@ -316,3 +317,37 @@ def test_the_shared_policys_modules_run_late_whole_and_the_own_ray_tests_last():
     assert [item.nodeid for item in items] == ["a.py::t", "d.py::t", "b.py::t1", "b.py::t2", "b.py::t4", "e.py::t",
                                                "b.py::t3", "c.py::t"]
     assert [item.nodeid for item in items if "ray" in item.marks] == ["d.py::t"]
+
+
+@pytest.mark.slow
+@pytest.mark.no_ray
+def test_vllms_information_on_the_runs_model_classes_is_made_ahead(tmp_path, monkeypatch):
+    """``tests/conftest.py:vllm_model_infos``: the architectures named are the tiny model's and SmolLM2's, and
+    once it has run an engine's look-up finds each in vLLM's cache, inspecting nothing in a subprocess."""
+    import json
+
+    from transformers import Qwen2ForCausalLM
+
+    import tests.conftest as conftest
+    from cluster.jobs.inputs import resolve_model
+    from primitives.types import ModelConfig
+
+    smollm2 = resolve_model(ModelConfig("smollm2"), "", seed=0).model_name_or_path
+    with open(os.path.join(smollm2, "config.json")) as f:
+        assert conftest.VLLM_ARCHITECTURES == (Qwen2ForCausalLM.__name__, *json.load(f)["architectures"])
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    conftest.vllm_model_infos(conftest.VLLM_ARCHITECTURES[:1])
+    assert [p.name for p in (tmp_path / "modelinfos").iterdir()] == [
+        "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json"]
+    cached = tmp_path / "modelinfos" / "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json"
+    # an engine's look-up, with vLLM's inspection in a subprocess refused; then again without the file, where it
+    # must inspect (the check can fail)
+    looked_up = ("import os, sys\nimport vllm.model_executor.models.registry as registry\n"
+                 "def inspected(fn):\n    raise LookupError('inspected in a subprocess')\n"
+                 "registry._run_in_subprocess = inspected\n"
+                 "model = registry.ModelRegistry.models['Qwen2ForCausalLM']\n"
+                 "model.inspect_model_cls()\nprint('found')\nos.remove(sys.argv[1])\n"
+                 "try:\n    model.inspect_model_cls()\nexcept LookupError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", looked_up, str(cached)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.stdout.split("\n")[-3:] == ["found", "inspected in a subprocess", ""], done.stdout + done.stderr[-2000:]
