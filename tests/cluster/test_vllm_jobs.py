@@ -80,9 +80,10 @@ def test_smollm2_through_vllm_uses_the_chat_template_and_ends_turns_on_im_end(sm
 @pytest.mark.slow
 def test_smollm2_chat_job_with_a_vllm_generator_rises_on_held_out_problems(tmp_path):
     """``own_data.yaml`` as shipped (SmolLM2, its chat template and system prompt, two weighted rewards,
-    a generator worker) with vLLM generating, for 3 steps: held-out greedy accuracy rises by at least 15
-    points (0.078 -> 0.42 here after 3 steps, 0.44 after 4, 0.50 after 10). Every step sends the weights to
-    the worker, which then samples the trainer's policy (its logprobs within 1e-3 of the trainer's).
+    a generator worker) with vLLM generating, for 2 steps: held-out greedy accuracy rises by at least 15
+    points (0.078 -> 0.42 here after 2 steps and after 3, 0.44 after 4, 0.50 after 10; one step fewer than
+    until the twenty-second round of docs/testing.md saves 17 s). Every step sends the weights to the worker,
+    which then samples the trainer's policy (its logprobs within 1e-3 of the trainer's).
 
     This run also holds what a 2-step run of ``own_data.yaml`` with an HF worker checked in
     ``test_separate_workers_job`` until issue 32 (the file's layout and sync); the HF worker's SmolLM2
@@ -93,17 +94,17 @@ def test_smollm2_chat_job_with_a_vllm_generator_rises_on_held_out_problems(tmp_p
     shipped = load_job_config(OWN_DATA)
     out = str(tmp_path / "run")
     summary = _run([OWN_DATA, "--logging.out", out, "--cluster.generator-backend", "vllm",
-                    "--algorithm.steps", "3", "--eval.every", "3", "--cluster.snapshot-every", "0"])
-    assert summary["generator_engine"] == "vllm" and summary["rl_steps"] == 3 and summary["generation"] == "workers"
+                    "--algorithm.steps", "2", "--eval.every", "2", "--cluster.snapshot-every", "0"])
+    assert summary["generator_engine"] == "vllm" and summary["rl_steps"] == 2 and summary["generation"] == "workers"
     assert (summary["generators"], summary["trainer_ranks"]) == (shipped.cluster.generators, shipped.cluster.trainers)
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.15, summary
     steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"reward/mean"' in line]
-    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert [r["step"] for r in steps] == [0, 1]
     for r in steps:
         assert r["time/sync"] > 0 and r["sync/bytes"] > 0  # the weights went to the worker after the step
         assert r["batch/rows"] == shipped.algorithm.prompts_per_step * shipped.generation.group_size
         assert r["mismatch/max_abs_logp_diff"] < 1e-3, r
         assert {"reward/exact_match", "reward/number_only"} <= set(r)  # each weighted reward by its label
-    with open(os.path.join(out, "samples", "step_3.jsonl")) as f:
+    with open(os.path.join(out, "samples", "step_2.jsonl")) as f:
         samples = [json.loads(line) for line in f]
     assert len(samples) == 64 and {s["finish_reason"] for s in samples} <= {"stop", "length"}
