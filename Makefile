@@ -57,8 +57,8 @@ run: venv
 
 # the project's own modules compiled first: with PYTHONDONTWRITEBYTECODE set, each of the run's few hundred
 # processes would compile what it imports again
-# The Ray tests in the foreground, the rest beside them in the idle scheduling class, in the core the Ray
-# tests leave idle
+# The Ray tests in the foreground; beside them the tests with a Ray of their own (`apart`: ray job submit on a
+# head of its own) and, in the idle scheduling class, in the core the Ray tests leave idle, the rest
 # (tests/suite.py; RAYRL_TEST_ONE_PROCESS=1 runs one pytest)
 test: venv
 	@$(PY) -m compileall -q -j 0 $(SOURCES) > /dev/null || true  # a file that does not compile: pytest names it
@@ -66,11 +66,12 @@ test: venv
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
 # no Ray and no whole job: maths, records, config checks, data, rewards, the single-process loop. Any test
-# that starts Ray without the `ray` mark fails here (tests/conftest.py blocks the import)
+# that starts Ray without the `ray` mark fails here (tests/conftest.py blocks the import); a test with a Ray of
+# its own (`apart`, a `ray start` head) is left out
 # One pytest process per core (pytest-xdist; FAST_WORKERS=0 runs them in this one), each with its share of the
 # cores' threads (tests/conftest.py)
 test-fast: venv
-	@RAYRL_FAST_TESTS=1 $(PY) -m pytest tests -m "not ray and not slow" -n $(FAST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
+	@RAYRL_FAST_TESTS=1 $(PY) -m pytest tests -m "not ray and not slow and not apart" -n $(FAST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests - a failure" >&2; fi; exit $$rc
 
 lint: venv

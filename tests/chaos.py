@@ -197,8 +197,8 @@ def our_scratch() -> list:
 def _of_another_tier(pid: int, mine: Optional[str]) -> bool:
     try:
         tier = psutil.Process(pid).environ().get(TIER_ENV)
-    except psutil.Error:  # ended (a zombie too)
-        return False
+    except psutil.Error:  # ended
+        return False  # (a zombie's environment reads empty: it is counted too)
     return tier is not None and tier != mine
 
 

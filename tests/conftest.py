@@ -183,7 +183,7 @@ def pytest_collection_modifyitems(config, items):
 
     Before them run the modules with a test that starts from the default task's SFT'd policy (``sft_policy``),
     whole (their module fixtures set up once): under ``make test`` the tier beside makes that policy in the time
-    the Ray tests leave idle (``pytest_sessionstart``), so the Ray tests ask for it as late as they can."""
+    the Ray tests leave idle (``make_shared_ahead``), so the Ray tests ask for it as late as they can."""
     for item in items:
         if "ray_local" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
@@ -236,7 +236,7 @@ def tool_caller(tmp_path_factory):
 
 
 def shared_root(tmp_path_factory, name: str) -> str:
-    """Where a model both tiers of ``make test`` use is made: ``$RAYRL_TEST_SHARED``, else a fresh directory."""
+    """Where a model the tiers of ``make test`` use is made: ``$RAYRL_TEST_SHARED``, else a fresh directory."""
     from tests.suite import SHARED_ENV
 
     return os.environ.get(SHARED_ENV) or str(tmp_path_factory.mktemp(name))

@@ -42,7 +42,7 @@ RAY_TIER = "(ray or (slow and not no_ray)) and not apart"
 APART_TIER = "apart"
 BESIDE_TIER = "not ray and (not slow or no_ray) and not apart"  # make test-fast's tests and slow ones without Ray
 OUTCOMES = ("failure", "error", "skipped")
-SHARED_ENV = "RAYRL_TEST_SHARED"  # tests/conftest.py: what both tiers use, made once, the tier beside first
+SHARED_ENV = "RAYRL_TEST_SHARED"  # tests/conftest.py: what the tiers use, made once, by the tier beside first
 FAST_ENV = "RAYRL_FAST_TESTS"  # tests/conftest.py: Ray refuses to start (make test-fast)
 NICE_ENV = "RAYRL_TEST_BESIDE_NICE"
 
@@ -72,7 +72,7 @@ def priority_name() -> str:
 
 def split_args(args: list) -> tuple:
     """``(rest, junitxml path or None, durations or None)``: the caller's pytest arguments less the two
-    options this runner applies to both tiers' merged report."""
+    options this runner applies to the tiers' merged report."""
     rest, junit, durations = [], None, None
     it = iter(args)
     for arg in it:
@@ -127,7 +127,7 @@ def merge_reports(paths: list, out: str) -> None:
 
 def summary(tiers: list, durations, wall: float) -> str:
     """The run's last lines: each tier's counts and pytest's time, the whole run's counts and ``wall``
-    seconds, the slowest tests of both. ``tiers`` is ``[(name, cases, exit code, seconds), ...]``."""
+    seconds, the slowest tests of all. ``tiers`` is ``[(name, cases, exit code, seconds), ...]``."""
     def counts(cases: list) -> str:
         tally = {}
         for _, _, outcome in cases:
@@ -147,7 +147,7 @@ def summary(tiers: list, durations, wall: float) -> str:
 
 
 def exit_code(codes: list) -> int:
-    """Pytest's 5 (no tests) from one tier is fine where the other ran tests; any other failure wins."""
+    """Pytest's 5 (no tests) from a tier is fine where another ran tests; any other failure wins."""
     failed = [rc for rc in codes if rc not in (0, 5)]
     if failed:
         return failed[0]

@@ -64,7 +64,10 @@ def ray_head():
     import ray
 
     ray.shutdown()
-    port, dash = free_port(), free_port()
+    # free ports for the head's dashboard and its agent's HTTP server: the agent's default (52365) is every Ray's on
+    # the machine, the tests' own Ray's too, which under make test runs beside this head; an agent that finds it taken
+    # serves no HTTP, and the head then takes no jobs ("No available agent to submit job")
+    port, dash, agent = free_port(), free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     # Ray 2.60 protects a head with a token. Give this head and its clients a fresh one
@@ -72,7 +75,8 @@ def ray_head():
     env["RAY_AUTH_MODE"] = "token"
     env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=8",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+                    "--num-cpus=8",
                     "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}"], check=True,
                    env=env, capture_output=True, timeout=120)
     try:
