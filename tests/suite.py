@@ -16,8 +16,9 @@ Why: the Ray tests leave a core idle for about a third of their time (actors wai
 bounds waited out, one-process stretches), and the Ray-free tests are two to four minutes of about one
 core, which in one pytest process ran one test at a time beside that idle core. Beside the Ray tests, in
 the idle class, they run in it. They ended about 12 minutes before the Ray tests (2026-11-30), whose last
-stretch then left a third of a core idle: the tests apart, two jobs through ``ray job submit`` on a head of
-their own (about 110 s at the Ray tier's end), run in that time now.
+stretch then left a third of a core idle, and the tests apart, two jobs through ``ray job submit`` on a head
+of their own, took 110 s at the Ray tier's end. Beside it they take 250 s, and the Ray tier's other tests
+run slower beside them: the Ray tier came out 35-50 s shorter (docs/testing.md, the twenty-second round).
 
 Each tier has its own cache directory (``--lf`` works per tier) and its own report; the reports are
 merged into one, which ``--junitxml`` receives, and the run ends with one summary: the counts, each
