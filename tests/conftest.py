@@ -327,7 +327,8 @@ def pytest_deselected(items):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
-    make_shared_ahead(session.items, _DESELECTED)
+    if not session.config.option.collectonly:  # --collect-only runs no test
+        make_shared_ahead(session.items, _DESELECTED)
 
 
 def make_shared_ahead(here: list, elsewhere: list) -> None:

@@ -290,6 +290,60 @@ def test_the_tier_beside_makes_the_shared_models_first_and_goes_on_if_it_cannot(
         assert asked == []
 
 
+WIRING_CONFTEST = """
+import os
+
+import pytest
+
+import cluster.jobs.inputs
+import tests.conftest as shared
+from tests.conftest import pytest_collection_finish, pytest_deselected  # noqa: F401  (the hooks under test)
+
+
+def made(name):
+    with open(os.path.join(os.path.dirname(__file__), "made.txt"), "a") as f:
+        f.write(name + "\\n")
+
+
+shared.made_tool_caller = lambda path: made("tool_caller")
+shared.made_default_policy = lambda path: made("default_policy")
+shared.vllm_model_infos = lambda: made("vllm")
+cluster.jobs.inputs.resolve_model = lambda *args, **kwargs: made("smollm2")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ray: r")
+
+
+@pytest.fixture
+def sft_policy():
+    return "policy"
+"""
+
+
+def test_the_hooks_make_ahead_what_the_tests_left_to_the_other_tiers_ask_for(tmp_path):
+    """``pytest_deselected`` and ``pytest_collection_finish`` as pytest calls them: the tier beside, given the
+    Ray tier's test that asks for the policy (left to it by ``-m``), makes SmolLM2, vLLM's information and
+    the policy; given only its own tests, nothing; nothing under ``--collect-only``."""
+    (tmp_path / "conftest.py").write_text(WIRING_CONFTEST)
+    (tmp_path / "test_beside.py").write_text("def test_here():\n    pass\n")
+    (tmp_path / "test_ray.py").write_text("import pytest\n\n@pytest.mark.ray\ndef test_there(sft_policy):\n"
+                                          "    pass\n")
+    env = {**{k: v for k, v in os.environ.items() if k != TIER_ENV},
+           suite.SHARED_ENV: str(tmp_path / "shared"), suite.FAST_ENV: "1"}
+
+    def made(*args) -> list:
+        (tmp_path / "made.txt").unlink(missing_ok=True)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not ray",
+                              *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+        return (tmp_path / "made.txt").read_text().split() if (tmp_path / "made.txt").exists() else []
+
+    assert made(str(tmp_path)) == ["smollm2", "vllm", "default_policy"]
+    assert made(str(tmp_path / "test_beside.py")) == []
+    assert made(str(tmp_path), "--collect-only") == []
+
+
 class _Item:
     """What ``pytest_collection_modifyitems`` reads of a collected test."""
 
