@@ -321,6 +321,8 @@ def sft_policy():
 """
 
 
+@pytest.mark.slow  # three pytest runs that import torch (14 s): beside the Ray tests, not in make test-fast
+@pytest.mark.no_ray
 def test_the_hooks_make_ahead_what_the_tests_left_to_the_other_tiers_ask_for(tmp_path):
     """``pytest_deselected`` and ``pytest_collection_finish`` as pytest calls them: the tier beside, given the
     Ray tier's test that asks for the policy (left to it by ``-m``), makes SmolLM2, vLLM's information and
