@@ -23,10 +23,12 @@ def _run(args):
 def test_default_job_with_vllm_generator_workers_learns(tmp_path, sft_policy):
     """The default job's RL from its SFT'd policy with 2 vLLM generator workers in place of generation
     on the trainer ranks: weights go to vLLM after every step, and held-out greedy accuracy (greedy
-    decoding by vLLM) gains at least 10 points in 40 steps, as on the HF path."""
+    decoding by vLLM) gains at least 10 points in 12 steps (0.547 -> 0.773 here; 0.781 after 10, 0.844 after
+    20 and 40). Until issue 32's twenty-third round it ran 40 steps (55 s in the
+    suite; 83 s -> 56 s alone)."""
     summary = _run([DEFAULT, "--logging.out", str(tmp_path / "run"), "--cluster.generate-on-trainers", "False",
                     "--cluster.generator-backend", "vllm", "--model.model-name-or-path", sft_policy,
-                    "--sft.steps", "0", "--algorithm.steps", "40", "--eval.every", "20",
+                    "--sft.steps", "0", "--algorithm.steps", "12", "--eval.every", "12",
                     "--data.task-kwargs", "num_heldout", "128", "carry_error_rate", "0.7"])
     assert (summary["generation"], summary["generator_engine"], summary["generators"]) == ("workers", "vllm", 2)
     assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.10, summary
