@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.zygote import PRELOAD, SOCKET_ENV, TITLE_ROOM, Zygote
+from tests.conftest import ROOT
+from tests.zygote import SOCKET_ENV, TITLE_ROOM, Zygote
 
 WORKER = r'''
 import json, os, signal, sys, time
@@ -174,18 +175,34 @@ def test_without_a_zygote_a_worker_starts_as_usual(zygote, worker):
     assert proc.wait(30) == 5 and seen["pid"] == proc.pid
 
 
-def test_the_preload_leaves_out_ray_and_vllm():
-    """Ray's modules read the raylet's per-worker variables and vLLM's import sets variables and imports Ray:
-    both are left to each worker."""
-    done = subprocess.run([sys.executable, "-c", "import sys\nfor m in sys.argv[1:]: __import__(m)\n"
-                           "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))", *PRELOAD],
-                          capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr[-2000:]
+def test_the_preload_leaves_out_ray_and_each_worker_imports_it():
+    """Ray's modules read the raylet's per-worker variables: each worker imports Ray itself. vLLM, which imports
+    Ray where it can, is preloaded without it, and Ray imports afterwards (as in the forked worker)."""
+    code = ("import sys\nfrom tests.zygote import PRELOAD, _preload\n_preload(PRELOAD)\n"
+            "print(sorted(m for m in ('ray', 'vllm', 'vllm.entrypoints.llm') if m in sys.modules))\n"
+            "import ray\nprint(ray.is_initialized())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.stdout.strip().splitlines()[-2:] == ["['vllm', 'vllm.entrypoints.llm']", "False"], done.stderr[-2000:]
+
+
+def test_without_ray_hides_ray_and_puts_back_what_was_there(monkeypatch):
+    from tests.zygote import without_ray
+
+    import_ray = "import ray.util"
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    with without_ray(), pytest.raises(ImportError):
+        exec(import_ray)
+    assert "ray" not in sys.modules
+    stand_in = object()
+    monkeypatch.setitem(sys.modules, "ray", stand_in)
+    with without_ray():
+        assert sys.modules["ray"] is None
+    assert sys.modules["ray"] is stand_in
 
 
 class Probe:
     def info(self) -> tuple:
-        return os.getpid(), os.getppid(), os.environ.get("OMP_NUM_THREADS"), "torch" in sys.modules
+        return os.getpid(), os.getppid(), os.environ.get("OMP_NUM_THREADS"), {"torch", "vllm"} <= set(sys.modules)
 
 
 def test_the_runs_ray_forks_its_actors_from_the_zygote(ray_local):

@@ -2,8 +2,9 @@
 DeepSpeed (a zygote, as Android starts its apps), instead of each importing them again.
 
 Why: a Ray worker process spends 5-6 CPU-s importing those libraries before its actor does any
-work, and the suite starts about 220 of them (new shapes, replacements, nodes of their own): about
-half of the run's CPU on 2 cores. A fork of a process that has them costs a few milliseconds.
+work (a vLLM generator about 6 more for vLLM's engine, also preloaded), and the suite starts about
+220 of them (new shapes, replacements, nodes of their own): about half of the run's CPU on 2 cores.
+A fork of a process that has them costs a few milliseconds.
 
 How: the Ray that a test starts (``ray_workers_forked``: the run's shared Ray, the simulated nodes)
 gets this module's client (``tests/zygote_client.py``, through a small executable standing in for
@@ -46,11 +47,12 @@ import time
 from typing import Optional
 
 # what the zygote imports before it forks: what most actors import at start (the trainer, reference,
-# critic and HF generator roles). After the fork a worker still spends 0.5 to 1 CPU-s, most of it importing
-# Ray. Not Ray, nor vLLM (whose import brings Ray): workers forked from a zygote that had imported vLLM died
-# before they registered (tried once). Nothing that starts a thread at import (pyarrow does)
+# critic and HF generator roles), and vLLM's engine (a vLLM generator spent about 6 s of its start importing
+# it). After the fork a worker still spends 0.5 to 1 CPU-s, most of it importing Ray. Not Ray: workers forked
+# from a zygote that had imported it (with vLLM, which imports it where it can) died before they registered.
+# vLLM is imported ``without_ray``. Nothing that starts a thread at import (pyarrow does)
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "deepspeed", "peft",
-           "safetensors.torch")
+           "safetensors.torch", "vllm.entrypoints.llm", "vllm.distributed.weight_transfer")
 # a worker whose variables of these prefixes differ from the zygote's start environment is not forked: the
 # preloaded libraries read them at import (threads, paths, hub and backend settings)
 IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_",
@@ -94,13 +96,32 @@ def _recv_request(conn: socket.socket) -> tuple:
         raise
 
 
+@contextlib.contextmanager
+def without_ray():
+    """Inside: ``import ray`` fails, as where Ray is not installed. vLLM imports Ray where it can (its Ray
+    executor's helpers); a zygote that had imported Ray forked workers that died before they registered."""
+    saved = sys.modules.get("ray")
+    sys.modules["ray"] = None
+    try:
+        yield
+    finally:
+        if saved is None:
+            del sys.modules["ray"]
+        else:
+            sys.modules["ray"] = saved
+
+
 def _preload(names) -> dict:
     """Import ``names``; the variables the imports set. Exits (no zygote: workers start as usual) where
     DeepSpeed picked an accelerator other than the CPU: an actor on the CPU sets ``DS_ACCELERATOR`` before
     its first import of DeepSpeed (``rl_actors.deepspeed_rank``), which a forked worker has already had."""
     before = dict(os.environ)
     for name in names:
-        __import__(name)
+        if name.startswith("vllm"):
+            with without_ray():
+                __import__(name)
+        else:
+            __import__(name)
     if "deepspeed" in sys.modules:
         from deepspeed.accelerator import get_accelerator
 
