@@ -18,7 +18,7 @@ import torch
 
 from cluster.loop.protocol import Held, StepResult, plan_parts
 from primitives.env.rewards import score_rollouts
-from primitives.env.tools import hf_turn_generator, multiturn_rollouts
+from primitives.env.tools import hf_turns_generator, multiturn_rollouts
 from primitives.hooks import check_arity
 from primitives.io.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
 from primitives.maths.algorithms import AlgorithmConfig
@@ -154,8 +154,8 @@ class LocalBackend:
         if tools is None:
             rollouts = generate_rollouts(self.policy, self.tokenizer, items, gen, self.policy_version, sampler)
         else:
-            turn = hf_turn_generator(self.policy, self.tokenizer, gen, sampler)
-            rollouts = multiturn_rollouts(turn, self.tokenizer, items, gen.n, tools, self.policy_version)
+            turns = hf_turns_generator(self.policy, self.tokenizer, gen, sampler)
+            rollouts = multiturn_rollouts(turns, self.tokenizer, items, gen.n, tools, self.policy_version)
         self._busy["generators"] += time.perf_counter() - t0
         return LocalRollouts(rollouts, {"time/generate": time.perf_counter() - t0})
 

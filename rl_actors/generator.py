@@ -96,8 +96,8 @@ class GeneratorWorker(Reusable):
         if not items:
             return []
         with self.clock.working(), self.engine.serving():
-            turn = self.engine.turn_generator(gen, self._sampler(items))
-            return multiturn_rollouts(turn, self.engine.tokenizer, list(items), gen.n, tools, self.policy_version)
+            turns = self.engine.turns_generator(gen, self._sampler(items))
+            return multiturn_rollouts(turns, self.engine.tokenizer, list(items), gen.n, tools, self.policy_version)
 
     def busy(self) -> float:
         """Seconds spent generating since the last call (the driver's ``idle/generators``)."""

@@ -8,7 +8,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from primitives.env.tools import hf_turn_generator
+from primitives.env.tools import hf_turns_generator
 from primitives.model.generation import generate_rollouts
 from primitives.types import GenerationConfig, ModelConfig
 from rl_actors.common import load_causal_lm
@@ -79,8 +79,8 @@ class HFEngine:
     def generate(self, items, gen: GenerationConfig, version: int, generator) -> list:
         return generate_rollouts(self.model, self.tokenizer, items, gen, version, generator)
 
-    def turn_generator(self, gen: GenerationConfig, generator) -> Callable:
-        return hf_turn_generator(self.model, self.tokenizer, gen, generator)
+    def turns_generator(self, gen: GenerationConfig, generator) -> Callable:
+        return hf_turns_generator(self.model, self.tokenizer, gen, generator)
 
     def named_parameters(self):
         return self.model.named_parameters()

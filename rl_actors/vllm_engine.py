@@ -5,7 +5,6 @@ engine, the trainer's bucketed broadcast over gloo on the CPU and over NCCL on G
 ``LoRARequest`` (``VLLMAdapters``)."""
 from __future__ import annotations
 
-import itertools
 import os
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
@@ -201,10 +200,16 @@ class VLLMEngine:
         outs = self._outputs([ids for _, ids, _ in rows], gen, generator)
         return [pack_rollout(it, ids, o, k, version) for (it, ids, k), o in zip(rows, outs)]
 
-    def turn_generator(self, gen: GenerationConfig, generator: int) -> Callable:
-        """Each turn of each conversation samples with the next seed of the call's stream."""
-        calls = itertools.count(generator)
-        return lambda context_ids: self._outputs([context_ids], gen, next(calls))[0]
+    def turns_generator(self, gen: GenerationConfig, generator: int) -> Callable:
+        """A round of turns in one engine call; each turn of each conversation samples with the next
+        seed of the call's stream (a round of ``k`` conversations takes the next ``k``)."""
+        next_seed = [generator]
+
+        def generate_turns(contexts: Sequence[np.ndarray]) -> list:
+            base, next_seed[0] = next_seed[0], next_seed[0] + len(contexts)
+            return self._outputs(list(contexts), gen, base)
+
+        return generate_turns
 
     def weight_checksums(self) -> dict:
         """Name -> sha1 of the weights this engine samples with: every weight, read inside vLLM's

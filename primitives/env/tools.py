@@ -256,11 +256,42 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
     template tokens between turns have loss_mask 0 and logprob 0.
     ``generate_turn(context_ids) -> GenerationOutput`` continues a context by one turn.
     """
+    if tool_executor is None:
+        raise ValueError("multiturn_rollout needs a tool_executor")
+    conversation = _conversation(item, tokenizer, tool_parser, tool_executor, stop_condition, max_turns, sample,
+                                 policy_version)
+    return run_conversations([conversation], lambda contexts: [generate_turn(contexts[0])])[0]
+
+
+def run_conversations(conversations: list, generate_turns: Callable) -> list:
+    """Drive ``_conversation`` coroutines in lockstep: each round, one batched call of
+    ``generate_turns([context_ids, ...]) -> [GenerationOutput, ...]`` continues every conversation
+    still going by one turn (a batch of as many rows as there are, where one at a time was a
+    batch of one: a step's 16 tool rollouts on the tiny model took 1503 forward passes one by
+    one). Returns each conversation's ``Rollout``, in order."""
+    done: list = [None] * len(conversations)
+    waiting = {i: next(c) for i, c in enumerate(conversations)}  # each conversation's first context
+    while waiting:
+        order = list(waiting)
+        outputs = list(generate_turns([waiting[i] for i in order]))
+        if len(outputs) != len(order):
+            raise ValueError(f"generate_turns returned {len(outputs)} outputs for {len(order)} contexts")
+        waiting = {}
+        for i, out in zip(order, outputs):
+            try:
+                waiting[i] = conversations[i].send(out)
+            except StopIteration as finished:
+                done[i] = finished.value
+    return done
+
+
+def _conversation(item, tokenizer, tool_parser: Callable, tool_executor: Callable, stop_condition: Callable,
+                  max_turns: int, sample: int, policy_version: int):
+    """``multiturn_rollout``'s conversation as a coroutine: yields each turn's context ids, is sent
+    that turn's ``GenerationOutput``, and returns the ``Rollout`` (``run_conversations``)."""
     from primitives.hooks import call_hook
     from primitives.model.prompts import message_to_dict
 
-    if tool_executor is None:
-        raise ValueError("multiturn_rollout needs a tool_executor")
     uid = make_uid(item.epoch, item.index, sample)
     conv = item.prompt if isinstance(item.prompt, Conversation) else Conversation((Message("user", item.prompt),))
     prefix_text = render_prompt(tokenizer, conv)
@@ -270,7 +301,7 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
     logp: list = []
     calls_all, results_all, finish = [], [], "length"
     for turn in range(max_turns):
-        out = generate_turn(np.concatenate([prompt_ids, np.asarray(ids, dtype=np.int64)]))
+        out = yield np.concatenate([prompt_ids, np.asarray(ids, dtype=np.int64)])
         ids += out.completion_ids.tolist()
         mask += [1.0] * len(out.completion_ids)
         logp += out.logprobs.tolist()
@@ -320,14 +351,16 @@ def multiturn_rollout(item, tokenizer, generate_turn: Callable[[np.ndarray], Gen
     )
 
 
-def multiturn_rollouts(generate_turn: Callable, tokenizer, items, n: int, tools: ToolConfig,
+def multiturn_rollouts(generate_turns: Callable, tokenizer, items, n: int, tools: ToolConfig,
                        policy_version: int = 0) -> list:
     """``n`` tool-using rollouts per item (``multiturn_rollout``), with ``tools``' parser,
-    executor and stop condition; ``generate_turn`` is the engine's (``hf_turn_generator``)."""
-    return [multiturn_rollout(it, tokenizer, generate_turn, tools.parser or parse_xml_tool_calls, tools.executor,
-                              stop_condition=tools.stop_condition or no_tool_calls_stop, max_turns=tools.max_turns,
-                              sample=k, policy_version=policy_version)
-            for it in items for k in range(n)]
+    executor and stop condition; every conversation's next turn is generated in one batched call
+    of ``generate_turns([context_ids, ...]) -> [GenerationOutput, ...]`` (``hf_turns_generator``,
+    an engine's ``turns_generator``)."""
+    conversations = [_conversation(it, tokenizer, tools.parser or parse_xml_tool_calls, tools.executor,
+                                   tools.stop_condition or no_tool_calls_stop, tools.max_turns, k, policy_version)
+                     for it in items for k in range(n)]
+    return run_conversations(conversations, generate_turns)
 
 
 def hf_turn_generator(model, tokenizer, config, generator=None) -> Callable:
@@ -338,3 +371,11 @@ def hf_turn_generator(model, tokenizer, config, generator=None) -> Callable:
         return generate_tokens(model, tokenizer, [context_ids], config, generator)[0]
 
     return generate_turn
+
+
+def hf_turns_generator(model, tokenizer, config, generator=None) -> Callable:
+    """``generate_turns`` for ``multiturn_rollouts``: every context continued in one batched
+    ``generate_tokens`` call (rows left-padded to the longest)."""
+    from primitives.model.generation import generate_tokens
+
+    return lambda contexts: generate_tokens(model, tokenizer, list(contexts), config, generator)

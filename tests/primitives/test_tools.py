@@ -203,3 +203,80 @@ def test_multiturn_with_real_model(tiny_model, tokenizer):
     again = rollout_logprobs(tiny_model, [r], tokenizer.pad_token_id)[0]
     policy = r.loss_mask == 1
     assert np.abs(again[policy] - r.logprobs[policy]).max() < 1e-4
+
+
+def _by_context(tokenizer, calls_before_answer: dict, seen_batches: list):
+    """``generate_turns`` that answers each context by what it holds: item ``i`` (its prompt names it)
+    calls the calculator ``calls_before_answer[i]`` times, then answers; each call's batch size is
+    recorded."""
+    def turn(context_ids) -> GenerationOutput:
+        text = tokenizer.decode(context_ids.tolist())
+        i = int(text.split("item ")[1].split("?")[0])
+        done = text.count("<tool_response>")
+        reply = f'<tool_call name="calc">{{"expression": "{i}*{done + 1}"}}</tool_call>' \
+            if done < calls_before_answer[i] else f"The answer is {i}<|im_end|>"
+        ids = np.asarray(tokenizer(reply, add_special_tokens=False).input_ids, dtype=np.int64)
+        return GenerationOutput(ids, np.full(len(ids), -0.25 - i, np.float32), "stop", reply)
+
+    def turns(contexts) -> list:
+        seen_batches.append(len(contexts))
+        return [turn(c) for c in contexts]
+
+    return turns
+
+
+def test_conversations_advance_in_lockstep_and_equal_one_at_a_time(tokenizer):
+    """Every conversation still going is continued in one call per round: conversations of 0, 2, 1 and 3
+    tool calls (2 samples each) take 4 rounds of 8, 6, 4 and 2 rows, and give exactly the rollouts
+    ``multiturn_rollout`` gives for each alone, in item-major order."""
+    from primitives.env.tools import ToolConfig, multiturn_rollouts
+
+    calls = {0: 0, 1: 2, 2: 1, 3: 3}
+    items = [PromptItem(i, f"What is item {i}?", answer=str(i)) for i in calls]
+    tools = ToolConfig(create_tool_executor({"calc": calculator_tool}), max_turns=5)
+    batches: list = []
+    together = multiturn_rollouts(_by_context(tokenizer, calls, batches), tokenizer, items, 2, tools, policy_version=3)
+    assert batches == [8, 6, 4, 2]
+    assert [r.uid for r in together] == [f"e0/i{i}/s{k}" for i in calls for k in range(2)]
+    one = _by_context(tokenizer, calls, [])
+    for j, r in enumerate(together):
+        item, sample = items[j // 2], j % 2
+        alone = multiturn_rollout(item, tokenizer, lambda c: one([c])[0], tool_executor=tools.executor,
+                                  max_turns=5, sample=sample, policy_version=3)
+        assert _same_rollout(r, alone)
+        assert len(r.tool_calls) == calls[item.index] and r.text.endswith(f"The answer is {item.index}")
+
+
+def _same_rollout(a, b) -> bool:
+    arrays = ("prompt_ids", "completion_ids", "loss_mask", "logprobs")
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in arrays) and \
+        (a.uid, a.text, a.finish_reason, a.tool_calls, a.tool_results, a.metadata, a.policy_version) == \
+        (b.uid, b.text, b.finish_reason, b.tool_calls, b.tool_results, b.metadata, b.policy_version)
+
+
+def test_generate_turns_that_miscount_are_named(tokenizer):
+    from primitives.env.tools import ToolConfig, multiturn_rollouts
+
+    with pytest.raises(ValueError, match="returned 1 outputs for 2 contexts"):
+        multiturn_rollouts(lambda contexts: [None], tokenizer, [PromptItem(0, "hi")], 2,
+                           ToolConfig(create_tool_executor({})))
+
+
+def test_batched_turns_decode_as_one_at_a_time(tiny_model, tokenizer):
+    """``hf_turns_generator`` left-pads contexts of different lengths into one batch: greedy turns are
+    the tokens each context gets alone, their logprobs within 1e-5."""
+    import torch
+
+    from primitives.env.tools import hf_turn_generator, hf_turns_generator
+    from primitives.types import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=6, temperature=0.0)
+    contexts = [np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
+                for text in ("2+2=", "What is 17 times 23, worked out by hand?", "hi", "1 2 3 4 5 6 7 8 9 10 11")]
+    assert len({len(c) for c in contexts}) == len(contexts)
+    together = hf_turns_generator(tiny_model, tokenizer, gen, torch.Generator())(contexts)
+    one = hf_turn_generator(tiny_model, tokenizer, gen, torch.Generator())
+    for c, t in zip(contexts, together):
+        alone = one(c)
+        assert t.completion_ids.tolist() == alone.completion_ids.tolist() and t.finish_reason == alone.finish_reason
+        assert np.abs(t.logprobs - alone.logprobs).max() < 1e-5

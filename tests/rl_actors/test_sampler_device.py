@@ -43,7 +43,7 @@ def test_generate_and_tool_turns_sample_with_a_generator_on_the_models_device(ti
     worker = _hosted(copy.deepcopy(tiny_model).to("meta"), tokenizer)
     given = []
     monkeypatch.setattr(worker.engine, "generate", lambda items, gen, version, generator: given.append(generator) or [])
-    monkeypatch.setattr(worker.engine, "turn_generator", lambda gen, generator: given.append(generator))
+    monkeypatch.setattr(worker.engine, "turns_generator", lambda gen, generator: given.append(generator))
     monkeypatch.setattr(generator_module, "multiturn_rollouts", lambda *args: [])
     worker.generate(ITEMS, GEN)
     worker.generate_multiturn(ITEMS, GEN, ToolConfig(executor=print))

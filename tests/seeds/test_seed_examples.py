@@ -471,9 +471,9 @@ def test_example_4_tool_use_on_the_loop_with_the_seeds_parser_and_executor(tiny_
             ids = np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
             return GenerationOutput(ids, np.full(len(ids), -0.5, np.float32), "stop", text)
 
-        return generate_turn
+        return lambda contexts: [generate_turn(c) for c in contexts]
 
-    monkeypatch.setattr(cluster.local, "hf_turn_generator", scripted)
+    monkeypatch.setattr(cluster.local, "hf_turns_generator", scripted)
 
     def stop_condition(conv: Conversation) -> bool:
         return bool(conv.messages) and "<done>" in conv.messages[-1].content.lower()
