@@ -115,6 +115,34 @@ def test_overrides_on_the_command_line(tmp_path):
     assert job.algorithm.kl_coef == 0.01 and job.sft.steps == 1500 and job.data.task_kwargs["num_heldout"] == 256
 
 
+def test_a_second_command_line_parses_no_record_source_and_keeps_the_help(monkeypatch, capsys):
+    """tyro reads the records' field comments from their source, parsing the whole module for each record,
+    and clears its caches at every call (``keep_class_sources``): a process's second command line has tyro
+    read no record's source again and takes its own overrides; a second help reads none and still documents
+    the fields."""
+    import inspect
+
+    path = os.path.join(ROOT, "examples", "configs", "default.yaml")
+    parse(["rl", path, "--algorithm.lr", "1e-5"])
+    read, getsource = [], inspect.getsource
+
+    def counted(obj):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("tyro", "_docstrings.py")):
+            read.append(obj)
+        return getsource(obj)
+
+    monkeypatch.setattr(inspect, "getsource", counted)
+    _, job, _ = parse(["rl", path, "--algorithm.lr", "2e-5", "--cluster.generators", "3"])
+    assert read == [] and job.algorithm.lr == 2e-5 and job.cluster.generators == 3
+    monkeypatch.setenv("COLUMNS", "200")
+    for _ in range(2):  # the help reads the comments of records a parse does not need, once
+        read.clear()
+        with pytest.raises(SystemExit):
+            parse(["rl", "--help"])
+        assert "RL learning rate" in capsys.readouterr().out
+    assert read == []
+
+
 def test_unknown_override_names_the_closest_flag(capsys):
     with pytest.raises(SystemExit):
         parse(["rl", "--algoritm.lr", "1"])
