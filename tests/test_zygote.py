@@ -187,6 +187,37 @@ def test_without_ray_hides_ray_and_puts_back_what_was_there(monkeypatch):
     with without_ray():
         assert sys.modules["ray"] is None
     assert sys.modules["ray"] is stand_in
+    monkeypatch.delitem(sys.modules, "ray")
+    with without_ray():
+        with pytest.raises(KeyError), without_ray():  # nested, left by an exception: the outer block's None stays
+            raise KeyError("inside")
+        assert sys.modules["ray"] is None
+        del sys.modules["ray"]  # the body removed it: nothing to put back, no error
+    assert "ray" not in sys.modules
+
+
+def test_vllms_import_leaves_the_environment_and_a_missing_module_is_skipped(monkeypatch, capsys):
+    """What vLLM's import sets in ``os.environ`` is not handed to forked workers; a vLLM that does not import
+    leaves the zygote serving without it (named in its log)."""
+    from tests import zygote as zygote_module
+
+    def import_setting(name, *args, **kwargs):
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        if name == "vllm.missing":
+            raise ModuleNotFoundError("No module named 'vllm.missing'")
+
+    import builtins
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    real_import = builtins.__import__
+    builtins.__import__ = import_setting
+    try:
+        added = zygote_module._preload(("vllm.entrypoints.llm", "vllm.missing"))
+        left = "TORCHINDUCTOR_COMPILE_THREADS" in os.environ
+    finally:
+        builtins.__import__ = real_import
+    assert added == {} and not left
+    assert "zygote: vllm.missing not preloaded (ModuleNotFoundError" in capsys.readouterr().out
 
 
 class Probe:

@@ -26,7 +26,12 @@ What differs from a worker started as usual, and why it does not matter here:
 * numpy's global generator is seeded again in each child (Python's own ``random`` reseeds itself at a
   fork), but every forked worker shares the zygote's string-hash secret, so set and dict orders
   agree across the tests' actors where a real cluster's differ (no code here depends on that order);
-* the zygote ignores a Ctrl-C in the test run's terminal (its children take theirs as any process).
+* the zygote ignores a Ctrl-C in the test run's terminal (its children take theirs as any process);
+* every forked worker holds vLLM's engine modules, imported with Ray hidden, so vLLM's Ray executor helpers
+  (``vllm.v1.executor.ray_utils``) hold no Ray: the vLLM generators run one process each on the CPU
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), never Ray's executor; vLLM's import also patched torch's inductor
+  in memory, in every worker, which matters only to ``torch.compile``'s inductor, which no actor here uses
+  on the CPU; the variables vLLM's import set are not passed on (``_import_vllm``).
 Tests that start Ray by other means (``ray start`` for ``ray job submit``, the product's
 ``start_ray``) get workers started as usual, so that path keeps its tests.
 ``RAYRL_TEST_FORK_WORKERS=0`` turns it off for a whole run.
@@ -57,7 +62,7 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling
 # preloaded libraries read them at import (threads, paths, hub and backend settings)
 IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_",
               "DS_", "DEEPSPEED_", "CUDA_", "NCCL_", "MALLOC_", "GLIBC_TUNABLES", "TQDM_", "NPY_", "NUMPY_", "USE_",
-              "XDG_", "HOME")
+              "XDG_", "HOME", "VLLM_")
 IMPORT_ENV_IGNORED = ("PYTHONBREAKPOINT",)  # set per worker by Ray, read at a breakpoint() call
 SOCKET_ENV = "RAYRL_ZYGOTE_SOCKET"
 SHIM_PREFIX = "rayrl-zygote-"  # the directory of a zygote's socket, log and stand-in executable
@@ -99,27 +104,48 @@ def _recv_request(conn: socket.socket) -> tuple:
 @contextlib.contextmanager
 def without_ray():
     """Inside: ``import ray`` fails, as where Ray is not installed. vLLM imports Ray where it can (its Ray
-    executor's helpers); a zygote that had imported Ray forked workers that died before they registered."""
-    saved = sys.modules.get("ray")
+    executor's helpers); a zygote that had imported Ray forked workers that died before they registered.
+    After it, ``sys.modules["ray"]`` is what it was (absent, a module, or an outer block's None)."""
+    saved = sys.modules.get("ray", _ABSENT)
     sys.modules["ray"] = None
     try:
         yield
     finally:
-        if saved is None:
-            del sys.modules["ray"]
+        if saved is _ABSENT:
+            sys.modules.pop("ray", None)
         else:
             sys.modules["ray"] = saved
 
 
+_ABSENT = object()
+
+
+def _import_vllm(name: str) -> None:
+    """Import vLLM's module ``name`` with Ray hidden, leaving ``os.environ`` as it was: vLLM's import sets
+    variables for its own compilation and GPU checks (``TORCHINDUCTOR_COMPILE_THREADS``,
+    ``PYTORCH_NVML_BASED_CUDA_CHECK`` and others), which a forked trainer rank, that never imports vLLM
+    where the product runs, should not get. Without vLLM (an install without its extra), the zygote
+    serves without it."""
+    environment = dict(os.environ)
+    try:
+        with without_ray():
+            __import__(name)
+    except ImportError as exc:
+        print(f"zygote: {name} not preloaded ({type(exc).__name__}: {exc})", flush=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
 def _preload(names) -> dict:
-    """Import ``names``; the variables the imports set. Exits (no zygote: workers start as usual) where
-    DeepSpeed picked an accelerator other than the CPU: an actor on the CPU sets ``DS_ACCELERATOR`` before
-    its first import of DeepSpeed (``rl_actors.deepspeed_rank``), which a forked worker has already had."""
+    """Import ``names``; the variables the imports set (vLLM's excepted, ``_import_vllm``). Exits (no
+    zygote: workers start as usual) where DeepSpeed picked an accelerator other than the CPU: an actor on
+    the CPU sets ``DS_ACCELERATOR`` before its first import of DeepSpeed (``rl_actors.deepspeed_rank``),
+    which a forked worker has already had."""
     before = dict(os.environ)
     for name in names:
         if name.startswith("vllm"):
-            with without_ray():
-                __import__(name)
+            _import_vllm(name)
         else:
             __import__(name)
     if "deepspeed" in sys.modules:

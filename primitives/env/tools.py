@@ -270,7 +270,9 @@ def run_conversations(conversations: list, generate_turns: Callable) -> list:
     batch of one: a step's 16 tool rollouts on the tiny model took 1503 forward passes one by
     one). Returns each conversation's ``Rollout``, in order."""
     done: list = [None] * len(conversations)
-    waiting = {i: next(c) for i, c in enumerate(conversations)}  # each conversation's first context
+    waiting: dict = {}
+    for i, conversation in enumerate(conversations):  # each conversation's first context
+        _advance(conversation, None, i, waiting, done)
     while waiting:
         order = list(waiting)
         outputs = list(generate_turns([waiting[i] for i in order]))
@@ -278,11 +280,17 @@ def run_conversations(conversations: list, generate_turns: Callable) -> list:
             raise ValueError(f"generate_turns returned {len(outputs)} outputs for {len(order)} contexts")
         waiting = {}
         for i, out in zip(order, outputs):
-            try:
-                waiting[i] = conversations[i].send(out)
-            except StopIteration as finished:
-                done[i] = finished.value
+            _advance(conversations[i], out, i, waiting, done)
     return done
+
+
+def _advance(conversation, output, i: int, waiting: dict, done: list) -> None:
+    """Send ``output`` (None: start it) to conversation ``i``: its next context into ``waiting``, or,
+    when it has ended (``max_turns`` 0 ends before any turn), its rollout into ``done``."""
+    try:
+        waiting[i] = conversation.send(output)
+    except StopIteration as finished:
+        done[i] = finished.value
 
 
 def _conversation(item, tokenizer, tool_parser: Callable, tool_executor: Callable, stop_condition: Callable,

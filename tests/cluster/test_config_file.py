@@ -134,6 +134,11 @@ def test_a_second_command_line_parses_no_record_source_and_keeps_the_help(monkey
     monkeypatch.setattr(inspect, "getsource", counted)
     _, job, _ = parse(["rl", path, "--algorithm.lr", "2e-5", "--cluster.generators", "3"])
     assert read == [] and job.algorithm.lr == 2e-5 and job.cluster.generators == 3
+    from tyro import _docstrings
+
+    _docstrings._ClassTokenization.make.cache_clear()  # what a process's first command line reads
+    parse(["rl", path])
+    assert len(read) >= 5
     monkeypatch.setenv("COLUMNS", "200")
     for _ in range(2):  # the help reads the comments of records a parse does not need, once
         read.clear()

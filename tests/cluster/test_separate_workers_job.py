@@ -60,7 +60,7 @@ def test_shipped_separate_worker_configs_run_two_steps(name, tmp_path):
         # the generators sampled the weights the trainers hold: their logprobs agree (to bf16's rounding in
         # the k8s job: the tiny model's tokens differed by at most 0.0054 nat here, the mean k3 was 1.7e-6)
         if shipped.model.dtype == "bfloat16":
-            assert r["mismatch/k3"] < 1e-4 and r["mismatch/max_abs_logp_diff"] < 0.03, r
+            assert r["mismatch/k3"] < 1e-4 and r["mismatch/max_abs_logp_diff"] < 0.05, r
         else:
             assert r["mismatch/max_abs_logp_diff"] < 1e-3, r
         if uses_reference:

@@ -14,6 +14,7 @@ from primitives.env.tools import (
     run_python_sandboxed,
     safe_calculate,
 )
+from primitives.hooks import UserFunctionError
 from primitives.io.data import PromptItem
 from primitives.model.generation import GenerationOutput
 
@@ -263,20 +264,47 @@ def test_generate_turns_that_miscount_are_named(tokenizer):
 
 
 def test_batched_turns_decode_as_one_at_a_time(tiny_model, tokenizer):
-    """``hf_turns_generator`` left-pads contexts of different lengths into one batch: greedy turns are
-    the tokens each context gets alone, their logprobs within 1e-5."""
+    """``hf_turns_generator`` left-pads contexts of different lengths into one batch, whose rows end at
+    different steps (stop strings after 2, 3 and 4 tokens, one at the budget): greedy turns are the
+    tokens each context gets alone, with the same ends, their logprobs within 1e-5."""
     import torch
 
     from primitives.env.tools import hf_turn_generator, hf_turns_generator
     from primitives.types import GenerationConfig
 
-    gen = GenerationConfig(max_new_tokens=6, temperature=0.0)
+    gen = GenerationConfig(max_new_tokens=12, temperature=0.0, stop=("??", "iii", "1111"))
     contexts = [np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
                 for text in ("2+2=", "What is 17 times 23, worked out by hand?", "hi", "1 2 3 4 5 6 7 8 9 10 11")]
     assert len({len(c) for c in contexts}) == len(contexts)
     together = hf_turns_generator(tiny_model, tokenizer, gen, torch.Generator())(contexts)
+    assert [(len(t.completion_ids), t.finish_reason) for t in together] == \
+        [(12, "length"), (2, "stop"), (3, "stop"), (4, "stop")]
     one = hf_turn_generator(tiny_model, tokenizer, gen, torch.Generator())
     for c, t in zip(contexts, together):
         alone = one(c)
         assert t.completion_ids.tolist() == alone.completion_ids.tolist() and t.finish_reason == alone.finish_reason
         assert np.abs(t.logprobs - alone.logprobs).max() < 1e-5
+
+
+def test_no_turns_end_a_conversation_before_it_starts(tokenizer):
+    """``max_turns`` 0: a rollout with nothing generated, as one turn budget of none would give, and no call."""
+    from primitives.env.tools import ToolConfig, multiturn_rollouts
+
+    calls: list = []
+    rollouts = multiturn_rollouts(lambda contexts: calls.append(contexts) or [], tokenizer, [PromptItem(0, "hi")], 2,
+                                  ToolConfig(create_tool_executor({}), max_turns=0))
+    assert calls == [] and [r.uid for r in rollouts] == ["e0/i0/s0", "e0/i0/s1"]
+    assert all(len(r.completion_ids) == 0 and r.finish_reason == "length" for r in rollouts)
+
+
+def test_a_tool_that_raises_mid_round_is_named_with_its_rollout(tokenizer):
+    """A raising executor (the user's) stops the round at its conversation, named by the rollout's uid."""
+    from primitives.env.tools import ToolConfig, multiturn_rollouts
+
+    def executor(call):
+        raise OSError("disk gone")
+
+    named = r"tool_executor \S+executor raised \(rollout e0/i1/s0\): OSError: disk gone"
+    with pytest.raises(UserFunctionError, match=named):
+        multiturn_rollouts(_by_context(tokenizer, {0: 0, 1: 1}, []), tokenizer,
+                           [PromptItem(i, f"What is item {i}?") for i in (0, 1)], 1, ToolConfig(executor))
