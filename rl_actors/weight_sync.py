@@ -45,10 +45,42 @@ class SyncAddress(NamedTuple):
     token: str = ""  # names this forming of the group: the driver gives it up by this name (abandon_sync_group)
 
 
+# A group's store port is drawn below the kernel's ephemeral range (``ip_local_port_range``, 32768-60999
+# by default), from which it gives every outgoing connection its local port: a port found free there can
+# be taken by another process's connection before the store binds it (seen: EADDRINUSE in a DeepSpeed
+# rendezvous beside a busy Ray, 2026-11-30). Above Ray's worker ports (10002-19999 by default).
+PORT_FLOOR = 20000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that binds now, drawn at random from ``PORT_FLOOR`` up to the kernel's
+    ephemeral range (any free one where that leaves fewer than 1000)."""
+    import random
+
+    low = ephemeral_ports()[0]
+    draw = random.Random()  # seeded from the OS: processes forked from one parent draw apart
+    for _ in range(64 if low - PORT_FLOOR >= 1000 else 0):
+        port = draw.randrange(PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple:
+    """``(first, last)`` of the ports the kernel hands out for outgoing connections (Linux's default
+    where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def dtype_name(dtype: torch.dtype) -> str:

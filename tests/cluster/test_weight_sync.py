@@ -157,3 +157,20 @@ def test_the_driver_forgets_its_marks_and_only_its_own(monkeypatch):
     monkeypatch.setattr(kv, "_internal_kv_del", flaky_del)
     assert forget_abandoned() == 0 and f"{ABANDONED_KEY}c".encode() in store
     assert forget_abandoned() == 1 and f"{ABANDONED_KEY}c".encode() not in store
+
+
+def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range(monkeypatch):
+    """A store's port is not one the kernel may give another process's outgoing connection meanwhile:
+    drawn between ``PORT_FLOOR`` and the ephemeral range, free, and apart from call to call; where that
+    leaves too few ports, any free one."""
+    import socket
+
+    from rl_actors import weight_sync
+
+    low = weight_sync.ephemeral_ports()[0]
+    ports = {free_port() for _ in range(20)}
+    assert all(weight_sync.PORT_FLOOR <= p < low for p in ports) and len(ports) > 10
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free
+    monkeypatch.setattr(weight_sync, "ephemeral_ports", lambda: (weight_sync.PORT_FLOOR + 10, 60999))
+    assert free_port() > 0  # the kernel's choice
