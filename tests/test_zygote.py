@@ -199,17 +199,20 @@ def test_without_ray_hides_ray_and_puts_back_what_was_there(monkeypatch):
 def test_vllms_import_leaves_the_environment_and_a_missing_module_is_skipped(monkeypatch, capsys):
     """What vLLM's import sets in ``os.environ`` is not handed to forked workers; a vLLM that does not import
     leaves the zygote serving without it (named in its log)."""
+    import builtins
+
     from tests import zygote as zygote_module
 
+    real_import = builtins.__import__
+
     def import_setting(name, *args, **kwargs):
+        if not name.startswith("vllm"):  # DeepSpeed's accelerator check, where DeepSpeed is imported
+            return real_import(name, *args, **kwargs)
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         if name == "vllm.missing":
             raise ModuleNotFoundError("No module named 'vllm.missing'")
 
-    import builtins
-
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    real_import = builtins.__import__
     builtins.__import__ = import_setting
     try:
         added = zygote_module._preload(("vllm.entrypoints.llm", "vllm.missing"))
