@@ -173,4 +173,4 @@ def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))  # free
     monkeypatch.setattr(weight_sync, "ephemeral_ports", lambda: (weight_sync.PORT_FLOOR + 10, 60999))
-    assert free_port() > 0  # the kernel's choice
+    assert free_port() >= low  # too few ports below: the kernel's choice, from its own range

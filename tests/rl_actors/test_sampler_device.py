@@ -83,3 +83,16 @@ def test_vllm_samples_in_its_own_processes_without_a_torch_generator():
     assert rollout_sampler(3, 1, 0, ITEMS).initial_seed() == seed  # the HF engine's key, the same call
     assert seed != engine.sampler(3, 1, 1, ITEMS) != engine.sampler(3, 2, 0, ITEMS)  # version and rank count
     assert vllm_seeds(seed, 4) == [(seed + j) % 2 ** 31 for j in range(4)] and len(set(vllm_seeds(seed, 8))) == 8
+
+
+def test_vllm_tool_turns_take_the_next_seeds_a_round_at_a_time(monkeypatch):
+    """A round of tool turns is one engine call; its requests take the next seeds of the call's stream, so no
+    two turns of a call (two rows of a GRPO group, or a conversation's later turn) share a seed."""
+    engine = VLLMEngine.__new__(VLLMEngine)  # no engine started: only the seed rule is read
+    bases = []
+    monkeypatch.setattr(engine, "_outputs", lambda contexts, gen, base: bases.append((base, len(contexts))) or
+                        [None] * len(contexts))
+    turns = engine.turns_generator(GEN, 100)
+    for round_rows in (4, 3, 1):
+        assert turns([np.zeros(2, np.int64)] * round_rows) == [None] * round_rows
+    assert bases == [(100, 4), (104, 3), (107, 1)]
