@@ -25,7 +25,8 @@ import yaml
 from tests.chaos import ROLE_CLASSES, Nodes, actor_pids, our_scratch
 from tests.conftest import run_job
 
-pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # three simulated nodes of its own
+# three simulated nodes of its own; apart: most of its time is Ray noticing a lost node (its default health checks)
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.apart]
 
 # the last event comes once step 13 is logged (seen at 14 in every run here, the monkey a step behind): two steps
 # of training left for it to land in, and a third to spare

@@ -5,6 +5,10 @@ Each test runs the same few RL steps twice on fresh clusters: once undisturbed, 
 actor killed (SIGKILL) or stopped (SIGSTOP) from outside, by PID, while it runs a chosen call
 (``tests.chaos``). The disturbed run must recover (``faults/*`` name the role) and end with the
 policy's, the critic's and the reference's weights of the undisturbed run within 1e-5.
+
+The tests that start actors are marked ``apart``: much of their time is waiting (a kill waited for, a stopped
+process found by the call timeout, a replacement's start), so under ``make test`` they run beside the Ray
+tests, on their tier's own Ray (``tests/suite.py``).
 """
 import signal
 import time
@@ -119,6 +123,7 @@ KILLED = {"TrainerWorker": "trainer", "RefLogprobWorker": "reference", "Generato
           "CriticWorker": "critic"}
 
 
+@pytest.mark.apart
 @pytest.mark.parametrize("kills", [
     ((1, "TrainerWorker", "train_planned"), (3, "RefLogprobWorker", "receive_weights")),
     ((1, "TrainerWorker", "send_weights"), (2, "RefLogprobWorker", "logprobs_counted"), (4, "GeneratorWorker", ""))],
@@ -141,6 +146,7 @@ def test_killed_actors_are_recovered_with_undisturbed_weights(ray_local, tiny_mo
         assert after["loss/policy"] == pytest.approx(before["loss/policy"], abs=1e-5)
 
 
+@pytest.mark.apart
 @pytest.mark.parametrize("kills", [((1, "CriticWorker", "value_step_planned"), (3, "TrainerWorker", "train_planned")),
                                    ((1, "CriticWorker", "values_planned"),)],
                          ids=["critic-in-its-update+trainer-beside-the-critic", "critic-computing-values"])
@@ -157,6 +163,7 @@ def test_ppo_critic_or_trainer_killed_gives_undisturbed_policy_and_critic(ray_lo
     assert history[-1]["critic/grad_norm"] > 0
 
 
+@pytest.mark.apart
 def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, tiny_model_path):
     """ZeRO-3 over 3 trainer ranks, 8 rows a step (3, 3, 2), a snapshot every 3 steps: a rank
     killed at step 2 or later is restored from the older snapshot and the updates since are
@@ -170,6 +177,7 @@ def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, t
     assert sum("faults/snapshot_s" in m for m in history) == STEPS // 3  # after steps 3 and 6
 
 
+@pytest.mark.apart
 def test_trainer_rebuilt_with_its_hosted_generator_and_moving_reference(ray_local, tiny_model_path):
     """The default job's shape: generation and an EMA reference on the trainer ranks. A rank dies
     two steps after a snapshot (every 3): the rebuilt ranks get the snapshot's reference copy,
@@ -183,6 +191,7 @@ def test_trainer_rebuilt_with_its_hosted_generator_and_moving_reference(ray_loca
     assert history[-1]["staleness/max"] == 0  # the rebuilt ranks' generators carry the current version
 
 
+@pytest.mark.apart
 def test_trainer_killed_in_asynchronous_run(ray_local, tiny_model_path):
     """Staleness 1: the next step's rollouts are generated while a trainer rank dies in its
     update; the rebuilt group rejoins the broadcast and the run ends as undisturbed."""
@@ -194,6 +203,7 @@ def test_trainer_killed_in_asynchronous_run(ray_local, tiny_model_path):
     assert max(m["staleness/max"] for m in history) == 1
 
 
+@pytest.mark.apart
 def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_path, capsys):
     """A generator that stops answering (SIGSTOP) mid-generation is caught by the call timeout,
     killed, replaced and named in the log; the run's weights are the undisturbed run's. The call
@@ -211,6 +221,7 @@ def test_stopped_generator_is_killed_replaced_and_named(ray_local, tiny_model_pa
     assert time.time() - t0 < 180
 
 
+@pytest.mark.apart
 def test_generator_stopped_in_a_weight_sync_is_replaced_before_the_trainers(ray_local, tiny_model_path):
     """A generator stopped (SIGSTOP) while it receives the weights is replaced first, before any
     trainer rank that waited for it in the broadcast (with a larger model, trainer rank 0 blocks
@@ -228,6 +239,7 @@ def test_generator_stopped_in_a_weight_sync_is_replaced_before_the_trainers(ray_
     assert _max_diff(base, weights) <= 1e-5
 
 
+@pytest.mark.apart
 def test_recoveries_are_bounded_and_a_raising_function_is_not_retried(ray_local, tiny_model_path):
     """``max_actor_restarts`` bounds the recoveries (the error says so); a user function that
     raises is a bug, reported at once, never retried."""

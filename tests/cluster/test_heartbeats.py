@@ -1,7 +1,10 @@
 """Heartbeats: an actor whose process stops is found within ``cluster.heartbeat_s`` (plus the
 driver's reading interval), named alone, long before the call timeout; a healthy call longer than
 the bound is left alone; an actor with no heartbeat is left to the call timeout; a killed actor's
-count leaves Ray's key-value store."""
+count leaves Ray's key-value store.
+
+The tests on Ray are marked ``apart``: they wait out bounds and calls of seconds, so under ``make test`` they run
+beside the Ray tests, on their tier's own Ray (``tests/suite.py``)."""
 import os
 import signal
 import time
@@ -97,6 +100,7 @@ def _call(ray, actor, seconds):
     return Call(actor.sleep.remote(seconds), "generator", 0, "sleep", actor_id(actor))
 
 
+@pytest.mark.apart
 def test_an_actor_keeps_the_memory_it_frees_for_its_next_tensors(ray_local):
     """``setup_process`` in an actor makes freed memory stay for reuse (``reuse_freed_memory``;
     a plain process keeps glibc's default: ``test_reusable.py``): an 80 MB block filled again
@@ -109,6 +113,7 @@ def test_an_actor_keeps_the_memory_it_frees_for_its_next_tensors(ray_local):
     assert first > 0 and second <= 0.05 * first, (first, second)
 
 
+@pytest.mark.apart
 def test_a_healthy_call_longer_than_the_bound_is_left_alone(ray_local, heartbeat_5s):
     actor = ray_local.remote(num_cpus=0)(Sleeper).remote()
     try:
@@ -117,6 +122,7 @@ def test_a_healthy_call_longer_than_the_bound_is_left_alone(ray_local, heartbeat
         ray_local.kill(actor)
 
 
+@pytest.mark.apart
 def test_a_stopped_actor_is_named_within_the_bound_not_the_call_timeout(ray_local, heartbeat_5s):
     actor = ray_local.remote(num_cpus=0)(Sleeper).remote()
     quiet = ray_local.remote(num_cpus=0)(Sleeper).remote(beat=False)
@@ -137,6 +143,7 @@ def test_a_stopped_actor_is_named_within_the_bound_not_the_call_timeout(ray_loca
         ray_local.kill(quiet)
 
 
+@pytest.mark.apart
 def test_a_killed_actors_heartbeat_leaves_the_key_value_store(ray_local):
     """``kill_group`` (every kill the driver makes) drops the actor's count: a long-lived cluster
     would otherwise hold one key per actor it ever started."""

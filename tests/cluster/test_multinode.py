@@ -21,7 +21,8 @@ from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 from tests.chaos import FAST_HEALTH_CHECKS, Nodes
 
-pytestmark = [pytest.mark.ray, pytest.mark.own_ray]  # a simulated cluster of its own
+# a simulated cluster of its own; apart: nodes started and lost, and losses waited for
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.apart]
 
 
 @pytest.fixture(scope="module")

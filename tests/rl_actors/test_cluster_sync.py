@@ -18,6 +18,10 @@ from primitives.maths.kl import create_periodic_updater
 from primitives.types import GenerationConfig
 from rl_actors.trainer import TrainerConfig
 
+# every test here is on a Ray, and the module spends most of its time waiting (kills waited out, a stuck call, dead
+# generators): under make test it runs apart, on its tier's own Ray beside the Ray tests (tests/suite.py)
+pytestmark = pytest.mark.apart
+
 
 @pytest.fixture(scope="module")
 def rl_cluster(ray_local, tiny_model_path):
