@@ -73,7 +73,7 @@ class GeneratorWorker(Reusable):
 
     def info(self) -> dict:
         model = describe_model(self.engine.model) if self.engine.name == "hf" else \
-            {"kv_block_tokens": self.engine.block_size}
+            {"kv_block_tokens": self.engine.block_size, "eager_token_ranks": self.engine.eager_ranks}
         return {**actor_info(self.role, self.rank), "backend": self.engine.name, "model": model, "hosted_by": self.host}
 
     def _sampler(self, items: Sequence) -> Union[torch.Generator, int]:

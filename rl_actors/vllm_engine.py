@@ -84,6 +84,28 @@ def llm_device_kwargs(settings: VLLMConfig, on_gpu: bool) -> dict:
     return dict(enable_chunked_prefill=False, block_size=settings.block_size or VLLM_CPU_BLOCK)
 
 
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x``, how many entries are at least that row's entry of ``values`` (a column): the rank
+    vLLM reports with a sampled token's logprob (1 for the likeliest token), as vLLM's
+    ``batched_count_greater_than`` counts it."""
+    return (x >= values).sum(-1)
+
+
+def eager_token_ranks() -> bool:
+    """On the CPU, count the sampled tokens' ranks eagerly (``count_at_least``) in vLLM's sampler, which runs in
+    this process there. vLLM counts them with a function TorchInductor compiles: the first sampling call of
+    every vLLM process traced it (2.7 CPU-s here with the kernel in inductor's on-disk cache) and, on a
+    machine whose cache lacked it, compiled C++ (the first call took 21 s instead of 0.03 s; 2026-11-30). The
+    compile spares a GPU a copy of a large batch's logits; at a CPU's batch sizes the count costs nothing.
+    False where this vLLM's sampler has no such function (nothing is replaced)."""
+    from vllm.v1.sample import sampler
+
+    if not callable(getattr(sampler, "batched_count_greater_than", None)):
+        return False
+    sampler.batched_count_greater_than = count_at_least
+    return True
+
+
 def check_transfer_plugin(role: str) -> None:
     """vLLM receives weights through our engine, which vLLM registers in its own processes
     from this project's ``vllm.general_plugins`` entry point: name what is missing before vLLM
@@ -140,6 +162,7 @@ class VLLMEngine:
         os.environ.update(vllm_environment(settings, num_threads, self.on_gpu))
         from vllm import LLM
 
+        self.eager_ranks = not self.on_gpu and eager_token_ranks()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path,
                                                        trust_remote_code=config.trust_remote_code)
         device_kwargs = llm_device_kwargs(settings, self.on_gpu)

@@ -96,3 +96,28 @@ def test_vllm_tool_turns_take_the_next_seeds_a_round_at_a_time(monkeypatch):
     for round_rows in (4, 3, 1):
         assert turns([np.zeros(2, np.int64)] * round_rows) == [None] * round_rows
     assert bases == [(100, 4), (104, 3), (107, 1)]
+
+
+def test_vllms_token_ranks_are_counted_eagerly_on_the_cpu(monkeypatch):
+    """``count_at_least`` gives the rank vLLM reports with a sampled token (1 for the likeliest, ties counted),
+    and ``eager_token_ranks`` puts it in place of vLLM's compiled count in the sampler, where vLLM has one (a
+    stand-in vLLM here; the real one in ``test_vllm_generator``: the worker reports it replaced)."""
+    import sys
+    import types
+
+    from rl_actors.vllm_engine import count_at_least, eager_token_ranks
+
+    logprobs = torch.tensor([[-0.1, -2.0, -0.1, -5.0], [-3.0, -1.0, -0.5, -0.2], [-1.0, -1.5, -2.5, -0.7]])
+    sampled = torch.tensor([[-0.1], [-3.0], [-0.7]])
+    assert count_at_least(logprobs, sampled).tolist() == [2, 4, 1]  # a tie with the sampled token counts
+    assert count_at_least(logprobs, sampled).dtype == torch.int64
+
+    sampler = types.ModuleType("vllm.v1.sample.sampler")
+    package = types.ModuleType("vllm.v1.sample")
+    package.sampler = sampler
+    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.v1": types.ModuleType("vllm.v1"),
+                         "vllm.v1.sample": package, "vllm.v1.sample.sampler": sampler}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    assert eager_token_ranks() is False and not hasattr(sampler, "batched_count_greater_than")  # nothing to replace
+    sampler.batched_count_greater_than = lambda x, values: None
+    assert eager_token_ranks() is True and sampler.batched_count_greater_than is count_at_least

@@ -61,6 +61,7 @@ def test_the_worker_runs_vllm_on_the_cpu(vllm_cluster):
     info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
     assert info["backend"] == "vllm"
     assert vllm_cluster.sync_address.backend == "gloo"  # the trainer's bucketed wire, over gloo on CPU
+    assert info["model"]["eager_token_ranks"] is True  # no TorchInductor compile at its first sampling call
     # vLLM's rendezvous file is in a directory of the worker's own, which a sweep removes once it has gone
     # (rl_actors.scratch.process_tempdir), not loose in the temporary directory for good
     own = glob.glob(os.path.join(tempfile.gettempdir(), f"rayrl-vllm-pid{info['pid']}-*", "vllm_dist_*"))
@@ -133,7 +134,7 @@ def test_a_groups_prompt_is_shared_in_whole_blocks_and_scores_as_the_trainer(vll
     once and read by every sample of the group within the call; the samples' logprobs still equal
     the trainer's."""
     info = gather([call(vllm_cluster.generators.group, 0, "info")], vllm_cluster.timeout_s)[0]
-    assert info["model"] == {"kv_block_tokens": VLLM_CPU_BLOCK}
+    assert info["model"]["kv_block_tokens"] == VLLM_CPU_BLOCK
     sync_weights(vllm_cluster, version=10)  # the sync empties the prefix cache
     prompt = [PromptItem(0, "What is 12+34? " * 5)]
     before = gather([call(vllm_cluster.generators.group, 0, "prompt_tokens")], vllm_cluster.timeout_s)[0]
