@@ -309,9 +309,12 @@ def vllm_model_infos(architectures=VLLM_ARCHITECTURES, timeout_s: float = 600) -
     """vLLM's model information for ``architectures``, in its cache (``$VLLM_CACHE_ROOT/modelinfos``, one file each).
     An engine that finds none there inspects the model's class in a Python subprocess of its own that imports vLLM:
     33 s of the first vLLM job of each architecture in a test run here (52 s against 19 s with the cache), in the
-    Ray tests' foreground. Asked here, in a subprocess (vLLM stays out of this pytest), it is made beside them."""
-    script = ("import sys\nfrom vllm.model_executor.models.registry import ModelRegistry\n"
-              "for arch in sys.argv[1:]:\n    ModelRegistry.models[arch].inspect_model_cls()\n")
+    Ray tests' foreground. Asked here, in a subprocess (vLLM stays out of this pytest), it is made beside them.
+    That subprocess inspects the classes itself: vLLM would start one more per class, each importing vLLM and torch
+    again, only to keep CUDA out of the asking process, which here is a subprocess of its own on the CPU."""
+    script = ("import sys\nfrom vllm.model_executor.models import registry\n"
+              "registry._run_in_subprocess = lambda fn: fn()\n"
+              "for arch in sys.argv[1:]:\n    registry.ModelRegistry.models[arch].inspect_model_cls()\n")
     done = subprocess.run([sys.executable, "-c", script, *architectures], capture_output=True, text=True,
                           timeout=timeout_s)
     if done.returncode != 0:
