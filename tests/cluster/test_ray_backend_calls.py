@@ -36,8 +36,12 @@ def test_the_critic_trains_at_its_own_learning_rate(ray_local):
                         reference=None, sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0,
                         timeout_s=60, ray_address="",
                         critics=_group(ray_local, "critic", 3e-4, 2))
-    policy, critic, _ = RayBackend(cluster).train_step(_plan(3), [], None, None, 1.0, lr=2e-6, with_critic=True)
-    assert [u[0]["lr"] for u in policy] == [2e-6, 2e-6]  # the schedule's rate, on every rank
-    assert [u[0]["critic/lr"] for u in critic] == [3e-4, 3e-4]  # the critic's own, not the policy's
-    assert [u[0]["rows"] for u in policy + critic] == [3] * 4  # every rank gets the whole batch
-    assert RayBackend(cluster).train_step(_plan(1), [], None, None, 1.0, lr=None, with_critic=False).critic is None
+    try:
+        policy, critic, _ = RayBackend(cluster).train_step(_plan(3), [], None, None, 1.0, lr=2e-6, with_critic=True)
+        assert [u[0]["lr"] for u in policy] == [2e-6, 2e-6]  # the schedule's rate, on every rank
+        assert [u[0]["critic/lr"] for u in critic] == [3e-4, 3e-4]  # the critic's own, not the policy's
+        assert [u[0]["rows"] for u in policy + critic] == [3] * 4  # every rank gets the whole batch
+        assert RayBackend(cluster).train_step(_plan(1), [], None, None, 1.0, lr=None, with_critic=False).critic is None
+    finally:  # an idle actor left for the rest of the run still costs its process's upkeep (4 CPU-s each here)
+        for actor in cluster.trainers.actors + cluster.critics.actors:
+            ray_local.kill(actor)
