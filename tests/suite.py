@@ -7,7 +7,8 @@ apart"``) run in the foreground, their output as it comes. Beside them, at the s
 marked ``apart``: a Ray of their own (the tier's own local Ray, simulated nodes, a ``ray start`` head) that
 nothing of the run's Ray touches, nor they it. They are the tests that mostly wait (kills and stopped processes
 waited for, heartbeats' bounds, lost nodes noticed by Ray's health checks) and the jobs through ``ray job
-submit``: on the Ray tier's path they kept a core idle for about 300 s (2026-11-30), beside it they fill it.
+submit``. On the Ray tier's path the waiting ones took about 330 s at about one core (2026-11-30, the fault,
+heartbeat, cluster-sync, multinode and chaos modules); beside it the time they leave idle goes to the others.
 Beside both, in the idle scheduling class (``SCHED_IDLE``; a nice level where ``RAYRL_TEST_BESIDE_NICE``
 gives one), the rest run: ``make test-fast``'s tests and the slow ones that start no Ray (``no_ray``), with
 Ray refused as in ``make test-fast`` (``RAYRL_FAST_TESTS=1``: a test there that starts Ray fails). The two
