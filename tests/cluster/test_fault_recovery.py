@@ -34,11 +34,14 @@ from tests.rewards import spread_reward
 
 
 @pytest.fixture(autouse=True)
-def no_scratch_left():
+def no_scratch_left(request):
     """A rank killed mid-snapshot (or by its group's rebuild) leaves its scratch directory behind:
-    the next snapshot on the machine, or the cluster's shutdown, removes it. None may outlive a test."""
+    the next snapshot on the machine, or the cluster's shutdown, removes it. None may outlive a test
+    that started actors. A test here without them runs in the tier beside, where another tier's cluster
+    may be between a kill and its sweep: it is not asked."""
     yield
-    assert our_scratch() == []
+    if "ray_local" in request.fixturenames:
+        assert our_scratch() == []
 
 
 ITEMS = make_arithmetic_task(ArithmeticTaskSpec(num_train=24, num_heldout=1, seed=3))[0]
