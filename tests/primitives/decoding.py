@@ -15,10 +15,12 @@ SAMPLING_IDS = ["t1", "t0.7-topk", "greedy"]
 
 
 def sample(model, tokenizer, decode, n=3, prompts=PROMPTS, batch_size=None, **kwargs) -> list:
-    """``n`` rollouts of each prompt, up to 12 tokens, decoded in mode ``decode`` from seed 0."""
+    """``n`` rollouts of each prompt, up to 12 tokens, decoded in mode ``decode`` from seed 0 (the
+    sampler on the model's device)."""
     items = [PromptItem(i, p) for i, p in enumerate(prompts)]
     config = GenerationConfig(max_new_tokens=12, n=n, decode=decode, **kwargs)
-    return generate_rollouts(model, tokenizer, items, config, generator=torch.Generator().manual_seed(0),
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    return generate_rollouts(model, tokenizer, items, config, generator=generator,
                              batch_size=batch_size)
 
 
