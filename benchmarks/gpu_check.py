@@ -5,8 +5,8 @@ Run:  python benchmarks/gpu_check.py [--model tiny|smollm2|DIR] [--write docs/be
 It drives the actor classes directly, as one process, on this machine's device (CUDA when
 there is one, else the CPU, where it is CI's smoke test and every gap is ~0):
 
-1. a trainer rank (``rl_actors.trainer.TrainerWorker``, a 1-rank DeepSpeed ZeRO-2 group; bf16
-   on a GPU) that hosts its generator (``cluster.generate_on_trainers``): the prompts are
+1. a trainer rank (``rl_actors.trainer.TrainerWorker``, a 1-rank DeepSpeed group configured ZeRO-2;
+   bf16 and run as ZeRO-1 on a GPU) that hosts its generator (``cluster.generate_on_trainers``): the prompts are
    sampled on the device, with the sampler on the model's device;
 2. the same tokens scored in fp32 on the CPU: the gap between the behaviour logprobs the
    generator returned and fp32, and between the trainer's own (bf16) logprobs and fp32;
@@ -98,13 +98,14 @@ def model_dir(args, scratch: str) -> tuple:
     return os.path.abspath(args.model), True
 
 
-def trainer_rank(path: str, lr: float, lora: LoraConfig = LoraConfig(), micro_batch_size: int = 16):
-    """A 1-rank ZeRO-2 trainer group on this process's device, hosting its generator; with LoRA it
-    also holds the reference (its module with the adapters off)."""
+def trainer_rank(path: str, lr: float, lora: LoraConfig = LoraConfig(), micro_batch_size: int = 16,
+                 zero_stage: int = 2):
+    """A 1-rank trainer group (ZeRO-2 unless told) on this process's device, hosting its generator;
+    with LoRA it also holds the reference (its module with the adapters off)."""
     from rl_actors.trainer import TrainerConfig, TrainerWorker
     from rl_actors.weight_sync import free_port
 
-    cfg = TrainerConfig(zero_stage=2, lr=lr, micro_batch_size=micro_batch_size, max_grad_norm=1.0)
+    cfg = TrainerConfig(zero_stage=zero_stage, lr=lr, micro_batch_size=micro_batch_size, max_grad_norm=1.0)
     trainer = TrainerWorker(ModelConfig(path, lora=lora), 0, 1, cfg, seed=0, num_threads=torch.get_num_threads(),
                             host_generator=True, reference=lora.enabled)
     trainer.setup("127.0.0.1", free_port("127.0.0.1"))

@@ -10,8 +10,8 @@ In one process, on this machine's device (CUDA when there is one; bf16 there, fp
   the project's sampler, logprobs included) against HF ``model.generate`` of the same prompts, as
   many samples, the same budget and temperature (no logprobs: the least a plain loop needs). Seconds
   per generated token, since the two samplers stop at different tokens.
-* **train**: our 1-rank ``train_step`` (ZeRO-2 configured: on a GPU in bf16 ZeRO-2, in fp32 stage 0,
-  ``rl_actors.deepspeed_rank.engine_stage``) against a plain loop on a second copy of the
+* **train**: our 1-rank ``train_step`` (ZeRO-2 configured unless ``--zero-stage``: on a GPU bf16
+  ZeRO-1, in fp32 stage 0, ``rl_actors.deepspeed_rank.engine_stage``) against a plain loop on a copy of the
   model: micro-batches of the same rows, logprobs of the completion tokens, the PPO-clip GRPO loss
   (seq-mean-token-mean), backward, the gradient clipped, AdamW. Both train on the same ``Batch``
   (the rollouts generated above), so their losses and gradient norms must agree (printed: a
@@ -62,6 +62,8 @@ from primitives.types import GenerationConfig  # noqa: E402
 def parse(argv=None):
     p = step_parser(__doc__)
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward pass, both loops")
+    p.add_argument("--zero-stage", type=int, default=2, help="our trainer's ZeRO stage (1 rank: fp32 runs 1 and 2 "
+                   "without ZeRO, bf16 keeps the stage)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
     p.add_argument("--decode", default="auto", help="our decode loop (GenerationConfig.decode); where it resolves "
                    "to a static cache, HF generate gets one too (compiled on CUDA)")
@@ -186,7 +188,7 @@ def _step(args, scratch: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     path, _ = model_dir(args, scratch)
-    trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch)
+    trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch, zero_stage=args.zero_stage)
     device, bf16 = trainer.ds.device, trainer.info()["bf16"]
     dtype = torch.bfloat16 if bf16 else torch.float32
     tokenizer, pad = trainer.tokenizer, trainer.tokenizer.pad_token_id
@@ -240,6 +242,7 @@ def _step(args, scratch: str) -> dict:
         "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
         "model": f"{args.model} ({n_matmul / 1e6:.1f}M matmul parameters)",
         "rollouts": len(rollouts), "micro_batch": args.micro_batch, "repeats": args.repeats,
+        "zero stage (configured, run)": f"{args.zero_stage}, {trainer.ds.engine.zero_optimization_stage()}",
         "matmul_tflops": flops / 1e12, "memory_gb_s": bandwidth / 1e9,
         "decode": decode, "static cache rows x positions": static_shape,
         "generate ours s": statistics.median(t for t, _ in ours),

@@ -23,6 +23,22 @@ LR = 1e-3
 EPS = 1e-6
 
 
+@pytest.mark.no_ray
+def test_the_stage_deepspeed_runs():
+    """One rank partitions nothing: fp32 drops ZeRO-1/2 for stage 0, bf16 (which stage 0 would accumulate
+    in bf16) runs ZeRO-2 as ZeRO-1, the same optimizer without gradient buckets. ZeRO-3 and larger
+    groups run what was configured; a stage outside 1-3 is refused by name."""
+    from rl_actors.deepspeed_rank import engine_stage
+
+    got = {(stage, world, bf16): engine_stage(stage, world, bf16)
+           for stage in (1, 2, 3) for world in (1, 2, 3) for bf16 in (False, True)}
+    want = {(stage, world, bf16): stage for stage, world, bf16 in got}
+    want.update({(1, 1, False): 0, (2, 1, False): 0, (1, 1, True): 1, (2, 1, True): 1})
+    assert got == want
+    with pytest.raises(ValueError, match="zero_stage must be 1, 2 or 3, got 0"):
+        engine_stage(0, 1, True)
+
+
 def _single_process(path, batch, algo):
     from transformers import AutoModelForCausalLM
 
@@ -190,10 +206,11 @@ def test_one_rank_without_zero_checkpoints_and_restores_exactly(ray_local, tiny_
 
 
 def test_one_rank_bf16_updates_as_fp32_does(ray_local, tiny_model_path):
-    """bf16 (what a GPU runs) on one rank and on two, on CPU: ZeRO stays on (``engine_stage``), and
-    the first update lands where fp32's does, to bf16's rounding of the weights. DeepSpeed's stage 0
-    in bf16 (gradients accumulated in bf16) moved the weights 0.71 lr on average where fp32 moves
-    them 0.97 lr, and landed 2.6e-4 from fp32's weights on average; ZeRO-2 lands 3.3e-5 away."""
+    """bf16 (what a GPU runs) on one rank and on two, on CPU: ZeRO stays on (``engine_stage``: ZeRO-1 on
+    one rank, ZeRO-2 on two), and the first update lands where fp32's does, to bf16's rounding of the
+    weights. DeepSpeed's stage 0 in bf16 (gradients accumulated in bf16) moved the weights 0.71 lr on
+    average where fp32 moves them 0.97 lr, and landed 2.6e-4 from fp32's weights on average; ZeRO-2
+    lands 3.3e-5 away."""
     rollouts, tok = scored_rollouts(tiny_model_path)
     algo = grpo(kl_coef=0.0)
     batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
@@ -210,7 +227,7 @@ def test_one_rank_bf16_updates_as_fp32_does(ray_local, tiny_model_path):
             weights = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
         finally:
             done(ray_local, actors)
-        assert (info["engine_stage"], info["bf16"]) == (2, True)
+        assert (info["engine_stage"], info["bf16"]) == (1 if world == 1 else 2, True)
         assert stats[0]["grad_norm"] == pytest.approx(fp32_norm, rel=1e-3)
         moved = np.concatenate([(weights[n] - start[n]).ravel() for n in start])
         assert np.abs(moved).mean() == pytest.approx(np.abs(fp32_moved).mean(), rel=0.05), world
