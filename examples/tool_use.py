@@ -19,7 +19,7 @@ What it shows (the seeds' "tool call tracking with multi-turn rollouts"):
    ``tools/success_rate``, ``tools/rollouts_with_calls``.
 3. Each ``Rollout`` keeps the conversation with its roles (user, assistant, tool) in
    ``metadata["conversation"]``, after the prompt item's own metadata (here ``source_id``).
-   After training a few rollouts are sampled again and written to samples.jsonl: token
+   After training a few held-out prompts are answered greedily and written to samples.jsonl: token
    ids, loss mask, logprobs and metadata.
 
 The reward is 1 when the last assistant message is the right number. A hundred or two SFT
@@ -73,7 +73,7 @@ OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 QUESTIONS = {"calc": "What is {}?", "python": "Run {} in Python."}
 CLUSTER = ClusterConfig(generators=1, trainers=2, reward_workers=1, threads_per_actor=1)
 PROMPTS_PER_STEP, GROUP_SIZE, LR = 4, 4, 1e-4
-SAMPLES = 4  # held-out prompts sampled after training into samples.jsonl
+SAMPLES = 4  # held-out prompts answered greedily after training, into samples.jsonl
 
 
 # ----------------------------------------------------------------------------- task, demonstrations, reward
@@ -175,7 +175,8 @@ def main(argv=None) -> dict:
                           RLRun(gen, num_steps=args.steps, prompts_per_step=PROMPTS_PER_STEP,
                                 lr_schedule=lambda step: LR),
                           state=TrainState(rng_seed=args.seed), hooks=Hooks(logger=logger), tools=config)
-            samples, _ = collect(backend, heldout[:SAMPLES], gen._replace(n=1), with_ref=False, tools=config)
+            samples, _ = collect(backend, heldout[:SAMPLES], gen._replace(n=1, temperature=0.0), with_ref=False,
+                                 tools=config)
         finally:
             shutdown_cluster(backend.cluster)
     write_jsonl_atomic(os.path.join(args.out, "samples.jsonl"), [sample_record(r) for r in samples])
