@@ -136,7 +136,7 @@ def test_tool_use_masks_tool_tokens_and_keeps_the_conversation(tmp_path, tool_ca
         assert text[0.0] == [f"{IM_END}\n{IM_START}tool\n<tool_response>{m['content']}</tool_response>{IM_END}\n"
                              f"{IM_START}assistant\n" for m in tools]
         results += tools
-    assert results, "no sampled rollout called a tool"
+    assert results, "no held-out answer called a tool"
     if summary["python_tool"] != "on":
         pytest.skip(f"the python tool part: {summary['python_tool']}")
     assert any(m["name"] == "python" and not m["content"].startswith("error") for m in results)
