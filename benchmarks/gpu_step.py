@@ -63,7 +63,7 @@ def parse(argv=None):
     p = step_parser(__doc__)
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward pass, both loops")
     p.add_argument("--zero-stage", type=int, default=2, help="our trainer's ZeRO stage (1 rank: fp32 runs 1 and 2 "
-                   "without ZeRO, bf16 keeps the stage)")
+                   "without ZeRO, bf16 runs them as ZeRO-1; rl_actors.deepspeed_rank.engine_stage)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
     p.add_argument("--decode", default="auto", help="our decode loop (GenerationConfig.decode); where it resolves "
                    "to a static cache, HF generate gets one too (compiled on CUDA)")
