@@ -57,9 +57,9 @@ def _compare_weights(got, expected, what):
     assert diffs.mean() < 1e-3 * LR, f"{what}: mean weight difference {diffs.mean()}"
 
 
-def _trainer_group(ray, path, stage, world=2):
+def _trainer_group(ray, path, stage, world=2, bf16=False):
     # micro-batches of 3: several per rank
-    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS)
+    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS, bf16=bf16)
     actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path), r, world, cfg, 0), {}) for r in range(world)])
     rendezvous(ray, actors)
     return actors
@@ -163,18 +163,20 @@ def test_logged_metrics_do_not_depend_on_the_number_of_ranks(ray_local, tiny_mod
             assert un["loss/policy"] == pytest.approx(u1["loss/policy"], abs=1e-6)
 
 
-def test_one_rank_without_zero_checkpoints_and_restores_exactly(ray_local, tiny_model_path, tmp_path):
-    """A 1-rank ZeRO-2 group (DeepSpeed stage 0: one optimizer state, no shards): step 1, checkpoint
-    and snapshot, step 2. A group loaded from the checkpoint and a new one restored from the
-    snapshot make step 2 bit for bit (weights, Adam moments, step count). A 2-rank group refuses
-    the checkpoint by name before DeepSpeed reads it (it holds no ZeRO shards)."""
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_rank_checkpoints_and_restores_exactly(ray_local, tiny_model_path, tmp_path, bf16):
+    """A 1-rank ZeRO-2 group (fp32: DeepSpeed stage 0, one optimizer state, no shards; bf16: ZeRO-1, one
+    shard): step 1, checkpoint and snapshot, step 2. A group loaded from the checkpoint and a new one
+    restored from the snapshot make step 2 bit for bit (weights, Adam moments, step count). A 2-rank
+    group refuses the checkpoint by name before DeepSpeed reads it (it holds one rank's files)."""
     rollouts, tok = scored_rollouts(tiny_model_path)
     algo = grpo(kl_coef=0.0)
     batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
     path = str(tmp_path / "ckpt")
     step = lambda actors: ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)  # noqa: E731
-    actors = _trainer_group(ray_local, tiny_model_path, 2, world=1)
+    actors = _trainer_group(ray_local, tiny_model_path, 2, world=1, bf16=bf16)
     try:
+        assert ray_local.get(actors[0].info.remote())["engine_stage"] == (1 if bf16 else 0)
         step(actors)
         ray_local.get(actors[0].save_checkpoint.remote(path, {"iteration": 1}), timeout=300)
         part = ray_local.get(actors[0].snapshot.remote(), timeout=300)[1]
@@ -182,10 +184,11 @@ def test_one_rank_without_zero_checkpoints_and_restores_exactly(ray_local, tiny_
         continuous = ray_local.get(actors[0].full_state.remote())
     finally:
         done(ray_local, actors)
-    assert second["grad_norm"] > 1.0  # clipped, so the rank's own clip ran
-    assert sorted(os.listdir(os.path.join(path, "deepspeed", "engine"))) == ["mp_rank_00_model_states.pt"]
+    assert second["grad_norm"] > 1.0  # clipped (fp32: by the rank's own clip)
+    shard = ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"] if bf16 else []
+    assert sorted(os.listdir(os.path.join(path, "deepspeed", "engine"))) == shard + ["mp_rank_00_model_states.pt"]
     for resume in ("load_checkpoint", "restore"):
-        actors = _trainer_group(ray_local, tiny_model_path, 2, world=1)
+        actors = _trainer_group(ray_local, tiny_model_path, 2, world=1, bf16=bf16)
         try:
             ray_local.get(getattr(actors[0], resume).remote(path if resume == "load_checkpoint" else part), timeout=300)
             again = step(actors)[0][0]
@@ -195,11 +198,12 @@ def test_one_rank_without_zero_checkpoints_and_restores_exactly(ray_local, tiny_
         assert again["grad_norm"] == second["grad_norm"] and again["loss/policy"] == second["loss/policy"], resume
         for name, value in continuous.items():
             assert np.array_equal(resumed[name], value), (resume, name)
-    actors = _trainer_group(ray_local, tiny_model_path, 2, world=2)
+    actors = _trainer_group(ray_local, tiny_model_path, 2, world=2, bf16=bf16)
+    wrote = "1 ZeRO optimizer shard\\(s\\)" if bf16 else "one optimizer state, no ZeRO shards \\(one rank\\)"
     try:
         with pytest.raises(ray_local.exceptions.RayTaskError,
-                           match=r"trainer [01]: .*ckpt holds one optimizer state, no ZeRO shards \(one rank\); "
-                                 r"this group of 2 rank\(s\) under zero_stage 2 runs ZeRO-2"):
+                           match=rf"trainer [01]: .*ckpt holds {wrote}; this group of 2 rank\(s\) under zero_stage 2 "
+                                 r"runs ZeRO-2"):
             ray_local.get([a.load_checkpoint.remote(path) for a in actors], timeout=300)
     finally:
         done(ray_local, actors)
