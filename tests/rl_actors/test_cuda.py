@@ -11,12 +11,11 @@ checks have CPU twins that CI runs (named in each test); these close the device 
 
 ``benchmarks/gpu_step.py`` times the same paths; these only check their numbers."""
 import copy
-import threading
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.no_ray,
+pytestmark = [pytest.mark.no_ray, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")]
 
 from tests.primitives.decoding import PROMPTS, SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample  # noqa: E402
@@ -69,36 +68,13 @@ def _trainer_and_generator(path, generator_device: str):
     return trainer, generator
 
 
-def _in_thread(fn, *args):
-    """``fn(*args)`` started in a thread (the other rank of a two-rank group in this process); the function
-    returned waits up to a minute for its value, raises what it raised, and fails a rank that never returned."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # handed to the test's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def join():
-        thread.join(60)
-        assert not thread.is_alive(), f"{fn.__name__} did not return within 60 s"
-        if "error" in out:
-            raise out["error"]
-        return out.get("value")
-
-    return join
-
-
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_a_bf16_trainer_rank_on_the_gpu_syncs_an_hf_generator_on_the_gpu(tiny_model_path, backend):
     """The trainer's weights are moved off the generator's first (each weight plus 0.01 * its index: every
     one differs), then one sync: the generator holds the trainer's bf16 weights bit for bit, received in
     buffers on its GPU. Over gloo both sit on GPU 0; NCCL refuses two ranks on one GPU, so over NCCL the
     generator takes GPU 1 (a machine of one GPU skips it)."""
+    from cluster.jobs.inputs import side_by_side
     from rl_actors.weight_sync import SyncAddress, free_port
 
     if backend == "nccl" and torch.cuda.device_count() < 2:
@@ -115,11 +91,13 @@ def test_a_bf16_trainer_rank_on_the_gpu_syncs_an_hf_generator_on_the_gpu(tiny_mo
                 assert not torch.equal(held[name], p.to(held[name].device, torch.bfloat16)), name
         address = SyncAddress("127.0.0.1", free_port(), 2, backend)
         meta = trainer.weight_meta()
-        joining = _in_thread(generator.init_weight_sync, address, 1)
-        assert trainer.init_weight_sync(address) and joining()
-        receiving = _in_thread(generator.receive_weights, meta, 1 << 16, 1)
-        trainer.send_weights(meta, 1 << 16)  # small buckets: several, each into the same GPU buffer
-        assert receiving() == sum(m.nbytes for m in meta) and len(meta) == len(sent)
+        # the generator, rank 1, in a second thread of this process (side_by_side: its error is raised here)
+        joined = []
+        assert side_by_side(lambda: generator.init_weight_sync(address, 1),
+                            lambda: joined.append(trainer.init_weight_sync(address))) and joined == [True]
+        moved = side_by_side(lambda: generator.receive_weights(meta, 1 << 16, 1),
+                             lambda: trainer.send_weights(meta, 1 << 16))  # small buckets, one GPU buffer
+        assert moved == sum(m.nbytes for m in meta) and len(meta) == len(sent)
         held = dict(generator.engine.model.named_parameters())
         for name, p in sent.items():
             assert held[name].dtype == torch.bfloat16 and held[name].device == generator.engine.device
