@@ -35,6 +35,7 @@ def test_gpu_step_compares_the_same_work_on_the_cpu(tmp_path):
     assert not list((tmp_path / "tmp").glob("gpu_step_*"))  # its model's directory went with it
     fig = json.loads(proc.stdout.split("FIGURES", 1)[1])
     assert fig["dtype"] == "float32" and fig["rollouts"] == 12 and fig["micro_batch"] == 5
+    assert fig["zero stage (configured, run)"] == "2, 0"  # one fp32 rank: ZeRO-2 configured, run without ZeRO
     # our static cache on the trainer rank (12 rows: 16; 6 + 6 tokens: 64 positions), HF generate's beside it
     assert fig["decode"] == "static" and fig["static cache rows x positions"] == "16x64"
     # 12 rows in micro-batches of 5 (5, 5, 2) in both loops: the same loss and gradient
