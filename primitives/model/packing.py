@@ -325,22 +325,12 @@ def scatter_completions(values_N: torch.Tensor, plan: PackPlan) -> torch.Tensor:
 def transformers_packs() -> bool:
     """The installed transformers reads sequence starts from position ids (its masking utils'
     ``find_packed_sequence_indices``, 5.x); older releases do not, and then every forward is
-    scored padded. (Which ``logits_to_keep`` it takes is ``keeps_by_mask``.)"""
+    scored padded."""
     try:
         from transformers import masking_utils
     except ImportError:
         return False
     return hasattr(masking_utils, "find_packed_sequence_indices")
-
-
-def keeps_by_mask() -> bool:
-    """The installed transformers takes a 2D boolean ``logits_to_keep`` (``slice_logits_to_keep``,
-    transformers 5.20 and later): the packed forward then returns only the K kept logits. Older
-    releases (5.19, which vLLM's CPU build pins) take a 1D tensor of positions kept in every row;
-    ``primitives.model.logprobs`` then keeps the columns any row keeps and picks the K from those."""
-    from transformers import modeling_utils
-
-    return hasattr(modeling_utils, "slice_logits_to_keep")
 
 
 def supports_packing(model) -> bool:

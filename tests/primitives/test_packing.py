@@ -341,21 +341,23 @@ def test_auto_choice_follows_the_padding_share(tiny_model, monkeypatch):
 
 
 @pytest.mark.parametrize("prompts", ["distinct", "shared"])
-def test_packed_logits_by_columns_equal_padded(model, prompts, monkeypatch):
-    """A transformers without the boolean ``logits_to_keep`` (5.19, which vLLM's CPU build pins)
-    keeps the columns some packed row keeps, and the K kept logits are picked from those: the
-    same logprobs, entropies and gradients as the padded forward."""
-    monkeypatch.setattr(lp, "keeps_by_mask", lambda: False)
+def test_the_head_sees_only_the_kept_positions(model, prompts):
+    """The packed forward's output head multiplies the K hidden states that predict a scored token,
+    not every position of the packed rows, and gives up its hook afterwards, also when the forward
+    fails (the values and gradients are the padded forward's: the tests above)."""
     ids, mask, P, T = _inputs(_rollouts(_vocab(model), seed=2, prompts=prompts))
-    real = mask[:, P:] > 0
-    (logp, ent), (logp_ref, ent_ref) = _both(model, ids, mask, P)
-    assert _max_diff(logp, logp_ref, real) <= ATOL and _max_diff(ent, ent_ref, real) <= ATOL
-    model.zero_grad(set_to_none=True)
-    (logp * real).sum().backward()
-    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    (logp_ref * real).sum().backward()
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            assert float((packed[n] - p.grad).abs().max()) <= ATOL, n
-    model.zero_grad(set_to_none=True)
+    plan = packing.plan_for(model, ids.numpy(), mask.numpy(), P)
+    head, seen = model.get_output_embeddings(), []
+    handle = head.register_forward_hook(lambda _, args, out: seen.append((tuple(args[0].shape), tuple(out.shape))))
+    try:
+        with torch.no_grad():
+            completion_logprobs(model, ids, mask, P, packing=True)
+    finally:
+        handle.remove()
+    kept, width, vocab = int(plan.keep.sum()), model.config.hidden_size, head.weight.shape[0]
+    assert kept < plan.keep.shape[0] * int(plan.keep.any(0).sum())  # fewer than the kept columns of every row
+    assert seen == [((kept, width), (kept, vocab))]
+    assert not head._forward_pre_hooks
+    with pytest.raises(ValueError), lp.head_on_rows(model, torch.from_numpy(plan.keep)):
+        raise ValueError("a failed forward")
+    assert not head._forward_pre_hooks
