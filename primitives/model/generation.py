@@ -30,7 +30,8 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from primitives.model import packed_decode, static_decode
+from primitives.model import kv_cache, packed_decode, static_decode
+from primitives.model.logprobs import log_softmax
 from primitives.model.prompts import encode_prompts
 from primitives.padding import left_pad, position_ids_from_mask
 from primitives.types import GenerationConfig, Rollout, group_id, make_uid
@@ -74,7 +75,7 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator=None):
     ``generator`` must be on the device of ``logits``.
     """
     temperature = config.temperature if config.temperature > 0 else 1.0
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp_all = log_softmax(logits, temperature)
     if config.temperature <= 0:
         tokens = logits.argmax(-1)
     else:
@@ -175,7 +176,7 @@ def generate_tokens(model, tokenizer, prompt_ids: Sequence[np.ndarray], config: 
     model.eval()
     rows_np = np.concatenate([ids_np, mask_np], 1)
     mode = static_decode.decode_mode(model, config.decode, device, B, config.max_new_tokens)
-    with _packed(model, mode, B):
+    with _packed(model, mode, B), kv_cache.grouped_attention():
         steps = decode_steps(model, ids, mask, config, lambda i, m, p: _prefill(model, rows_np, i, m, p), mode)
         feed = None
         for t in range(config.max_new_tokens):
@@ -213,15 +214,17 @@ def _packed(model, mode: str, rows: int):
 
 class EagerSteps:
     """The decode of one batch over a ``DynamicCache`` that grows by a column per step (the
-    mask too): ``first()`` prefills, ``next(feed, active)`` makes one step; both return the
-    rows' last logits. ``primitives.model.static_decode.StaticSteps`` is the static-cache twin."""
+    mask too), written in place into room reserved after the prefill (``kv_cache.reserve``):
+    ``first()`` prefills, ``next(feed, active)`` makes one step; both return the rows' last
+    logits. ``primitives.model.static_decode.StaticSteps`` is the static-cache twin."""
 
-    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, prefill):
-        self.model, self.ids, self.mask, self.prefill = model, ids, mask, prefill
+    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, prefill, room: int = 0):
+        self.model, self.ids, self.mask, self.prefill, self.room = model, ids, mask, prefill, room
         self.positions, self.past = position_ids_from_mask(mask), None
 
     def first(self) -> torch.Tensor:
         self.past, logits = self.prefill(self.ids, self.mask, self.positions)
+        kv_cache.reserve(self.past, self.room)
         return logits
 
     def next(self, feed: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -238,7 +241,7 @@ def decode_steps(model, ids: torch.Tensor, mask: torch.Tensor, config: Generatio
     """The batch's decode in ``mode`` (``static_decode.decode_mode``): eager (its layers packed or
     not, ``primitives.model.packed_decode``), or over a static cache, compiled or not."""
     if mode in ("eager", "packed"):
-        return EagerSteps(model, ids, mask, prefill)
+        return EagerSteps(model, ids, mask, prefill, config.max_new_tokens - 1)  # the prefill wrote the first column
     forward = static_decode.compiled_forward(model) if mode == "captured" else None
     return static_decode.StaticSteps(model, ids, mask, config.max_new_tokens, prefill, forward)
 

@@ -1,0 +1,150 @@
+"""The eager decode's cache without its per-step copies (``primitives.model.kv_cache``): room
+reserved once and written in place, grouped key/value heads passed to attention unrepeated, and
+the same samples as transformers' own cache and attention."""
+import contextlib
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
+
+from primitives.model import kv_cache
+from tests.primitives.decoding import SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    """Counts of the layers ``reserve`` changed and of the attention products made with grouped heads."""
+    counts = {"reserved": 0, "grouped": 0}
+    real_reserve, real_sdpa = kv_cache.reserve, torch.nn.functional.scaled_dot_product_attention
+
+    def reserve(*args):
+        n = real_reserve(*args)
+        counts["reserved"] += n
+        return n
+
+    def sdpa(*args, **kwargs):
+        counts["grouped"] += bool(kwargs.get("enable_gqa"))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "reserve", reserve)
+    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", sdpa)
+    return counts
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=SAMPLING_IDS)
+def test_the_eager_loop_samples_what_transformers_own_cache_samples(tiny_model, tokenizer, spied, monkeypatch,
+                                                                   sampling):
+    """12 rows of prompts of 4 widths with shared prefills, a model of 4 query heads over 2 key/value
+    heads: the same tokens, finish reasons and logprobs (within 1e-5) as with transformers' growing
+    cache and repeated heads, and what the trainer recomputes; every layer's cache was reserved,
+    and every decode step's attention took the heads grouped."""
+    ours = sample(tiny_model, tokenizer, "eager", **sampling)
+    layers = tiny_model.config.num_hidden_layers
+    assert spied["reserved"] == layers  # one call, one cache
+    steps = max(r.num_tokens for r in ours)  # a prefill, then a step per token
+    assert spied["grouped"] == layers * steps  # the prefill's too: its mask is there (left padding)
+    monkeypatch.setattr(kv_cache, "reserve", lambda cache, room: 0)
+    monkeypatch.setattr(kv_cache, "grouped_attention", contextlib.nullcontext)
+    theirs = sample(tiny_model, tokenizer, "eager", **sampling)
+    assert_samples_alike(ours, theirs, tiny_model, tokenizer, sampling)
+
+
+def _filled_layer(rows=3, heads=2, n=4, dim=5, seed=0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(rows, heads, n, dim, generator=g), torch.randn(rows, heads, n, dim, generator=g)
+    layer = DynamicLayer()
+    layer.update(k, v)
+    return layer, k, v
+
+
+class _Cache:
+    def __init__(self, *layers):
+        self.layers = list(layers)
+
+
+def test_reserved_room_is_written_in_place_then_grows_as_before():
+    """Two steps fit the room: written into the same buffer, the views equal the concatenation;
+    the third grows by concatenation, and a reorder copies rows as a ``DynamicLayer``'s does."""
+    layer, k, v = _filled_layer()
+    other, _, _ = _filled_layer(seed=1)
+    assert kv_cache.reserve(_Cache(layer), room=2) == 1
+    assert type(layer) is kv_cache.ReservedLayer and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    buffer = layer.keys.data_ptr()
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        k1, v1 = torch.randn(3, 2, 1, 5, generator=g), torch.randn(3, 2, 1, 5, generator=g)
+        keys, values = layer.update(k1, v1)
+        k, v = torch.cat([k, k1], -2), torch.cat([v, v1], -2)
+        assert torch.equal(keys, k) and torch.equal(values, v)
+        assert layer.get_seq_length() == 5 + step and layer.get_mask_sizes(1) == (6 + step, 0)
+        assert (keys.data_ptr() == buffer) == (step < 2)  # in place within the room, a new tensor past it
+    rows = torch.tensor([2, 0, 0])
+    layer.reorder_cache(rows)
+    assert torch.equal(layer.keys, k[rows]) and torch.equal(layer.values, v[rows])
+    k1 = torch.randn(3, 2, 1, 5, generator=g)
+    assert torch.equal(layer.update(k1, k1)[0], torch.cat([k[rows], k1], -2))
+    assert type(other) is DynamicLayer  # a layer of another cache stays what it was
+    layer.reset()  # emptied: filled again as a DynamicLayer is
+    assert torch.equal(layer.update(k1, k1)[0], k1)
+
+
+def test_what_reserve_leaves_alone():
+    """An empty layer, a layer of another class and a zero room are not changed."""
+    empty, filled = DynamicLayer(), _filled_layer()[0]
+
+    class Sliding(DynamicLayer):
+        pass
+
+    sliding = Sliding()
+    sliding.update(*_filled_layer()[1:])
+    assert kv_cache.reserve(_Cache(empty, sliding), room=4) == 0
+    assert kv_cache.reserve(_Cache(filled), room=0) == 0
+    assert type(empty) is DynamicLayer and type(sliding) is Sliding and type(filled) is DynamicLayer
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("queries", [1, 4])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_grouped_heads_give_the_repeated_heads_product(queries, mask_kind):
+    """6 query heads over 2 key/value heads, rows with left padding, one query (a decode step) or
+    four (a prefill): the grouped product equals transformers' product over repeated heads (1e-6)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, queries, 8, generator=g)
+    k, v = torch.randn(3, 2, 7, 8, generator=g), torch.randn(3, 2, 7, 8, generator=g)
+    causal = torch.arange(7)[None, :] <= torch.arange(7 - queries, 7)[:, None]  # the queries are the last positions
+    allowed = causal.expand(3, 1, queries, 7).clone()
+    allowed[1, :, :, :3] = False  # a left-padded row
+    mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, -1e30)
+    module = _Attention()
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    with torch.no_grad(), kv_cache.grouped_attention():
+        got, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, mask, scaling=0.3)
+    assert got.shape == want.shape == (3, queries, 6, 8)
+    assert float((got - want).abs().max()) < 1e-6
+
+
+def test_grouped_attention_leaves_gradients_and_other_devices_to_transformers(monkeypatch):
+    """Under autograd, or without a mask, transformers' own function runs; the mapping gets its
+    function back when the block ends, also when the block raises."""
+    calls = []
+    mapping = AttentionInterface._global_mapping
+    real = mapping["sdpa"]
+    monkeypatch.setitem(mapping, "sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    own = mapping["sdpa"]
+    q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 3, 8)
+    mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    with kv_cache.grouped_attention():
+        mapping["sdpa"](_Attention(), q, k, k, mask)  # grad mode on
+        with torch.no_grad():
+            mapping["sdpa"](_Attention(), q, k, k, None)
+            mapping["sdpa"](_Attention(), q, k, k, mask)  # grouped: not transformers'
+    assert calls == [1, 1] and mapping["sdpa"] is own
+    with pytest.raises(RuntimeError, match="inside"), kv_cache.grouped_attention():
+        raise RuntimeError("inside")
+    assert mapping["sdpa"] is own
