@@ -25,7 +25,7 @@ prompt end to end in one process (``create_rollout``) for notebooks.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -212,15 +212,28 @@ def _packed(model, mode: str, rows: int):
     return packed_decode.packed_linears(model, rows) if mode == "packed" else nullcontext()
 
 
+# EagerSteps drops the rows that ended once no more than this share of those decoded still run: a
+# copy of the cache's rows (``batch_select_indices``) against a quarter of the rows' products at every
+# later step.
+COMPACT_SHARE = 0.75
+
+
 class EagerSteps:
     """The decode of one batch over a ``DynamicCache`` that grows by a column per step (the
     mask too), written in place into room reserved after the prefill (``kv_cache.reserve``):
     ``first()`` prefills, ``next(feed, active)`` makes one step; both return the rows' last
-    logits. ``primitives.model.static_decode.StaticSteps`` is the static-cache twin."""
+    logits (B, V). ``primitives.model.static_decode.StaticSteps`` is the static-cache twin.
+
+    Rows that ended leave the batch: once at most ``COMPACT_SHARE`` of the rows decoded still
+    run, the cache, mask and positions keep only those (``batch_select_indices``), and later
+    steps compute only them. The rows that left get logits of 0 (their samples are not read), so
+    the sampler still draws one number per row of the batch, and every row keeps its stream."""
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, prefill, room: int = 0):
         self.model, self.ids, self.mask, self.prefill, self.room = model, ids, mask, prefill, room
-        self.positions, self.past = position_ids_from_mask(mask), None
+        self.positions = position_ids_from_mask(mask)
+        self.past: Any = None  # the cache the prefill returns
+        self.rows = torch.arange(ids.shape[0])  # the batch's rows still decoded, in order
 
     def first(self) -> torch.Tensor:
         self.past, logits = self.prefill(self.ids, self.mask, self.positions)
@@ -229,12 +242,23 @@ class EagerSteps:
 
     def next(self, feed: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """``feed`` (rows,): the tokens just sampled, pad where a row ended; ``active``: rows still decoding."""
-        self.mask = torch.cat([self.mask, active[:, None].to(self.mask.device, self.mask.dtype)], dim=1)
+        running = active[self.rows]
+        if int(running.sum()) <= COMPACT_SHARE * len(self.rows) and hasattr(self.past, "batch_select_indices"):
+            keep = torch.nonzero(running).flatten()
+            self.past.batch_select_indices(keep.to(self.ids.device))
+            self.mask, self.positions, self.rows = self.mask[keep], self.positions[keep], self.rows[keep]
+            running = running[keep]
+        self.mask = torch.cat([self.mask, running[:, None].to(self.mask.device, self.mask.dtype)], dim=1)
         self.positions = self.positions[:, -1:] + 1
-        out = self.model(input_ids=feed[:, None].to(self.ids.device), attention_mask=self.mask,
+        out = self.model(input_ids=feed[self.rows][:, None].to(self.ids.device), attention_mask=self.mask,
                          position_ids=self.positions, past_key_values=self.past, use_cache=True)
         self.past = out.past_key_values
-        return out.logits[:, -1, :]
+        logits = out.logits[:, -1, :]
+        if len(self.rows) == len(active):
+            return logits
+        full = logits.new_zeros(len(active), logits.shape[-1])
+        full[self.rows.to(logits.device)] = logits
+        return full
 
 
 def decode_steps(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig, prefill, mode: str):

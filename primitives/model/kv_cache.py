@@ -65,6 +65,14 @@ class ReservedLayer(DynamicLayer):
         return (room is not None and self.is_initialized and keys.data_ptr() == room.data_ptr()
                 and keys.shape[:-2] == new.shape[:-2] and keys.shape[-2] + new.shape[-2] <= room.shape[-2])
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Only the rows ``indices``, with their room: rows leave a batch whose rows ended."""
+        room_keys, room_values, n = self._room_keys, self._room_values, self.keys.shape[-2]
+        if room_keys is None or room_values is None or self.keys.data_ptr() != room_keys.data_ptr():
+            return super().batch_select_indices(indices)
+        self._room_keys, self._room_values = room_keys[indices], room_values[indices]
+        self.keys, self.values = self._room_keys[..., :n, :], self._room_values[..., :n, :]
+
     def reset(self) -> None:
         self._room_keys = self._room_values = None
         super().reset()

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from primitives.model import kv_cache
+from primitives.model import generation, kv_cache
 from tests.primitives.decoding import SAMPLING_IDS, SAMPLINGS, assert_samples_alike, sample
 
 
@@ -90,6 +90,20 @@ def test_reserved_room_is_written_in_place_then_grows_as_before():
     assert torch.equal(layer.update(k1, k1)[0], k1)
 
 
+def test_rows_selected_keep_their_room():
+    """Rows leaving the batch (``batch_select_indices``) take their room along: the next step is
+    written in place after the rows kept."""
+    layer, k, v = _filled_layer()
+    kv_cache.reserve(_Cache(layer), room=2)
+    rows = torch.tensor([0, 2])
+    layer.batch_select_indices(rows)
+    assert torch.equal(layer.keys, k[rows]) and torch.equal(layer.values, v[rows])
+    buffer, k1 = layer.keys.data_ptr(), torch.randn(2, 2, 1, 5)
+    keys, values = layer.update(k1, -k1)
+    assert keys.data_ptr() == buffer
+    assert torch.equal(keys, torch.cat([k[rows], k1], -2)) and torch.equal(values, torch.cat([v[rows], -k1], -2))
+
+
 def test_what_reserve_leaves_alone():
     """An empty layer, a layer of another class and a zero room are not changed."""
     empty, filled = DynamicLayer(), _filled_layer()[0]
@@ -148,3 +162,24 @@ def test_grouped_attention_leaves_gradients_and_other_devices_to_transformers(mo
     with pytest.raises(RuntimeError, match="inside"), kv_cache.grouped_attention():
         raise RuntimeError("inside")
     assert mapping["sdpa"] is own
+
+
+def test_rows_that_ended_leave_the_batch(tiny_model, tokenizer, monkeypatch):
+    """At temperature 1 rows end at different steps (here 3 of 16 early, at two steps): with a share of 0.95 the
+    batch drops them as they end, so each decode step computes exactly the rows still running;
+    the samples are the ones decoded with every row kept to the end."""
+    monkeypatch.setattr(generation, "COMPACT_SHARE", 0.95)  # 15 of 16 rows running is few enough
+    batches = []
+    handle = tiny_model.register_forward_pre_hook(lambda _, args, kw: batches.append(kw["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    try:
+        ours = sample(tiny_model, tokenizer, "eager", n=4, temperature=1.0)
+    finally:
+        handle.remove()
+    steps = max(r.num_tokens for r in ours)
+    running = [sum(r.num_tokens > t for r in ours) for t in range(1, steps)]  # the rows fed at decode step t
+    assert running[0] < len(ours) and len(set(running)) >= 2  # rows ended at two steps or more
+    assert batches[-len(running):] == running
+    monkeypatch.setattr(generation, "COMPACT_SHARE", 0.0)  # every row decoded to the end
+    kept = sample(tiny_model, tokenizer, "eager", n=4, temperature=1.0)
+    assert_samples_alike(ours, kept, tiny_model, tokenizer, {"temperature": 1.0})
