@@ -10,10 +10,12 @@ greedy accuracy by evaluation, and the median seconds per step and per phase; th
 metrics.jsonl, curves.png, samples/ and summary.json to its output directory.
 
 Beside the step: its floor, measured in the same run (``step_floor``): the step's FLOPs over the
-matmul rate measured here after the job, each prompt counted once per group (the generators and the
-trainer both share it) and every completion token, 2 FLOPs per matmul parameter to generate (or
-the weights read once per decode step, if that takes longer) and 6 to train; sync and rewards
-count 0. ``benchmarks/gpu_step.py --model smollm2`` puts the phases beside a plain PyTorch loop.
+matmul rate measured here before and after the job (the faster of the two: this shared machine's
+speed moved by a quarter within the hour, and the floor is what the machine can do), each prompt
+counted once per group (the generators and the trainer both share it) and every completion token,
+2 FLOPs per matmul parameter to generate (or the weights read once per decode step, if that takes
+longer) and 6 to train; sync and rewards count 0. ``benchmarks/gpu_step.py --model smollm2`` puts
+the phases beside a plain PyTorch loop.
 """
 import json
 import os
@@ -28,14 +30,19 @@ def main():
     from cluster.jobs.cli import run as rayrl
 
     config = os.path.join(ROOT, "examples", "configs", "smollm2_arithmetic.yaml")
+    before = rates()
     summary = rayrl(["rl", config, *sys.argv[1:]])
+    after = rates()
+    print(f"matmul GFLOPS before / after the job: {before[0] / 1e9:.0f} / {after[0] / 1e9:.0f}; "
+          f"memory GB/s {before[1] / 1e9:.1f} / {after[1] / 1e9:.1f}")
     rows = [json.loads(line) for line in open(os.path.join(summary["out"], "metrics.jsonl"))]
     steps = [r for r in rows if "time/step" in r][1:]  # the first step includes warm-up
     print("held-out greedy accuracy by step:",
           {r["step"] + 1: round(r["eval/accuracy"], 3) for r in rows if "eval/accuracy" in r})
     phases = ["time/generate", "time/reward", "time/train", "time/sync", "time/step"]
     print(table([[k, f"{np.median([r[k] for r in steps]):.2f}"] for k in phases], ["phase", "median s"]))
-    floors = step_floors(steps, os.path.join(summary["out"], "config.yaml"))  # the job's, overrides included
+    best = max(before, after)  # the faster measurement: the floor is what the machine can do
+    floors = step_floors(steps, os.path.join(summary["out"], "config.yaml"), *best)  # the job's, overrides included
     ratio = np.median([r["time/step"] / f for r, f in zip(steps, floors)])
     print(f"step floor {np.median(floors):.2f} s; step / floor {ratio:.2f} (median of the steps)")
     print(f"accuracy {summary['accuracy_before_rl']:.3f} -> {summary['accuracy_after_rl']:.3f} "
@@ -52,13 +59,21 @@ def step_floor(row: dict, prompt_tokens: float, group: int, n_matmul: int, flops
     return generate + 6 * n_matmul * tokens / flops
 
 
-def step_floors(steps: list, config: str) -> list:
+def rates() -> tuple:
+    """``(matmul FLOP/s, memory bytes/s)`` measured now, float32, this process's threads."""
+    import torch
+    from gpu_step import machine_rates
+
+    return machine_rates(torch.device("cpu"), torch.float32)
+
+
+def step_floors(steps: list, config: str, flops: float, bandwidth: float) -> list:
     """``step_floor`` of each logged step of the job whose resolved ``config`` (its output's
     config.yaml) is given, with the prompts' mean length under the chat template, the
-    model's matmul parameters and the machine's rates measured now (float32, this process's threads)."""
+    model's matmul parameters and the machine's rates given."""
     import torch
     import yaml
-    from gpu_step import machine_rates, matmul_params
+    from gpu_step import matmul_params
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from primitives.fixtures.pretrained import save_smollm2
@@ -71,7 +86,6 @@ def step_floors(steps: list, config: str) -> list:
     prompt_tokens = float(np.mean([len(ids) for ids in encode_prompts(AutoTokenizer.from_pretrained(path),
                                                                       [it.prompt for it in items])]))
     n_matmul = matmul_params(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    flops, bandwidth = machine_rates(torch.device("cpu"), torch.float32)
     group = job["generation"]["group_size"]
     return [step_floor(r, prompt_tokens, group, n_matmul, flops, bandwidth) for r in steps]
 
