@@ -236,6 +236,10 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
                          f"{fn_name(algo.loss_fn)} is not pairwise (mark one with primitives.hooks.with_traits)")
     if algo.clip_eps_low < 0 or algo.clip_eps_high < 0:
         raise ValueError(f"{where}: clip ranges must be >= 0")
+    if not algo.value_clip > 0:
+        raise ValueError(f"{where}: value_clip must be > 0, got {algo.value_clip} (the critic's clip around its "
+                         f"rollout-time values: at 0 a value that moved towards its return is held there, and the "
+                         f"critic stops learning; for no clip give a large value, such as 1e9)")
     if not 0.0 <= algo.overlong_buffer_frac <= 1.0:
         raise ValueError(f"{where}: overlong_buffer_frac must be in [0, 1], got {algo.overlong_buffer_frac}")
     sequence_level = trait(algo.policy_loss_fn, "sequence_level")

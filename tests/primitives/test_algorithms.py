@@ -65,6 +65,9 @@ def test_records_whose_functions_do_not_fit_are_refused():
         A.grpo(pair_selector=all_pairs)
     with pytest.raises(ValueError, match="GSPO.*seq-mean-token-mean"):
         A.gspo(aggregation=L.token_mean)
+    for clip in (0.0, -0.1):  # 0 would hold every value that moved towards its return
+        with pytest.raises(ValueError, match=rf"algorithm 'ppo': value_clip must be > 0, got {clip}"):
+            A.ppo(value_clip=clip)
     with pytest.raises(ValueError, match="advantage_fn must be a function"):
         A.grpo(advantage_fn=3)
     with pytest.raises(ValueError, match="no callable 'nope'"):
