@@ -80,8 +80,8 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator=None):
         tokens = logits.argmax(-1)
     else:
         truncated = (0 < config.top_k < logits.shape[-1]) or config.top_p < 1.0
-        probs = filter_logits(logits.float() / temperature, config.top_k, config.top_p).softmax(-1) \
-            if truncated else logp_all.exp()
+        # top-k, top-p and softmax see logits up to a shift per row: the log-probabilities serve
+        probs = filter_logits(logp_all, config.top_k, config.top_p).softmax(-1) if truncated else logp_all.exp()
         tokens = draw(probs, generator)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -225,9 +225,10 @@ class EagerSteps:
     logits (B, V). ``primitives.model.static_decode.StaticSteps`` is the static-cache twin.
 
     Rows that ended leave the batch: once at most ``COMPACT_SHARE`` of the rows decoded still
-    run, the cache, mask and positions keep only those (``batch_select_indices``), and later
-    steps compute only them. The rows that left get logits of 0 (their samples are not read), so
-    the sampler still draws one number per row of the batch, and every row keeps its stream."""
+    run, the cache, mask and positions keep only those (``batch_select_indices``; where every
+    cache layer is a dynamic one, ``kv_cache.rows_selectable``), and later steps compute only them.
+    The rows that left get logits of 0 (their samples are not read), so the sampler still draws one
+    number per row of the batch, and every row keeps its stream."""
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, prefill, room: int = 0):
         self.model, self.ids, self.mask, self.prefill, self.room = model, ids, mask, prefill, room
@@ -243,7 +244,7 @@ class EagerSteps:
     def next(self, feed: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """``feed`` (rows,): the tokens just sampled, pad where a row ended; ``active``: rows still decoding."""
         running = active[self.rows]
-        if int(running.sum()) <= COMPACT_SHARE * len(self.rows) and hasattr(self.past, "batch_select_indices"):
+        if int(running.sum()) <= COMPACT_SHARE * len(self.rows) and kv_cache.rows_selectable(self.past):
             keep = torch.nonzero(running).flatten()
             self.past.batch_select_indices(keep.to(self.ids.device))
             self.mask, self.positions, self.rows = self.mask[keep], self.positions[keep], self.rows[keep]

@@ -2,6 +2,8 @@
 reserved once and written in place, grouped key/value heads passed to attention unrepeated, and
 the same samples as transformers' own cache and attention."""
 import contextlib
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ def spied(monkeypatch):
         return real_sdpa(*args, **kwargs)
 
     monkeypatch.setattr(kv_cache, "reserve", reserve)
-    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(kv_cache, "F", SimpleNamespace(scaled_dot_product_attention=sdpa))  # kv_cache's own calls only
     return counts
 
 
@@ -39,7 +41,9 @@ def test_the_eager_loop_samples_what_transformers_own_cache_samples(tiny_model, 
     """12 rows of prompts of 4 widths with shared prefills, a model of 4 query heads over 2 key/value
     heads: the same tokens, finish reasons and logprobs (within 1e-5) as with transformers' growing
     cache and repeated heads, and what the trainer recomputes; every layer's cache was reserved,
-    and every decode step's attention took the heads grouped."""
+    and every decode step's attention took the heads grouped. The room grows in steps of 4 here (twice
+    in 12 tokens)."""
+    monkeypatch.setattr(kv_cache, "ROOM_STEP", 4)
     ours = sample(tiny_model, tokenizer, "eager", **sampling)
     layers = tiny_model.config.num_hidden_layers
     assert spied["reserved"] == layers  # one call, one cache
@@ -64,30 +68,40 @@ class _Cache:
         self.layers = list(layers)
 
 
-def test_reserved_room_is_written_in_place_then_grows_as_before():
-    """Two steps fit the room: written into the same buffer, the views equal the concatenation;
-    the third grows by concatenation, and a reorder copies rows as a ``DynamicLayer``'s does."""
+def test_reserved_room_grows_in_steps_then_as_before(monkeypatch):
+    """Room for 3 more positions in steps of 2: the first two steps are written into one buffer, the
+    third into a grown one, each view equal to the concatenation; the fourth, past the room, grows
+    by concatenation and frees the buffers; a reorder copies rows as a ``DynamicLayer``'s does, and
+    an emptied layer fills again as one does."""
+    monkeypatch.setattr(kv_cache, "ROOM_STEP", 2)
     layer, k, v = _filled_layer()
     other, _, _ = _filled_layer(seed=1)
-    assert kv_cache.reserve(_Cache(layer), room=2) == 1
+    assert kv_cache.reserve(_Cache(layer), room=3) == 1
     assert type(layer) is kv_cache.ReservedLayer and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-    buffer = layer.keys.data_ptr()
     g = torch.Generator().manual_seed(2)
-    for step in range(3):
-        k1, v1 = torch.randn(3, 2, 1, 5, generator=g), torch.randn(3, 2, 1, 5, generator=g)
+    new = lambda rows=3: (torch.randn(rows, 2, 1, 5, generator=g), torch.randn(rows, 2, 1, 5, generator=g))  # noqa: E731
+    buffers = []
+    for step in range(4):
+        k1, v1 = new()
         keys, values = layer.update(k1, v1)
         k, v = torch.cat([k, k1], -2), torch.cat([v, v1], -2)
         assert torch.equal(keys, k) and torch.equal(values, v)
         assert layer.get_seq_length() == 5 + step and layer.get_mask_sizes(1) == (6 + step, 0)
-        assert (keys.data_ptr() == buffer) == (step < 2)  # in place within the room, a new tensor past it
+        buffers.append(keys.data_ptr())
+    assert buffers[0] == buffers[1] != buffers[2]  # 4 + 2 positions, then grown to the limit of 4 + 3
+    assert layer._room_keys is None and layer._room_values is None  # past the room: freed
     rows = torch.tensor([2, 0, 0])
     layer.reorder_cache(rows)
     assert torch.equal(layer.keys, k[rows]) and torch.equal(layer.values, v[rows])
-    k1 = torch.randn(3, 2, 1, 5, generator=g)
-    assert torch.equal(layer.update(k1, k1)[0], torch.cat([k[rows], k1], -2))
+    k1, v1 = new()
+    keys, values = layer.update(k1, v1)
+    assert torch.equal(keys, torch.cat([k[rows], k1], -2)) and torch.equal(values, torch.cat([v[rows], v1], -2))
     assert type(other) is DynamicLayer  # a layer of another cache stays what it was
-    layer.reset()  # emptied: filled again as a DynamicLayer is
-    assert torch.equal(layer.update(k1, k1)[0], k1)
+    layer.reset()  # emptied: filled again as a DynamicLayer is, and rows selected from nothing
+    layer.batch_select_indices(torch.tensor([0]))
+    k1, v1 = new()
+    keys, values = layer.update(k1, v1)
+    assert torch.equal(keys, k1) and torch.equal(values, v1)
 
 
 def test_rows_selected_keep_their_room():
@@ -102,6 +116,23 @@ def test_rows_selected_keep_their_room():
     keys, values = layer.update(k1, -k1)
     assert keys.data_ptr() == buffer
     assert torch.equal(keys, torch.cat([k[rows], k1], -2)) and torch.equal(values, torch.cat([v[rows], -k1], -2))
+
+
+def test_rows_are_selectable_from_dynamic_layers_only():
+    """A cache of plain and reserved dynamic layers may drop rows; one with any other layer (a
+    sliding window, linear attention, quantized) may not, nor an empty one."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    class Cache(_Cache):
+        def batch_select_indices(self, indices):
+            pass
+
+    plain, reserved = _filled_layer()[0], _filled_layer()[0]
+    kv_cache.reserve(_Cache(reserved), room=2)
+    assert kv_cache.rows_selectable(Cache(plain, reserved))
+    assert not kv_cache.rows_selectable(Cache(plain, DynamicSlidingWindowLayer(sliding_window=4)))
+    assert not kv_cache.rows_selectable(Cache())
+    assert not kv_cache.rows_selectable(_Cache(plain))  # no batch_select_indices
 
 
 def test_what_reserve_leaves_alone():
@@ -143,25 +174,38 @@ def test_grouped_heads_give_the_repeated_heads_product(queries, mask_kind):
     assert float((got - want).abs().max()) < 1e-6
 
 
-def test_grouped_attention_leaves_gradients_and_other_devices_to_transformers(monkeypatch):
-    """Under autograd, or without a mask, transformers' own function runs; the mapping gets its
-    function back when the block ends, also when the block raises."""
+def test_grouped_attention_leaves_the_rest_to_transformers(monkeypatch):
+    """Outside the block, under autograd, without a mask, and in another thread while the block is
+    open, transformers' own function runs; the wrapper is installed once, and the block's end puts
+    this thread back on transformers' function, also when the block raises."""
     calls = []
     mapping = AttentionInterface._global_mapping
-    real = mapping["sdpa"]
+    real = getattr(mapping["sdpa"], kv_cache._WRAPPED, mapping["sdpa"])  # transformers' own
     monkeypatch.setitem(mapping, "sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    own = mapping["sdpa"]
     q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 3, 8)
     mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    attend = lambda m=mask: mapping["sdpa"](_Attention(), q, k, k, m)  # noqa: E731
     with kv_cache.grouped_attention():
-        mapping["sdpa"](_Attention(), q, k, k, mask)  # grad mode on
+        installed = mapping["sdpa"]
+        with kv_cache.grouped_attention():  # nested: the same wrapper
+            assert mapping["sdpa"] is installed
+        attend()  # grad mode on: transformers'
         with torch.no_grad():
-            mapping["sdpa"](_Attention(), q, k, k, None)
-            mapping["sdpa"](_Attention(), q, k, k, mask)  # grouped: not transformers'
-    assert calls == [1, 1] and mapping["sdpa"] is own
+            attend(None)  # no mask: transformers'
+            attend()  # grouped: not transformers'
+            assert len(calls) == 2
+            other = threading.Thread(target=lambda: torch.no_grad()(attend)())
+            other.start()
+            other.join()
+            assert len(calls) == 3  # another thread: transformers'
+    with torch.no_grad():
+        attend()
+    assert len(calls) == 4 and mapping["sdpa"] is installed
     with pytest.raises(RuntimeError, match="inside"), kv_cache.grouped_attention():
         raise RuntimeError("inside")
-    assert mapping["sdpa"] is own
+    with torch.no_grad():
+        attend()
+    assert len(calls) == 5
 
 
 def test_rows_that_ended_leave_the_batch(tiny_model, tokenizer, monkeypatch):
