@@ -236,7 +236,7 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
                          f"{fn_name(algo.loss_fn)} is not pairwise (mark one with primitives.hooks.with_traits)")
     if algo.clip_eps_low < 0 or algo.clip_eps_high < 0:
         raise ValueError(f"{where}: clip ranges must be >= 0")
-    if not algo.value_clip > 0:
+    if not isinstance(algo.value_clip, (int, float)) or not algo.value_clip > 0:
         raise ValueError(f"{where}: value_clip must be > 0, got {algo.value_clip} (the critic's clip around its "
                          f"rollout-time values: at 0 a value that moved towards its return is held there, and the "
                          f"critic stops learning; for no clip give a large value, such as 1e9)")

@@ -65,7 +65,7 @@ def test_records_whose_functions_do_not_fit_are_refused():
         A.grpo(pair_selector=all_pairs)
     with pytest.raises(ValueError, match="GSPO.*seq-mean-token-mean"):
         A.gspo(aggregation=L.token_mean)
-    for clip in (0.0, -0.1):  # 0 would hold every value that moved towards its return
+    for clip in (0.0, -0.1, None):  # 0 would hold every value that moved towards its return; None: a YAML null
         with pytest.raises(ValueError, match=rf"algorithm 'ppo': value_clip must be > 0, got {clip}"):
             A.ppo(value_clip=clip)
     with pytest.raises(ValueError, match="advantage_fn must be a function"):
