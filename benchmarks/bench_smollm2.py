@@ -41,7 +41,7 @@ def main():
           {r["step"] + 1: round(r["eval/accuracy"], 3) for r in rows if "eval/accuracy" in r})
     phases = ["time/generate", "time/reward", "time/train", "time/sync", "time/step"]
     print(table([[k, f"{np.median([r[k] for r in steps]):.2f}"] for k in phases], ["phase", "median s"]))
-    best = max(before, after)  # the faster measurement: the floor is what the machine can do
+    best = max(before[0], after[0]), max(before[1], after[1])  # the faster: what the machine can do
     floors = step_floors(steps, os.path.join(summary["out"], "config.yaml"), *best)  # the job's, overrides included
     ratio = np.median([r["time/step"] / f for r, f in zip(steps, floors)])
     print(f"step floor {np.median(floors):.2f} s; step / floor {ratio:.2f} (median of the steps)")
