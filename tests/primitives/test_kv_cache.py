@@ -175,8 +175,8 @@ def test_grouped_heads_give_the_repeated_heads_product(queries, mask_kind):
 
 
 def test_grouped_attention_leaves_the_rest_to_transformers(monkeypatch):
-    """Outside the block, under autograd, without a mask, and in another thread while the block is
-    open, transformers' own function runs; the wrapper is installed once, and the block's end puts
+    """Outside the block, under autograd, without a mask, off the CPU, and in another thread while the
+    block is open, transformers' own function runs; the wrapper is installed once, and the block's end puts
     this thread back on transformers' function, also when the block raises."""
     calls = []
     mapping = AttentionInterface._global_mapping
@@ -194,6 +194,9 @@ def test_grouped_attention_leaves_the_rest_to_transformers(monkeypatch):
             attend(None)  # no mask: transformers'
             attend()  # grouped: not transformers'
             assert len(calls) == 2
+            mapping["sdpa"](_Attention(), q.to("meta"), k.to("meta"), k.to("meta"), mask.to("meta"))
+            assert len(calls) == 3  # off the CPU (a GPU's tensors): transformers'
+            calls.pop()
             other = threading.Thread(target=lambda: torch.no_grad()(attend)())
             other.start()
             other.join()
