@@ -81,7 +81,8 @@ def check_layout(input_ids, attention_mask, prompt_len: int) -> None:
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                         temperature: float = 1.0, micro_batch_size: Optional[int] = None,
-                        with_entropy: bool = False, packing: Optional[bool] = None, share_prompts: bool = True):
+                        with_entropy: bool = False, packing: Optional[bool] = None, share_prompts: bool = True,
+                        entropy_grad: bool = True):
     """Logprobs of the completion tokens of a ``Batch``-layout input.
 
     ``input_ids``/``attention_mask`` are (B, P + T) with prompts left-padded to ``prompt_len``
@@ -94,7 +95,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     completion tokens; off them (right padding) the padded forward gives a value of the pad
     token and the packed one 0: every caller masks those out. ``share_prompts``: when packed,
     rows of a micro-batch with the same prompt (a group) run that prompt once, their
-    completions attending to it through a tree mask.
+    completions attending to it through a tree mask. ``entropy_grad=False``: the entropy is made
+    without autograd (a metric only), which keeps no (tokens, V) tensor for a backward.
     """
     check_layout(input_ids, attention_mask, prompt_len)
     if packing and not supports_packing(model):
@@ -109,9 +111,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         if packing or (packing is None and use_packing(model, ids, mask, prompt_len, share_prompts)):
             plan = plan_for(model, ids.cpu().numpy(), mask.cpu().numpy(), prompt_len, share_prompts)
         if plan is not None and len(plan.targets):
-            logp, ent = _packed_logprobs(model, plan, ids.device, temperature, with_entropy)
+            logp, ent = _packed_logprobs(model, plan, ids.device, temperature, with_entropy, entropy_grad)
         else:  # padded, also when no row has a completion token to score
-            logp, ent = _padded_logprobs(model, ids, mask, prompt_len, temperature, with_entropy)
+            logp, ent = _padded_logprobs(model, ids, mask, prompt_len, temperature, with_entropy, entropy_grad)
         logps.append(logp)
         ents.append(ent)
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
@@ -130,7 +132,8 @@ def takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
-def _padded_logprobs(model, ids, mask, prompt_len: int, temperature: float, with_entropy: bool):
+def _padded_logprobs(model, ids, mask, prompt_len: int, temperature: float, with_entropy: bool,
+                     entropy_grad: bool = True):
     """The (B, P + T) rows as they are: position ids from the mask, padding masked out."""
     T = ids.shape[1] - prompt_len
     # logits only where they predict a completion token (the last T + 1 positions, less the last)
@@ -139,10 +142,14 @@ def _padded_logprobs(model, ids, mask, prompt_len: int, temperature: float, with
                    use_cache=False, **keep).logits
     pred = logits[:, -(T + 1): -1]  # position P-1+t predicts completion token t
     logp = token_logprobs(pred, ids[:, prompt_len:], temperature)
-    return logp, (token_entropy(pred, temperature) if with_entropy else None)
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        return logp, token_entropy(pred, temperature)
 
 
-def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_entropy: bool):
+def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_entropy: bool,
+                     entropy_grad: bool = True):
     """The rows of ``plan`` end to end, logits only at the K positions that predict a
     completion token, then each of the N scored tokens taken from its logit (``plan.source``)
     and scattered back to (B, T). Without shared prompts there is no attention mask:
@@ -161,7 +168,10 @@ def _packed_logprobs(model, plan: PackPlan, device, temperature: float, with_ent
     logp_K = log_softmax(logits, temperature)  # (K, V); a prompt's last row serves each completion
     source = as_tensor(plan.source)
     logp = logp_K[source, as_tensor(plan.targets)]  # (N,)
-    ent = scatter_completions(-(logp_K.exp() * logp_K).sum(-1)[source], plan) if with_entropy else None
+    if not with_entropy:
+        return scatter_completions(logp, plan), None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        ent = scatter_completions(-(logp_K.exp() * logp_K).sum(-1)[source], plan)
     return scatter_completions(logp, plan), ent
 
 

@@ -93,6 +93,51 @@ def test_micro_batches_and_shards_give_the_global_gradient(name, scored, tiny_mo
     model.eval()
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_the_entropy_is_differentiated_only_where_the_loss_may_use_it(scored, tiny_model, tokenizer, monkeypatch,
+                                                                      packing):
+    """The default objective without an entropy bonus gets the entropy without autograd, a metric;
+    with a bonus, or under a loss_fn of the user's, with it. The metric and the gradient are the same
+    either way without a bonus, and the bonus moves the gradient."""
+    from primitives.maths.objectives import policy_objective
+    from primitives.model import training
+
+    seen = []
+    real = training.completion_logprobs
+
+    def spied(*args, **kwargs):
+        logp, ent = real(*args, **{**kwargs, "packing": packing})
+        seen.append(ent.requires_grad)
+        return logp, ent
+
+    monkeypatch.setattr(training, "completion_logprobs", spied)
+    vocab = tiny_model.get_output_embeddings().weight.shape[0]
+    results = {}
+    for name, algo in (("default", algos.grpo(kl_coef=0.0)),
+                       ("user's", algos.grpo(kl_coef=0.0, loss_fn=lambda x, a: policy_objective(x, a))),
+                       ("bonus", algos.grpo(kl_coef=0.0, entropy_coef=0.1))):
+        b = make_batch(scored, algo, tokenizer.pad_token_id, budget=6)
+        seen.clear()
+        tiny_model.zero_grad()
+        saved = [0]  # bytes autograd saved in (..., V) tensors for the backward
+
+        def pack(t, saved=saved):
+            saved[0] += t.numel() * t.element_size() if t.dim() and t.shape[-1] == vocab else 0
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            metrics = forward_backward(tiny_model, b, algo, step_counts(b), micro_batch_size=8)
+        results[name] = (metrics["policy/entropy"], _grads(tiny_model), list(seen), saved[0])
+    tiny_model.zero_grad()
+    tiny_model.eval()
+    assert results["default"][2] == [False, False] and results["user's"][2] == results["bonus"][2] == [True, True]
+    scored_tokens = int(b.loss_mask.sum())
+    assert results["user's"][3] - results["default"][3] >= scored_tokens * vocab * 4  # an fp32 (tokens, V) at least
+    assert results["default"][0] == pytest.approx(results["user's"][0], abs=1e-6) and results["default"][0] > 0
+    torch.testing.assert_close(results["default"][1], results["user's"][1], atol=1e-7, rtol=1e-6)
+    assert float((results["bonus"][1] - results["default"][1]).abs().max()) > 1e-4
+
+
 def test_grpo_kl_in_loss_needs_reference(scored, tiny_model, tokenizer):
     algo = algos.grpo(kl_coef=0.1)
     b = make_batch(scored, algo, tokenizer.pad_token_id)
