@@ -98,7 +98,8 @@ def test_the_entropy_is_differentiated_only_where_the_loss_may_use_it(scored, ti
                                                                       packing):
     """The default objective without an entropy bonus gets the entropy without autograd, a metric;
     with a bonus, or under a loss_fn of the user's, with it. The metric and the gradient are the same
-    either way without a bonus, and the bonus moves the gradient."""
+    either way without a bonus, the graph then saves at least one fp32 (tokens, V) tensor less, and
+    the bonus moves the gradient."""
     from primitives.maths.objectives import policy_objective
     from primitives.model import training
 
