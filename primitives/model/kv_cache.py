@@ -56,49 +56,44 @@ class ReservedLayer(DynamicLayer):
         self._limit = self.keys.shape[-2] + room
         self._grow()
 
-    def _grow(self) -> None:
-        """Move the filled part into buffers of up to ``ROOM_STEP`` more positions (``_limit`` at most)."""
+    def _grow(self) -> tuple:
+        """Move the filled part into buffers of up to ``ROOM_STEP`` more positions (``_limit`` at most);
+        returns the buffers."""
         n = self.keys.shape[-2]
         size = min(self._limit, n + ROOM_STEP)
-        self._room_keys = self.keys.new_empty(*self.keys.shape[:-2], size, self.keys.shape[-1])
-        self._room_values = self.values.new_empty(*self.values.shape[:-2], size, self.values.shape[-1])
-        self._room_keys[..., :n, :] = self.keys
-        self._room_values[..., :n, :] = self.values
-        self.keys, self.values = self._room_keys[..., :n, :], self._room_values[..., :n, :]
+        room_keys = self.keys.new_empty(*self.keys.shape[:-2], size, self.keys.shape[-1])
+        room_values = self.values.new_empty(*self.values.shape[:-2], size, self.values.shape[-1])
+        room_keys[..., :n, :] = self.keys
+        room_values[..., :n, :] = self.values
+        self._room_keys, self._room_values = room_keys, room_values
+        self.keys, self.values = room_keys[..., :n, :], room_values[..., :n, :]
+        return room_keys, room_values
+
+    def _viewing(self) -> bool:
+        """The keys are still the buffers' leading part: not a reordered, moved or emptied copy."""
+        room = self._room_keys
+        return (room is not None and self._room_values is not None and self.is_initialized
+                and self.keys.data_ptr() == room.data_ptr())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        room = self._room_keys
-        if (room is not None and self._in_room(key_states)
-                and self.keys.shape[-2] + key_states.shape[-2] > room.shape[-2]):
-            self._grow()  # full, and the limit not reached: another ROOM_STEP
+        n = self.keys.shape[-2] if self.is_initialized else 0
+        end = n + key_states.shape[-2]
         room_keys, room_values = self._room_keys, self._room_values
-        if room_keys is None or room_values is None or not self._fits(key_states):
+        if (room_keys is None or room_values is None or not self._viewing()
+                or self.keys.shape[:-2] != key_states.shape[:-2] or end > self._limit):
             self._room_keys = self._room_values = None  # not needed again: free them
             return super().update(key_states, value_states, *args, **kwargs)  # grows by cat from here on
-        n = self.keys.shape[-2]
-        end = n + key_states.shape[-2]
+        if end > room_keys.shape[-2]:
+            room_keys, room_values = self._grow()  # full, the limit not reached: another ROOM_STEP
         room_keys[..., n:end, :] = key_states
         room_values[..., n:end, :] = value_states
         self.keys, self.values = room_keys[..., :end, :], room_values[..., :end, :]
         return self.keys, self.values
 
-    def _in_room(self, new: torch.Tensor) -> bool:
-        """The keys are still the buffers' leading part (not a reordered or moved copy), of the same
-        rows and heads as ``new``, and ``new`` fits under the limit."""
-        room, keys = self._room_keys, self.keys
-        return (room is not None and self.is_initialized and keys.data_ptr() == room.data_ptr()
-                and keys.shape[:-2] == new.shape[:-2] and keys.shape[-2] + new.shape[-2] <= self._limit)
-
-    def _fits(self, new: torch.Tensor) -> bool:
-        """``_in_room``, and the buffers have room for ``new`` now."""
-        room = self._room_keys
-        return room is not None and self._in_room(new) and self.keys.shape[-2] + new.shape[-2] <= room.shape[-2]
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Only the rows ``indices``, with their room: rows leave a batch whose rows ended."""
         room_keys, room_values = self._room_keys, self._room_values
-        if (room_keys is None or room_values is None or not self.is_initialized
-                or self.keys.data_ptr() != room_keys.data_ptr()):
+        if room_keys is None or room_values is None or not self._viewing():
             return super().batch_select_indices(indices)
         n = self.keys.shape[-2]
         self._room_keys, self._room_values = room_keys[indices], room_values[indices]
