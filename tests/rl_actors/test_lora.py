@@ -51,6 +51,18 @@ def _peft_model(path, state):
     return model
 
 
+def _one_process(path, before, batch, algo, steps=2):
+    """``steps`` updates of the same adapters in this process (AdamW, micro-batches of 5): each
+    update's ``(loss, grad norm)`` and the parameters after them."""
+    one = _peft_model(path, before)
+    opt = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0)
+    logged = []
+    for _ in range(steps):
+        metrics = forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
+        logged.append((metrics["loss/policy"], optim_step(one, opt, max_grad_norm=1.0)))
+    return logged, {n: p.detach().numpy() for n, p in one.named_parameters()}
+
+
 @pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (2, 1), (3, 1)])
 def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model_path, stage, world):
     """Two updates (``B`` starts at zero, so the first moves ``B`` alone and the second both ``A`` and
@@ -71,14 +83,10 @@ def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model
     layers = AutoConfig.from_pretrained(tiny_model_path).num_hidden_layers
     # layers x 3 targets x (A, B), what a sync sends: the adapters alone
     assert sorted(m.name for m in meta) == sorted(trained) and len(trained) == layers * 3 * 2
-    one = _peft_model(tiny_model_path, before)
-    opt = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0)
-    for step in range(2):
-        ref_metrics = forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
-        ref_norm = optim_step(one, opt, max_grad_norm=1.0)
-        assert sum(s["loss/policy"] for s in stats[step]) == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
+    logged, expected = _one_process(tiny_model_path, before, batch, algo)
+    for step, (ref_loss, ref_norm) in enumerate(logged):
+        assert sum(s["loss/policy"] for s in stats[step]) == pytest.approx(ref_loss, abs=1e-6)
         assert stats[step][0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
-    expected = {n: p.detach().numpy() for n, p in one.named_parameters()}
     for name, w in states[0].items():
         if name in trained:
             assert np.abs(w - expected[name]).max() < 0.02 * LR, name  # Adam's steps: see test_trainer_zero
@@ -107,12 +115,9 @@ def test_one_bf16_rank_trains_the_adapters_as_fp32_does(ray_local, tiny_model_pa
         done(ray_local, actors)
     assert (info["engine_stage"], info["bf16"]) == (1, True)
     trained = adapter_names(before)
-    one = _peft_model(tiny_model_path, before)
-    opt = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0)
-    for step in range(2):
-        forward_backward(one, batch, algo, step_counts(batch), micro_batch_size=5)
-        assert norms[step] == pytest.approx(optim_step(one, opt, max_grad_norm=1.0), rel=1e-2), step
-    expected = {n: p.detach().numpy() for n, p in one.named_parameters()}
+    logged, expected = _one_process(tiny_model_path, before, batch, algo)
+    for step, (_, ref_norm) in enumerate(logged):
+        assert norms[step] == pytest.approx(ref_norm, rel=1e-2), step
     for name, w in after.items():
         if name not in trained:
             assert np.array_equal(w, before[name]), f"frozen {name} moved"
