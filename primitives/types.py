@@ -73,6 +73,10 @@ class GenerationConfig(NamedTuple):
     # (static + torch.compile; CUDA graphs on CUDA). vLLM ignores it (primitives.model.static_decode,
     # primitives.model.packed_decode)
     decode: str = "auto"
+    # HF decode loop: the most rows decoded together (0: all of a call's rows at once). A call with more runs
+    # them in batches of this many, each with its own KV cache and logits, so memory grows with this, not with
+    # the call; every batch draws from the call's sampler in turn. vLLM schedules its own batches (it ignores it)
+    max_batch_rows: int = 0
 
 
 class LoraConfig(NamedTuple):

@@ -343,6 +343,8 @@ def rl_errors(job: RLJob) -> list:
         (gen.max_new_tokens >= 1, "generation.max_new_tokens must be at least 1"),
         (0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1], got {gen.top_p}"),
         (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),
+        (gen.max_batch_rows >= 0, f"generation.max_batch_rows must be >= 0 (0: every row at once), got "
+                                  f"{gen.max_batch_rows}"),
         (gen.decode in DECODE_MODES, f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {gen.decode!r}"),
         (gen.decode != "packed" or not (job.cluster.trainer_gpus if job.cluster.generate_on_trainers
                                         else job.cluster.generator_gpus),

@@ -97,7 +97,7 @@ def sampling_config(g, template_kwargs: Optional[dict]):
 
     return GenerationConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                             top_k=g.top_k, n=g.group_size, stop=tuple(g.stop), template_kwargs=template_kwargs,
-                            decode=g.decode)
+                            decode=g.decode, max_batch_rows=g.max_batch_rows)
 
 
 def train_sft_stage(backend, inputs: RLInputs, logger) -> None:

@@ -24,8 +24,8 @@ prompt end to end in one process (``create_rollout``) for notebooks.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, NamedTuple, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -309,7 +309,8 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
                       batch_size: Optional[int] = None) -> list:
     """``config.n`` rollouts per prompt item (a ``PromptItem``), grouped by prompt.
 
-    ``batch_size`` caps the rows decoded together. Uids are ``e{epoch}/i{index}/s{k}``.
+    ``batch_size`` caps the rows decoded together (unset: ``config.max_batch_rows``; 0: all at once).
+    Uids are ``e{epoch}/i{index}/s{k}``.
     """
     if not items:
         raise ValueError("generate_rollouts: no prompt items")
@@ -317,17 +318,28 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
         raise ValueError(f"GenerationConfig.n must be >= 1, got {config.n}")
     prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items], config.template_kwargs)
     rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
-    step = batch_size or len(rows)
-    device = next(model.parameters()).device
-    mode = static_decode.decode_mode(model, config.decode, device, min(step, len(rows)), config.max_new_tokens)
     rollouts = []
-    with _packed(model, mode, min(step, len(rows))):  # once for all the chunks
+    with row_batches(model, config, len(rows), batch_size) as step:
         for start in range(0, len(rows), step):
             chunk = rows[start: start + step]
             outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
             for (it, ids, k), o in zip(chunk, outs):
                 rollouts.append(pack_rollout(it, ids, o, k, policy_version))
     return rollouts
+
+
+@contextmanager
+def row_batches(model, config: GenerationConfig, rows: int, batch_size: Optional[int] = None) -> Iterator[int]:
+    """Yields how many of a call's ``rows`` decode together: ``batch_size``, else ``config.max_batch_rows``,
+    else all of them; the decode mode's weight packing (``_packed``) is made once for all the batches."""
+    if config.max_batch_rows < 0:
+        raise ValueError(f"GenerationConfig.max_batch_rows must be >= 0 (0: every row at once), got "
+                         f"{config.max_batch_rows}")
+    step = max(1, min(rows, batch_size or config.max_batch_rows or rows))
+    mode = static_decode.decode_mode(model, config.decode, next(model.parameters()).device, step,
+                                     config.max_new_tokens)
+    with _packed(model, mode, step):
+        yield step
 
 
 def pack_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sample: int = 0,

@@ -253,11 +253,13 @@ def test_value_errors_are_collected_and_the_cli_exits_cleanly(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run(["rl", DEFAULT, "--cluster.zero-stage", "5", "--cluster.generators", "0",
               "--cluster.generate-on-trainers", "False", "--generation.temperature", "0", "--algorithm.name", "ppo",
-              "--cluster.critics", "0", "--generation.decode", "fast", "--logging.out", str(tmp_path)])
+              "--cluster.critics", "0", "--generation.decode", "fast", "--generation.max_batch_rows", "-2",
+              "--logging.out", str(tmp_path)])
     text = str(e.value)
     for part in ("cluster.zero_stage must be 1, 2 or 3", "cluster.generators must be at least 1",
                  "generation.temperature must be > 0", "cluster.critics must be at least 1",
-                 "generation.decode must be one of auto, eager, packed, static, captured, got 'fast'"):
+                 "generation.decode must be one of auto, eager, packed, static, captured, got 'fast'",
+                 "generation.max_batch_rows must be >= 0 (0: every row at once), got -2"):
         assert part in text
     with pytest.raises(ConfigErrors, match="sft.path is required"):
         run_sft(SFTJob(logging=LoggingConfig(out=str(tmp_path))))

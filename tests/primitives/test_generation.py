@@ -152,6 +152,40 @@ def test_a_shared_prompt_prefills_once_with_the_same_samples(tiny_model, tokeniz
     assert len({tuple(o.completion_ids.tolist()) for o in shared[:4]}) > 1  # the group's samples differ
 
 
+def test_max_batch_rows_decodes_a_call_in_batches_of_that_many(tiny_model, tokenizer, monkeypatch):
+    """4 prompts x 3 samples, ``max_batch_rows`` 5: no forward sees more than 5 rows (prefills share a
+    batch's prompts, so they see fewer), three batches of 5, 5 and 2; the linear weights packed once for
+    all of them (``decode: packed``); greedy, the rows' tokens and uids are every row at once's, logprobs
+    within 1e-5 (another batch, another left padding). ``batch_size`` overrides the config's cap."""
+    from primitives.model import generation, packed_decode
+
+    monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 0)  # the tiny model's layers pack too
+    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS)]
+    gen = GenerationConfig(max_new_tokens=6, temperature=0.0, n=3, decode="packed")
+    whole = generate_rollouts(tiny_model, tokenizer, items, gen)
+    batches, rows, packed = [], [], []
+    real_tokens, real_forward, real_pack = generation.generate_tokens, type(tiny_model).forward, packed_decode.pack
+
+    def counting_forward(self, *args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_tokens", lambda m, t, ids, *a: batches.append(len(ids)) or
+                        real_tokens(m, t, ids, *a))
+    monkeypatch.setattr(type(tiny_model), "forward", counting_forward)
+    monkeypatch.setattr(packed_decode, "pack", lambda *a: packed.append(1) or real_pack(*a))
+    capped = generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=5))
+    assert batches == [5, 5, 2] and max(rows) == 5 and len(packed) == 2 * 7 + 1  # every linear layer, once
+    assert [r.uid for r in capped] == [r.uid for r in whole]
+    assert [r.completion_ids.tolist() for r in capped] == [r.completion_ids.tolist() for r in whole]
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(capped, whole)) < 1e-5
+    batches.clear()
+    generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=5), batch_size=7)
+    assert batches == [7, 5]
+    with pytest.raises(ValueError, match="GenerationConfig.max_batch_rows must be >= 0"):
+        generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=-1))
+
+
 def _kept_set_logprobs(model, rollout, gen: GenerationConfig) -> np.ndarray:
     """The rollout's token logprobs renormalised over the top-k / top-p set (vLLM's processed
     logprobs): ``log_softmax(filter_logits(logits / T))``, one unpadded row. (T,)"""

@@ -286,6 +286,32 @@ def test_batched_turns_decode_as_one_at_a_time(tiny_model, tokenizer):
         assert np.abs(t.logprobs - alone.logprobs).max() < 1e-5
 
 
+def test_turns_decode_in_batches_of_max_batch_rows(tiny_model, tokenizer, monkeypatch):
+    """``max_batch_rows`` 2 over 5 contexts: ``generate_tokens`` calls of 2, 2 and 1 rows, the greedy turns in
+    the contexts' order as one batch of all 5 gives them, logprobs within 1e-5; no context: the
+    empty call's own error."""
+    import torch
+
+    from primitives.env.tools import hf_turns_generator
+    from primitives.model import generation
+    from primitives.types import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=8, temperature=0.0)
+    contexts = [np.asarray(tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
+                for text in ("2+2=", "hi", "What is 17 times 23?", "1 2 3", "x")]
+    together = hf_turns_generator(tiny_model, tokenizer, gen, torch.Generator())(contexts)
+    calls: list = []
+    real = generation.generate_tokens
+    monkeypatch.setattr(generation, "generate_tokens",
+                        lambda m, t, ids, *a: calls.append(len(ids)) or real(m, t, ids, *a))
+    capped = hf_turns_generator(tiny_model, tokenizer, gen._replace(max_batch_rows=2), torch.Generator())(contexts)
+    assert calls == [2, 2, 1]
+    assert [t.completion_ids.tolist() for t in capped] == [t.completion_ids.tolist() for t in together]
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(capped, together)) < 1e-5
+    with pytest.raises(ValueError, match="no prompts"):
+        hf_turns_generator(tiny_model, tokenizer, gen._replace(max_batch_rows=2), torch.Generator())([])
+
+
 def test_no_turns_end_a_conversation_before_it_starts(tokenizer):
     """``max_turns`` 0: a rollout with nothing generated, as one turn budget of none would give, and no call."""
     from primitives.env.tools import ToolConfig, multiturn_rollouts
