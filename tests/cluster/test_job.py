@@ -636,3 +636,18 @@ def test_lora_default_job_with_its_sft_stage_lifts_the_task(tmp_path, sft_policy
     accuracy = greedy_accuracy(model, AutoTokenizer.from_pretrained(os.path.join(final, "hf")), task.eval,
                                exact_match("first_number"), max_new_tokens=5)
     assert accuracy == pytest.approx(summary["accuracy_after_rl"], abs=1e-9)
+
+
+def test_every_generation_setting_reaches_the_generation_config():
+    """Each field of the ``generation`` section but ``group_size`` (which is ``n``) arrives under its own
+    name in the ``GenerationConfig`` the actors sample with, set to a value other than its default."""
+    from cluster.jobs.config import SamplingConfig
+    from cluster.jobs.rl import sampling_config
+
+    g = SamplingConfig(group_size=3, max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=4, stop=("x",),
+                       decode="eager", max_batch_rows=6)
+    assert all(getattr(g, f) != d for f, d in SamplingConfig._field_defaults.items())
+    gen = sampling_config(g, {"enable_thinking": False})
+    assert gen.n == 3 and gen.template_kwargs == {"enable_thinking": False}
+    assert {f: getattr(gen, f) for f in SamplingConfig._fields if f != "group_size"} == \
+        {f: getattr(g, f) for f in SamplingConfig._fields if f != "group_size"}
