@@ -73,9 +73,10 @@ class GenerationConfig(NamedTuple):
     # (static + torch.compile; CUDA graphs on CUDA). vLLM ignores it (primitives.model.static_decode,
     # primitives.model.packed_decode)
     decode: str = "auto"
-    # HF decode loop: the most rows decoded together (0: all of a call's rows at once). A call with more runs
-    # them in batches of this many, each with its own KV cache and logits, so memory grows with this, not with
-    # the call; every batch draws from the call's sampler in turn. vLLM schedules its own batches (it ignores it)
+    # HF decode loop: the most rows (prompts x n) decoded together (0: all of a call's rows at once). A call
+    # with more runs them in the fewest batches under it, of even sizes (``generation.batch_rows``), each with
+    # its own KV cache and logits, so memory grows with this, not with the call; every batch draws from the
+    # call's sampler in turn. vLLM schedules its own batches (it ignores it; a job refuses it with vLLM)
     max_batch_rows: int = 0
 
 

@@ -36,6 +36,7 @@ Batch = RolloutBatch  # the seeds' Batch(rollouts, batch_metadata): rollouts wit
 def GenerationConfig(max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,  # noqa: N802
                      n: Optional[int] = None, stop: Sequence[str] = (), seed: Optional[int] = None,
                      stop_token_ids: Sequence[int] = (), template_kwargs: Optional[dict] = None, *,
+                     decode: str = "auto", max_batch_rows: int = 0,
                      do_sample: Optional[bool] = None, num_return_sequences: Optional[int] = None,
                      stop_strings: Optional[Sequence[str]] = None, logprobs: Optional[bool] = None,
                      custom_params: Optional[dict] = None) -> _GenerationConfig:
@@ -44,7 +45,8 @@ def GenerationConfig(max_new_tokens: int = 64, temperature: float = 1.0, top_p: 
     The seeds' names: ``do_sample=False`` is greedy (temperature 0; RL training refuses it),
     ``num_return_sequences`` is ``n`` (the group size G), ``stop_strings`` is ``stop``,
     ``top_k=-1`` (off) is ``top_k=0``; ``logprobs`` is accepted and changes nothing (logprobs
-    are always computed: the trainer needs them). ``custom_params`` (extra ``generate``
+    are always computed: the trainer needs them). ``decode`` and ``max_batch_rows`` are the HF decode
+    loop's (``primitives.types.GenerationConfig``). ``custom_params`` (extra ``generate``
     keywords) is refused: every engine here (HF, vLLM) reads only the fields."""
     if custom_params:
         raise ValueError(f"GenerationConfig(custom_params={sorted(custom_params)}): extra generate() keywords do not "
@@ -61,7 +63,8 @@ def GenerationConfig(max_new_tokens: int = 64, temperature: float = 1.0, top_p: 
     temperature = 0.0 if do_sample is False else temperature
     return _GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=max(int(top_k), 0), n=int(n), stop=tuple(stop), seed=seed,
-                             stop_token_ids=tuple(stop_token_ids), template_kwargs=template_kwargs)
+                             stop_token_ids=tuple(stop_token_ids), template_kwargs=template_kwargs, decode=decode,
+                             max_batch_rows=int(max_batch_rows))
 
 
 # ----------------------------------------------------------------------------- algorithms

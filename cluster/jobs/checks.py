@@ -288,6 +288,18 @@ def record_errors(job: RLJob, record, where: str = "") -> list:
     return [f"{where}: {e}" for e in errors] if where else errors
 
 
+def generates_with_vllm(cluster) -> bool:
+    """The job's generators are vLLM engines: asked for, or ``auto`` on generator workers with GPUs."""
+    return cluster.generator_backend == "vllm" or (cluster.generator_backend == "auto" and cluster.generator_gpus > 0
+                                                   and not cluster.generate_on_trainers)
+
+
+def vllm_backend_words(cluster) -> str:
+    """How an error names the backend setting that chose vLLM."""
+    return "vllm" if cluster.generator_backend == "vllm" else \
+        f"auto (vLLM on generator workers with cluster.generator_gpus {cluster.generator_gpus})"
+
+
 def behaviour_logprob_errors(job: RLJob, record) -> list:
     """vLLM with top-k / top-p where the importance weight is applied. vLLM's behaviour logprobs
     (``processed_logprobs``) are renormalised over the tokens top-k / top-p keep; the trainer's
@@ -299,10 +311,7 @@ def behaviour_logprob_errors(job: RLJob, record) -> list:
     gen, cluster = job.generation, job.cluster
     truncation = [name for name, on in ((f"generation.top_p {gen.top_p}", gen.top_p < 1),
                                         (f"generation.top_k {gen.top_k}", gen.top_k > 0)) if on]
-    vllm = cluster.generator_backend == "vllm" or (cluster.generator_backend == "auto" and cluster.generator_gpus > 0
-                                                   and not cluster.generate_on_trainers)
-    backend = "vllm" if cluster.generator_backend == "vllm" else \
-        f"auto (vLLM on generator workers with cluster.generator_gpus {cluster.generator_gpus})"
+    vllm, backend = generates_with_vllm(cluster), vllm_backend_words(cluster)
     errors = [f"generation.temperature {gen.temperature} with cluster.generator_backend {backend}: vLLM raises a "
               f"temperature below {VLLM_MIN_TEMPERATURE} to {VLLM_MIN_TEMPERATURE} (a warning), so it would sample "
               f"at {VLLM_MIN_TEMPERATURE} while the trainer and the reference score at {gen.temperature}; use 0 "
@@ -345,6 +354,11 @@ def rl_errors(job: RLJob) -> list:
         (gen.top_k >= 0, f"generation.top_k must be >= 0, got {gen.top_k}"),
         (gen.max_batch_rows >= 0, f"generation.max_batch_rows must be >= 0 (0: every row at once), got "
                                   f"{gen.max_batch_rows}"),
+        (gen.max_batch_rows == 0 or not generates_with_vllm(job.cluster),
+         f"generation.max_batch_rows {gen.max_batch_rows} caps the rows an HF generator decodes together; "
+         f"cluster.generator_backend {vllm_backend_words(job.cluster)} generates with vLLM, which schedules its "
+         "own batches within its KV-cache memory (cluster.vllm.gpu_memory_utilization, cpu_kv_cache_gib): use 0, "
+         "or cluster.generator_backend hf"),
         (gen.decode in DECODE_MODES, f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {gen.decode!r}"),
         (gen.decode != "packed" or not (job.cluster.trainer_gpus if job.cluster.generate_on_trainers
                                         else job.cluster.generator_gpus),

@@ -117,9 +117,10 @@ class SamplingConfig(NamedTuple):
     # 16 MiB or more packed for oneDNN for 8+ rows and 16+ tokens; else eager), eager, packed, static or captured
     # (primitives.model.static_decode, primitives.model.packed_decode); vLLM has its own
     decode: str = "auto"
-    # HF generators (and the trainers' generation): the most rows decoded together; a call with more decodes
-    # them in batches of this many, so its KV cache and logits stay this size (0: every row at once); vLLM
-    # schedules its own batches within its KV-cache memory
+    # HF generators (and the trainers' generation): the most rows (prompts x group_size) decoded together; a
+    # call with more decodes them in the fewest batches under it, of even sizes (whole groups where it holds
+    # one), so its KV cache and logits stay this size (0: every row at once). vLLM schedules its own batches
+    # within its KV-cache memory: refused with vLLM generators
     max_batch_rows: int = 0
 
 

@@ -32,7 +32,9 @@ def evaluate(backend: Backend, items: Sequence, gen: GenerationConfig, k: int, c
     return metrics
 
 
-def evaluate_accuracy(backend: Backend, items: Sequence, max_new_tokens: int, correct: float = 1.0) -> float:
-    """Greedy completions of ``items``, scored: the share whose reward reaches ``correct``."""
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
+def evaluate_accuracy(backend: Backend, items: Sequence, max_new_tokens: int, correct: float = 1.0,
+                      max_batch_rows: int = 0) -> float:
+    """Greedy completions of ``items``, scored: the share whose reward reaches ``correct``; an HF engine
+    decodes ``max_batch_rows`` rows at a time at most (0: a call's rows at once)."""
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1, max_batch_rows=max_batch_rows)
     return evaluate(backend, items, gen, k=1, correct=correct)["eval/accuracy"]

@@ -384,15 +384,16 @@ def hf_turn_generator(model, tokenizer, config, generator=None) -> Callable:
 def hf_turns_generator(model, tokenizer, config, generator=None) -> Callable:
     """``generate_turns`` for ``multiturn_rollouts``: the contexts continued in batched ``generate_tokens``
     calls (rows left-padded to the longest of their batch) of ``config.max_batch_rows`` rows at most
-    (0: all in one)."""
+    (0: all in one; ``primitives.model.generation.batch_rows``), the weights packed once per call."""
     from primitives.model.generation import generate_tokens, row_batches
 
     def generate_turns(contexts) -> list:
         contexts = list(contexts)
         if not contexts:
             return generate_tokens(model, tokenizer, contexts, config, generator)  # its error names the empty call
-        with row_batches(model, config, len(contexts)) as step:
-            return [out for start in range(0, len(contexts), step)
-                    for out in generate_tokens(model, tokenizer, contexts[start: start + step], config, generator)]
+        with row_batches(model, config, len(contexts)) as sizes:
+            starts = np.cumsum([0, *sizes[:-1]])
+            return [out for start, size in zip(starts, sizes)
+                    for out in generate_tokens(model, tokenizer, contexts[start: start + size], config, generator)]
 
     return generate_turns

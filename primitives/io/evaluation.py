@@ -19,9 +19,11 @@ from primitives.types import Conversation, GenerationConfig
 
 def greedy_accuracy(model, tokenizer, items: Sequence, reward_fn: Callable, max_new_tokens: int,
                     batch_size: int = 256, correct: float = 1.0, stop=()) -> float:
-    """Share of ``items`` whose greedy completion earns ``reward_fn == correct``."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1, stop=tuple(stop))
-    rollouts = generate_rollouts(model, tokenizer, list(items), config, batch_size=batch_size)
+    """Share of ``items`` whose greedy completion earns ``reward_fn == correct``, decoded ``batch_size``
+    rows at a time at most."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1, stop=tuple(stop),
+                              max_batch_rows=batch_size)
+    rollouts = generate_rollouts(model, tokenizer, list(items), config)
     rewards = np.asarray([r.reward for r in score_rollouts(rollouts, reward_fn)])
     return float(np.mean(rewards >= correct))
 

@@ -309,7 +309,7 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
                       batch_size: Optional[int] = None) -> list:
     """``config.n`` rollouts per prompt item (a ``PromptItem``), grouped by prompt.
 
-    ``batch_size`` caps the rows decoded together (unset: ``config.max_batch_rows``; 0: all at once).
+    ``batch_size`` and ``config.max_batch_rows`` cap the rows decoded together (``row_batches``).
     Uids are ``e{epoch}/i{index}/s{k}``.
     """
     if not items:
@@ -319,9 +319,9 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
     prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items], config.template_kwargs)
     rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
     rollouts = []
-    with row_batches(model, config, len(rows), batch_size) as step:
-        for start in range(0, len(rows), step):
-            chunk = rows[start: start + step]
+    with row_batches(model, config, len(rows), batch_size, group=config.n) as sizes:
+        for start, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
+            chunk = rows[start: start + size]
             outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
             for (it, ids, k), o in zip(chunk, outs):
                 rollouts.append(pack_rollout(it, ids, o, k, policy_version))
@@ -329,17 +329,36 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
 
 
 @contextmanager
-def row_batches(model, config: GenerationConfig, rows: int, batch_size: Optional[int] = None) -> Iterator[int]:
-    """Yields how many of a call's ``rows`` decode together: ``batch_size``, else ``config.max_batch_rows``,
-    else all of them; the decode mode's weight packing (``_packed``) is made once for all the batches."""
-    if config.max_batch_rows < 0:
-        raise ValueError(f"GenerationConfig.max_batch_rows must be >= 0 (0: every row at once), got "
-                         f"{config.max_batch_rows}")
-    step = max(1, min(rows, batch_size or config.max_batch_rows or rows))
-    mode = static_decode.decode_mode(model, config.decode, next(model.parameters()).device, step,
+def row_batches(model, config: GenerationConfig, rows: int, batch_size: Optional[int] = None,
+                group: int = 1) -> Iterator[list]:
+    """Yields the sizes of the batches a call's ``rows`` decode in, in order (``batch_rows``); the decode
+    mode's weight packing (``_packed``) is made once for all of them."""
+    sizes = batch_rows(rows, config.max_batch_rows, batch_size, group)
+    mode = static_decode.decode_mode(model, config.decode, next(model.parameters()).device, sizes[0],
                                      config.max_new_tokens)
-    with _packed(model, mode, step):
-        yield step
+    with _packed(model, mode, sizes[0]):
+        yield sizes
+
+
+def batch_rows(rows: int, max_batch_rows: int = 0, batch_size: Optional[int] = None, group: int = 1) -> list:
+    """The sizes of the batches a call's ``rows`` decode in: one of all of them, or under a cap (the smaller
+    of ``max_batch_rows`` and ``batch_size``; 0 or None: none) the fewest batches that keep to it, their
+    sizes a unit apart at most, larger first, so that a static cache (rows rounded up to a bucket) serves
+    every batch of a call and none is a short remainder. The unit is a group of ``group`` rows (a prompt's
+    samples, which share its prefill) where the cap holds one and the rows are whole groups, else a row."""
+    if max_batch_rows < 0:
+        raise ValueError(f"GenerationConfig.max_batch_rows must be >= 0 (0: every row at once), got {max_batch_rows}")
+    if batch_size is not None and batch_size < 0:
+        raise ValueError(f"batch_size must be >= 0 (0 or None: no cap of its own), got {batch_size}")
+    caps = [c for c in (max_batch_rows, batch_size) if c]
+    cap = min(caps) if caps else rows
+    if cap >= rows:
+        return [rows]
+    unit = group if 1 < group <= cap and rows % group == 0 else 1
+    units = rows // unit
+    batches = -(-units // (cap // unit))
+    small, larger = divmod(units, batches)
+    return [(small + (b < larger)) * unit for b in range(batches)]
 
 
 def pack_rollout(item, prompt_ids: np.ndarray, output: GenerationOutput, sample: int = 0,

@@ -296,6 +296,25 @@ def test_packed_decoding_is_refused_where_generation_runs_on_gpus(cluster, refus
 
 
 @pytest.mark.parametrize("cluster, refused", [
+    ({"generator_backend": "vllm"}, "vllm"),
+    ({"generator_gpus": 1}, "auto (vLLM on generator workers with cluster.generator_gpus 1.0)"),
+    ({"generator_backend": "hf", "generator_gpus": 1}, None),
+    ({"generate_on_trainers": True, "generators": 0, "trainer_gpus": 1}, None),  # the trainers' HF module
+    ({}, None),  # auto on the CPU: HF
+], ids=["vllm", "auto-gpus", "hf-gpus", "on-trainers", "cpu"])
+def test_max_batch_rows_is_refused_where_vllm_generates(cluster, refused):
+    from cluster.jobs.checks import rl_errors
+
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "generation": {"max_batch_rows": 16},
+                                   "cluster": cluster})
+    errors = [e for e in rl_errors(job) if "max_batch_rows" in e]
+    assert errors == ([f"generation.max_batch_rows 16 caps the rows an HF generator decodes together; "
+                       f"cluster.generator_backend {refused} generates with vLLM, which schedules its own batches "
+                       "within its KV-cache memory (cluster.vllm.gpu_memory_utilization, cpu_kv_cache_gib): use 0, "
+                       "or cluster.generator_backend hf"] if refused else []), errors
+
+
+@pytest.mark.parametrize("cluster, refused", [
     ({"generator_backend": "vllm", "vllm": {"tensor_parallel_size": 2}},
      "cluster.vllm.tensor_parallel_size 2 splits the model over GPUs; the generators run on CPU"),
     ({"generator_backend": "vllm", "generator_gpus": 2, "trainer_gpus": 1, "vllm": {"tensor_parallel_size": 2}},

@@ -153,10 +153,10 @@ def test_a_shared_prompt_prefills_once_with_the_same_samples(tiny_model, tokeniz
 
 
 def test_max_batch_rows_decodes_a_call_in_batches_of_that_many(tiny_model, tokenizer, monkeypatch):
-    """4 prompts x 3 samples, ``max_batch_rows`` 5: no forward sees more than 5 rows (prefills share a
-    batch's prompts, so they see fewer), three batches of 5, 5 and 2; the linear weights packed once for
-    all of them (``decode: packed``); greedy, the rows' tokens and uids are every row at once's, logprobs
-    within 1e-5 (another batch, another left padding). ``batch_size`` overrides the config's cap."""
+    """4 prompts x 3 samples, ``max_batch_rows`` 7: no forward sees more than 7 rows, two batches of 6 (whole
+    groups, equal sizes); the linear weights packed once for both (``decode: packed``); greedy, the rows' tokens
+    and uids are every row at once's, logprobs within 1e-5 (another batch, another left padding). With
+    ``batch_size`` too, the smaller cap holds."""
     from primitives.model import generation, packed_decode
 
     monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 0)  # the tiny model's layers pack too
@@ -174,16 +174,53 @@ def test_max_batch_rows_decodes_a_call_in_batches_of_that_many(tiny_model, token
                         real_tokens(m, t, ids, *a))
     monkeypatch.setattr(type(tiny_model), "forward", counting_forward)
     monkeypatch.setattr(packed_decode, "pack", lambda *a: packed.append(1) or real_pack(*a))
-    capped = generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=5))
-    assert batches == [5, 5, 2] and max(rows) == 5 and len(packed) == 2 * 7 + 1  # every linear layer, once
+    capped = generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=7))
+    assert batches == [6, 6] and max(rows) == 6 and len(packed) == 2 * 7 + 1  # every linear layer, once
     assert [r.uid for r in capped] == [r.uid for r in whole]
     assert [r.completion_ids.tolist() for r in capped] == [r.completion_ids.tolist() for r in whole]
     assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(capped, whole)) < 1e-5
     batches.clear()
     generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=5), batch_size=7)
-    assert batches == [7, 5]
+    assert batches == [3, 3, 3, 3]
+    # the decoded rows themselves, where sampled prompts differ: each batch's rows are its own prompts'
+    assert [r.prompt for r in capped] == [r.prompt for r in whole] == [p for p in PROMPTS for _ in range(3)]
     with pytest.raises(ValueError, match="GenerationConfig.max_batch_rows must be >= 0"):
         generate_rollouts(tiny_model, tokenizer, items, gen._replace(max_batch_rows=-1))
+    with pytest.raises(ValueError, match="batch_size must be >= 0"):
+        generate_rollouts(tiny_model, tokenizer, items, gen, batch_size=-1)
+
+
+@pytest.mark.parametrize("rows,cap,group,sizes", [
+    (12, 0, 3, [12]), (12, 12, 3, [12]), (12, 40, 3, [12]),  # no cap, or one the call keeps to
+    (12, 5, 1, [4, 4, 4]), (13, 5, 1, [5, 4, 4]), (10, 4, 1, [4, 3, 3]), (9, 4, 1, [3, 3, 3]),  # fewest, even
+    (12, 7, 3, [6, 6]), (24, 10, 8, [8, 8, 8]), (40, 20, 8, [16, 16, 8]),
+    (12, 2, 3, [2] * 6), (14, 7, 3, [7, 7]), (14, 6, 3, [5, 5, 4]),  # a cap under a group, or not whole groups
+    (1, 5, 1, [1]),
+])
+def test_batch_rows_by_hand(rows, cap, group, sizes):
+    from primitives.model.generation import batch_rows
+
+    assert batch_rows(rows, cap, group=group) == sizes
+
+
+def test_batch_rows_keep_to_the_cap_in_the_fewest_batches():
+    """For every call of 1-40 rows, cap 1-45 and group 1-8: every row once, no batch over the cap, the fewest
+    batches the cap allows, sizes a unit apart at most and larger first, whole groups wherever the cap holds
+    one and the rows are whole groups; with ``batch_size`` and ``max_batch_rows`` both, the smaller holds."""
+    import math
+
+    from primitives.model.generation import batch_rows
+
+    for rows in range(1, 41):
+        for cap in range(1, 46):
+            for group in range(1, 9):
+                sizes = batch_rows(rows, cap, group=group)
+                unit = group if 1 < group <= cap and rows % group == 0 else 1
+                assert sum(sizes) == rows and max(sizes) <= cap and min(sizes) >= 1
+                assert len(sizes) == math.ceil(rows / unit / (cap // unit))
+                assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= unit
+                assert all(s % unit == 0 for s in sizes)
+                assert batch_rows(rows, cap, cap + 3, group) == sizes == batch_rows(rows, cap + 3, cap, group)
 
 
 def _kept_set_logprobs(model, rollout, gen: GenerationConfig) -> np.ndarray:
