@@ -332,11 +332,12 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
 def row_batches(model, config: GenerationConfig, rows: int, batch_size: Optional[int] = None,
                 group: int = 1) -> Iterator[list]:
     """Yields the sizes of the batches a call's ``rows`` decode in, in order (``batch_rows``); the decode
-    mode's weight packing (``_packed``) is made once for all of them."""
+    mode's weight packing (``_packed``) is made once for all of them, and a static cache holds the
+    largest batch's rows for all of them (``static_decode.call_rows``)."""
     sizes = batch_rows(rows, config.max_batch_rows, batch_size, group)
     mode = static_decode.decode_mode(model, config.decode, next(model.parameters()).device, sizes[0],
                                      config.max_new_tokens)
-    with _packed(model, mode, sizes[0]):
+    with _packed(model, mode, sizes[0]), static_decode.call_rows(model, sizes[0]):
         yield sizes
 
 

@@ -27,7 +27,8 @@ that pays the packing back (``packed_decode.worth_packing``), else ``eager``.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -100,7 +101,7 @@ class DecodeState(dict):
     the model (a reference made by ``copy.deepcopy``, a pickle) starts without them."""
 
     def __init__(self):
-        super().__init__(compiled={}, cache=None)
+        super().__init__(compiled={}, cache=None, rows=0)  # rows: the call's largest batch (``call_rows``)
 
     def __deepcopy__(self, memo):
         return DecodeState()
@@ -114,6 +115,19 @@ def _state(model) -> DecodeState:
     if state is None:
         state = model.__dict__[STATE] = DecodeState()
     return state
+
+
+@contextmanager
+def call_rows(model, rows: int) -> Iterator[None]:
+    """Within the block, a static cache on ``model`` holds at least ``rows`` rows (bucketed): a call
+    decoded in batches a row apart (``generation.batch_rows``: 3 and 2 rows) keeps one cache and one
+    captured step for all of them instead of swapping buckets (4, 2) at every batch."""
+    state = _state(model)
+    before, state["rows"] = state["rows"], rows
+    try:
+        yield
+    finally:
+        state["rows"] = before
 
 
 def compiled_forward(model, backend: Optional[str] = None) -> Callable:
@@ -156,7 +170,7 @@ class StaticSteps:
 
         self.model, self.prefill, self.forward = model, prefill, forward or model
         self.rows, width = ids.shape
-        self.padded = bucket_rows(self.rows)
+        self.padded = bucket_rows(max(self.rows, _state(model)["rows"]))
         length = bucket_positions(width + max_new_tokens)
         self.cache = static_cache(model, self.padded, length)
         extra = self.padded - self.rows  # rows that repeat row 0, never sampled

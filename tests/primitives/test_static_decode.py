@@ -92,6 +92,23 @@ def test_one_cache_per_model_reused_by_its_bucket_and_freed_with_it(tokenizer):
     assert dead() is None
 
 
+def test_a_call_in_batches_keeps_one_static_cache(tiny_model, tokenizer, monkeypatch):
+    """5 rows under ``max_batch_rows`` 3 decode in batches of 3 and 2 rows, both in the 3-row batch's bucket
+    (4): one cache for the call, where the 2-row batch alone would take a bucket of 2 and replace it. The
+    greedy tokens are the eager loop's; after the call a lone batch takes its own bucket again."""
+    shapes = []
+    real = static_decode.static_cache
+    monkeypatch.setattr(static_decode, "static_cache", lambda model, rows, length: shapes.append(rows) or
+                        real(model, rows, length))
+    prompts = PROMPTS + ["5"]
+    static = sample(tiny_model, tokenizer, "static", n=1, prompts=prompts, max_batch_rows=3, temperature=0.0)
+    eager = sample(tiny_model, tokenizer, "eager", n=1, prompts=prompts, temperature=0.0)
+    assert shapes == [4, 4]
+    assert [r.completion_ids.tolist() for r in static] == [r.completion_ids.tolist() for r in eager]
+    sample(tiny_model, tokenizer, "static", n=1, prompts=prompts[:2], temperature=0.0)
+    assert shapes == [4, 4, 2]
+
+
 def test_models_whose_layers_do_not_all_attend_everywhere_decode_eagerly(tokenizer):
     from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
 
