@@ -27,7 +27,13 @@ from primitives.maths.filters import kept_indices
 from primitives.maths.kl import apply_ref_state, create_reference_model, ref_state_from_model
 from primitives.model.generation import generate_rollouts
 from primitives.model.logprobs import disable_dropout, rollout_logprobs
-from primitives.model.training import optim_step, sft_eval_loss, sft_forward_backward, train_on_batch
+from primitives.model.training import (
+    enable_gradient_checkpointing,
+    optim_step,
+    sft_eval_loss,
+    sft_forward_backward,
+    train_on_batch,
+)
 from primitives.types import BatchPlan, GenerationConfig, ModelConfig, TrainState, planned_rollouts, summarize
 from rl_actors.common import load_causal_lm
 from rl_actors.deepspeed_rank import adamw
@@ -110,6 +116,8 @@ class LocalBackend:
                                  "(primitives.model.lora.with_lora(model, LoraConfig(...))) and its tokenizer")
             self.policy, self.tokenizer = load_causal_lm(self.config._replace(dtype="float32"), "local policy")
         self.optimizer = optimizer if optimizer is not None else adamw(self.policy.parameters(), trainer)
+        if trainer.gradient_checkpointing:
+            enable_gradient_checkpointing(self.policy, "local policy")
         self.reward_fn, self.aggregate_fn, self.shaping_fn = reward_fn, aggregate_fn, shaping_fn
         self.reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
         self.reference = None
@@ -126,6 +134,8 @@ class LocalBackend:
             self.critic = value_model_from_policy(self.policy) if critic == "policy" \
                 else value_model_from_reward_model(critic)
             self.critic_optimizer = adamw(self.critic.parameters(), trainer, critic_lr or trainer.lr)
+            if trainer.gradient_checkpointing:
+                enable_gradient_checkpointing(self.critic, "local critic")
         self.policy_version, self.restarts = 0, 0
         self._busy = {"generators": 0.0, "trainers": 0.0}
 

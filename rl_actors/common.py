@@ -201,10 +201,13 @@ def load_causal_lm(config: ModelConfig, role: str):
 
 
 def describe_model(model) -> dict:
-    """What an actor actually loaded: dtype, device and attention implementation."""
+    """What an actor actually loaded: dtype, device, attention implementation and whether its layers
+    recompute their activations in the backward (a value model's: its backbone's)."""
     p = next(model.parameters())
     return {"dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "gradient_checkpointing": bool(getattr(getattr(model, "backbone", model), "is_gradient_checkpointing",
+                                                   False))}
 
 
 def actor_info(role: str, rank: int) -> dict:

@@ -30,7 +30,7 @@ import torch
 
 from primitives.maths.algorithms import AlgorithmConfig
 from primitives.maths.batching import planned_batch
-from primitives.model.training import updates_of
+from primitives.model.training import enable_gradient_checkpointing, updates_of
 from primitives.model.value import (
     rollout_values,
     save_value_model,
@@ -96,6 +96,8 @@ class CriticWorker(Reusable):
                                              seed=self.seed)
         else:
             module = value_model_from_reward_model(self.init, dtype=torch.float32)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(module, f"critic {self.rank}")
         self.ds.setup(master_addr, master_port, module.to(self.ds.module_device))
         loaded()  # the value model and the engine built: what building them freed goes back
         return self.info()

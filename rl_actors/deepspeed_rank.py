@@ -79,6 +79,7 @@ class TrainerConfig(NamedTuple):
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # rows per forward/backward on one rank
     bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
+    gradient_checkpointing: bool = False  # recompute layers' activations in the backward (training.py)
 
 
 def adamw(params, cfg: TrainerConfig, lr: Optional[float] = None) -> torch.optim.AdamW:
@@ -97,9 +98,7 @@ def engine_stage(zero_stage: int, world_size: int, bf16: bool) -> int:
     bf16 keeps ZeRO: stage 0 sums bf16 gradients in bf16 (``test_one_rank_bf16_updates_as_fp32_does``)."""
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-    if world_size == 1 and zero_stage in (1, 2):
-        return 1 if bf16 else 0
-    return zero_stage
+    return (1 if bf16 else 0) if world_size == 1 and zero_stage in (1, 2) else zero_stage
 
 
 def deepspeed_config(cfg: TrainerConfig, world_size: int, bf16: bool) -> dict:

@@ -35,6 +35,7 @@ from primitives.maths.batching import planned_batch, rollout_metrics
 from primitives.model.logprobs import rollout_logprobs
 from primitives.model.lora import add_reference_adapter, merged_state, save_adapter, with_lora
 from primitives.model.training import (
+    enable_gradient_checkpointing,
     forward_backward,
     pair_unit,
     sft_eval_loss,
@@ -112,6 +113,8 @@ class TrainerWorker(Reusable, OpenUpdates):
         elif self.with_reference:  # a copy before DeepSpeed wraps (and under ZeRO-3 partitions) the policy
             self.reference = Reference(copy.deepcopy(module).to(getattr(torch, self.ds.model_config.dtype)),
                                        self.ref_update_fn)
+        if self.config.gradient_checkpointing:  # after the reference's copy: it never trains
+            enable_gradient_checkpointing(module, f"{self.role} {self.rank}")
         self.ds.setup(master_addr, master_port, module)
         if lora.enabled and self.with_reference:
             self.reference = AdapterReference(self.module, initial, self.ds.assign, self.ref_update_fn,

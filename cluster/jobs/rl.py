@@ -24,6 +24,7 @@ from cluster.jobs.outputs import (
     start_output,
     startup_figures,
 )
+from cluster.ray_wing.config import trainer_config
 from primitives.io.loggers import mean_of
 from primitives.types import ModelConfig
 
@@ -141,11 +142,9 @@ def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
     from cluster.ray_wing.backend import job_backend
     from cluster.ray_wing.roles import build_sft_cluster, shutdown_cluster
     from primitives.types import LoraConfig, TrainState
-    from rl_actors.trainer import TrainerConfig
 
     job = inputs.job
-    trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=job.sft.lr,
-                                micro_batch_size=job.cluster.micro_batch_size)
+    trainer_cfg = trainer_config(job.cluster, job.sft.lr)
     backend = job_backend(build_sft_cluster(job.model._replace(lora=LoraConfig()), job.cluster, trainer_cfg,
                                             seed=job.seed), job.cluster)
     path = os.path.join(job.logging.out, SFT_MODEL)
@@ -164,7 +163,6 @@ def with_critic(backend, inputs: RLInputs, with_sft: bool):
     from the policy as it stands (after an SFT stage: its saved HF copy) or a reward model."""
     from cluster.ray_wing.roles import add_critics
     from primitives.types import TrainState
-    from rl_actors.trainer import TrainerConfig
 
     job, cfg, algo = inputs.job, inputs.job.cluster, inputs.job.algorithm
     model = job.model
@@ -174,8 +172,7 @@ def with_critic(backend, inputs: RLInputs, with_sft: bool):
             backend.save(sft_copy, TrainState())
         model = ModelConfig(os.path.join(sft_copy, "hf"), job.model.dtype, job.model.device,
                             job.model.trust_remote_code, job.model.attn_implementation)
-    critic_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=algo.critic_lr or algo.lr,
-                               micro_batch_size=cfg.micro_batch_size)
+    critic_cfg = trainer_config(cfg, algo.critic_lr or algo.lr)
     backend.cluster = add_critics(backend.cluster, model, cfg, critic_cfg, algo.critic_init, job.seed)
     backend.state_changed()  # a snapshot taken before holds no critic
 
@@ -198,12 +195,10 @@ def start_rl_backend(inputs: RLInputs, with_sft: bool):
     a ``RayBackend`` with the job's recovery settings."""
     from cluster.ray_wing.backend import job_backend
     from cluster.ray_wing.roles import build_rl_cluster
-    from rl_actors.trainer import TrainerConfig
 
     job, cfg = inputs.job, inputs.job.cluster
     algos = inputs.algos or (inputs.algo,)
-    trainer_cfg = TrainerConfig(zero_stage=cfg.zero_stage, lr=job.sft.lr if with_sft else job.algorithm.lr,
-                                micro_batch_size=cfg.micro_batch_size)
+    trainer_cfg = trainer_config(cfg, job.sft.lr if with_sft else job.algorithm.lr)
     cluster = build_rl_cluster(job.model, cfg, trainer_cfg, inputs.reward_fn,
                                job_needs_reference(algos, inputs.shaping_fn), ref_update_fn=inputs.ref_update_fn,
                                aggregate_fn=inputs.aggregate_fn, shaping_fn=inputs.shaping_fn, seed=job.seed,

@@ -13,6 +13,7 @@ from cluster.jobs.config import (
 )
 from cluster.jobs.inputs import prepare_sft
 from cluster.jobs.outputs import finish_output, save_step_checkpoint, start_output
+from cluster.ray_wing.config import trainer_config
 
 
 def run_sft(job: SFTJob) -> dict:
@@ -26,13 +27,11 @@ def run_sft(job: SFTJob) -> dict:
     from cluster.ray_wing.weights import load_cluster_checkpoint
     from primitives.model.training import linear_warmup
     from primitives.types import TrainState
-    from rl_actors.trainer import TrainerConfig
 
     job, samples, eval_samples = prepare_sft(job)
     start, out, sft = time.time(), job.logging.out, job.sft
     logger, metrics_path = start_output(job)
-    trainer_cfg = TrainerConfig(zero_stage=job.cluster.zero_stage, lr=sft.lr,
-                                micro_batch_size=job.cluster.micro_batch_size)
+    trainer_cfg = trainer_config(job.cluster, sft.lr)
     backend = job_backend(build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed), job.cluster)
     try:
         resume = job.checkpoint.resume

@@ -56,10 +56,21 @@ class ClusterConfig(NamedTuple):
     snapshot_overhead: float = 0.05  # snapshot_every None: the share of the run's time snapshots may take
     sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
+    # trainer and critic ranks keep each decoder layer's input, not its activations, and recompute them in the
+    # backward: a micro-batch's activation memory / layers' worth, for about a third more train-phase compute
+    gradient_checkpointing: bool = False
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
     critic_cpus: float = 1.0  # CPUs per critic rank
     critic_gpus: Optional[float] = None  # GPUs per critic rank (None: as many as a trainer rank)
     scaling: GeneratorScaling = GeneratorScaling()  # grow or shrink the generator workers while the run goes on
+
+
+def trainer_config(cfg: ClusterConfig, lr: float):
+    """The ``TrainerConfig`` of a job's trainer (or critic) group at learning rate ``lr``."""
+    from rl_actors.deepspeed_rank import TrainerConfig
+
+    return TrainerConfig(zero_stage=cfg.zero_stage, lr=lr, micro_batch_size=cfg.micro_batch_size,
+                         gradient_checkpointing=cfg.gradient_checkpointing)
 
 
 def start_s(cfg: ClusterConfig) -> float:

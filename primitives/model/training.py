@@ -167,6 +167,22 @@ def train_on_batch(model, optimizer, batch: Batch, algo: AlgorithmConfig, temper
     return updates
 
 
+def enable_gradient_checkpointing(module, role: str) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them from the
+    forward (transformers' gradient checkpointing, non-reentrant: it takes keyword inputs such as a packed
+    forward's 4-D mask, and needs no input that requires grad, so a LoRA model's frozen embedding is
+    fine). A layer's kept activations go from all its intermediate tensors to its input; the backward runs
+    each layer's forward once more. The same gradients (recomputed in the same order). In eval mode (a
+    trainer rank generating, a reference forward) and without grad nothing is recomputed. ``module``: an
+    HF model, a PEFT model around one, or a ``ValueModel`` (its ``backbone``). ``role`` names the actor
+    in the error for a model that cannot."""
+    target = getattr(module, "backbone", module)
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{role}: cluster.gradient_checkpointing, but {type(target).__name__} does not support "
+                         "gradient checkpointing (transformers' supports_gradient_checkpointing); set it to false")
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def fused_adamw(params, **settings) -> torch.optim.AdamW:
     """torch's AdamW (``settings``: lr, betas, eps, weight_decay), fused where every parameter
     allows it (floating tensors on CPU or CUDA): one kernel per tensor. torch's default on CPU

@@ -116,7 +116,9 @@ def _assert_same(first, second):
 def test_ppo_critic_on_one_process_equals_two_trainer_and_two_critic_ranks(ray_local, tiny_model_path):
     """PPO (GAE on the critic's values, k1 KL in the reward): the local backend (one policy, one
     value model) and a Ray cluster with 2 trainer ranks and 2 critic ranks log the same numbers,
-    the critic's included."""
+    the critic's included; the Ray ranks recompute their layers in the backward (gradient
+    checkpointing), the local ones keep their activations."""
+    from cluster.ray_wing.groups import fan_out, gather
     from cluster.ray_wing.roles import add_critics
     from primitives.types import ModelConfig
 
@@ -124,10 +126,12 @@ def test_ppo_critic_on_one_process_equals_two_trainer_and_two_critic_ranks(ray_l
                                   trainer=TrainerConfig(lr=LR, max_grad_norm=1.0), critic="policy", seed=0))
     assert all(m["critic/value_loss"] > 0 for m in local) and "critic/grad_norm" in local[0]
     cfg = ClusterConfig(generators=1, trainers=2, critics=2, reward_workers=1, zero_stage=2, call_timeout_s=300)
-    trainer_cfg = TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0)
+    trainer_cfg = TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0, gradient_checkpointing=True)
     cluster = build_rl_cluster(tiny_model_path, cfg, trainer_cfg, spread_plus_exact, with_reference=True, seed=0)
     try:
         cluster = add_critics(cluster, ModelConfig(tiny_model_path), cfg, trainer_cfg)
+        infos = gather([*fan_out(cluster.trainers, "info"), *fan_out(cluster.critics, "info")], cluster.timeout_s)
+        assert [i["model"]["gradient_checkpointing"] for i in infos] == [True] * 4
         ray_metrics = _run_ppo(RayBackend(cluster))
     finally:
         shutdown_cluster(cluster)

@@ -651,3 +651,20 @@ def test_every_generation_setting_reaches_the_generation_config():
     assert gen.n == 3 and gen.template_kwargs == {"enable_thinking": False}
     assert {f: getattr(gen, f) for f in SamplingConfig._fields if f != "group_size"} == \
         {f: getattr(g, f) for f in SamplingConfig._fields if f != "group_size"}
+
+
+def test_every_trainer_setting_of_the_cluster_section_reaches_the_trainer_config(tiny_model_path):
+    """``trainer_config`` carries each ``cluster`` field that ``TrainerConfig`` also has (set to a value
+    other than its default) and the learning rate it is given; the local backend honours gradient
+    checkpointing as the ranks do."""
+    from cluster.local import LocalBackend
+    from cluster.ray_wing.config import ClusterConfig, trainer_config
+    from rl_actors.deepspeed_rank import TrainerConfig
+
+    shared = set(TrainerConfig._fields) & set(ClusterConfig._fields)
+    assert shared == {"zero_stage", "micro_batch_size", "gradient_checkpointing"}
+    cluster = ClusterConfig(zero_stage=3, micro_batch_size=5, gradient_checkpointing=True)
+    assert all(getattr(cluster, f) != ClusterConfig._field_defaults[f] for f in shared)
+    got = trainer_config(cluster, 0.25)
+    assert {f: getattr(got, f) for f in shared} == {f: getattr(cluster, f) for f in shared} and got.lr == 0.25
+    assert LocalBackend(tiny_model_path, lambda r: 0.0, trainer=got).policy.is_gradient_checkpointing

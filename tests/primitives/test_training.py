@@ -259,3 +259,75 @@ def test_fused_adamw_only_where_every_parameter_allows_it():
     assert named.defaults["fused"] is True and named.param_groups[0]["param_names"] == ["weight", "bias"]
     meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
     assert fused_adamw([torch.nn.Parameter(torch.zeros(2)), meta], lr=0.1).defaults["fused"] is None
+
+
+def _layer_calls(model) -> list:
+    """A count, appended to at every forward call of one of ``model``'s decoder layers."""
+    calls: list = []
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["policy", "lora", "critic"])
+def test_gradient_checkpointing_recomputes_each_layer_for_the_same_gradient(kind, scored, tiny_model, tokenizer):
+    """With ``enable_gradient_checkpointing`` each decoder layer runs twice a micro-batch (the forward, and
+    again in the backward) where it ran once, and the loss and every gradient are the same (fp32, 1e-6):
+    the policy's packed GRPO step in micro-batches, a LoRA policy's (PEFT; its embedding frozen, no input
+    needing grad) and a value model's (``ValueModel``: its backbone's layers). In eval mode (generating)
+    nothing is recomputed and the samples are the same."""
+    from primitives.model.lora import with_lora
+    from primitives.model.training import enable_gradient_checkpointing
+    from primitives.model.value import value_model_from_policy
+    from primitives.types import LoraConfig
+
+    base = copy.deepcopy(tiny_model)
+    if kind == "lora":
+        base = with_lora(base, LoraConfig(rank=4))
+        with torch.no_grad():  # B away from 0, so that A gets a gradient too
+            for name, p in base.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    elif kind == "critic":
+        base = value_model_from_policy(base, head_init_std=0.1)
+    plain, checkpointed = base, copy.deepcopy(base)
+    enable_gradient_checkpointing(checkpointed, "trainer 0")
+    algo = algos.get_algorithm("grpo", kl_coef=0.0)
+    b = make_batch(scored, algo, tokenizer.pad_token_id, budget=6)
+    b = b._replace(old_logprobs=b.behaviour_logprobs - 0.1 * b.loss_mask)
+    results = []
+    for model in (plain, checkpointed):
+        calls = _layer_calls(model)
+        model.zero_grad()
+        if kind == "critic":
+            model.train()
+            ids, mask = torch.from_numpy(b.input_ids), torch.from_numpy(b.attention_mask)
+            loss = (model(ids, mask) * mask).sum() / mask.sum()
+            loss.backward()
+            loss = float(loss.detach())
+        else:
+            loss = forward_backward(model, b, algo, step_counts(b), micro_batch_size=6)["loss/policy"]
+        results.append((loss, _grads(model), len(calls)))
+    (loss, grads, calls), (ck_loss, ck_grads, ck_calls) = results
+    layers = 2  # the tiny model's
+    passes = 1 if kind == "critic" else -(-len(b.input_ids) // 6)
+    assert (calls, ck_calls) == (layers * passes, 2 * layers * passes)
+    assert ck_loss == pytest.approx(loss, abs=1e-6)
+    assert grads.abs().max() > 0 and (grads != 0).sum() > 0.5 * len(grads)
+    torch.testing.assert_close(ck_grads, grads, atol=1e-6, rtol=1e-5)
+    if kind == "policy":
+        calls = _layer_calls(checkpointed)
+        gen = GenerationConfig(max_new_tokens=4, n=2)
+        items = [PromptItem(0, "1+2=")]
+        got = generate_rollouts(checkpointed, tokenizer, items, gen, generator=torch.Generator().manual_seed(1))
+        want = generate_rollouts(plain, tokenizer, items, gen, generator=torch.Generator().manual_seed(1))
+        assert [r.completion_ids.tolist() for r in got] == [r.completion_ids.tolist() for r in want]
+        assert len(calls) == layers * max(r.num_tokens for r in got)  # once a forward: the prefill, then each step
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_refused_by_role():
+    from primitives.model.training import enable_gradient_checkpointing
+
+    with pytest.raises(ValueError, match="critic 1: cluster.gradient_checkpointing, but Linear does not support"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2), "critic 1")

@@ -88,7 +88,8 @@ def test_the_model_config_reaches_every_actor(cluster):
     infos = gather([c for g in groups for c in fan_out(g, "info")], cluster.timeout_s)
     assert [i["role"] for i in infos] == ["generator", "trainer", "trainer", "reference"]
     for info in infos:
-        assert info["model"] == {"dtype": "float32", "device": "cpu", "attn_implementation": "eager"}, info
+        assert info["model"] == {"dtype": "float32", "device": "cpu", "attn_implementation": "eager",
+                                 "gradient_checkpointing": False}, info
 
 
 def test_kl_to_an_identical_reference_is_zero_at_t07(first_step):

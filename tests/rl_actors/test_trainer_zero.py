@@ -57,24 +57,27 @@ def _compare_weights(got, expected, what):
     assert diffs.mean() < 1e-3 * LR, f"{what}: mean weight difference {diffs.mean()}"
 
 
-def _trainer_group(ray, path, stage, world=2, bf16=False):
+def _trainer_group(ray, path, stage, world=2, bf16=False, checkpointing=False):
     # micro-batches of 3: several per rank
-    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS, bf16=bf16)
+    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=3, max_grad_norm=1.0, adam_eps=EPS, bf16=bf16,
+                        gradient_checkpointing=checkpointing)
     actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path), r, world, cfg, 0), {}) for r in range(world)])
     rendezvous(ray, actors)
     return actors
 
 
-@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (1, 1), (2, 1)])
-def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage, world):
-    """Over 2 ranks, and on one rank, where ZeRO-1/2 run as DeepSpeed's stage 0 (the rank clips)."""
+@pytest.mark.parametrize("stage,world,checkpointing", [(1, 2, False), (2, 2, False), (3, 2, False), (1, 1, False),
+                                                      (2, 1, False), (3, 2, True)])
+def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage, world, checkpointing):
+    """Over 2 ranks, and on one rank, where ZeRO-1/2 run as DeepSpeed's stage 0 (the rank clips); and ZeRO-3
+    with gradient checkpointing (each layer's partitioned weights gathered again for its recompute)."""
     rollouts, tok = scored_rollouts(tiny_model_path)
     algo = dapo(overlong_buffer_frac=0.5)  # token-mean + clip-higher
     batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
     batch = batch._replace(old_logprobs=batch.behaviour_logprobs - 0.05 * batch.loss_mask)  # ratios != 1
     ref_loss, ref_norm, ref_weights = _single_process(tiny_model_path, batch, algo)
 
-    actors = _trainer_group(ray_local, tiny_model_path, stage, world)
+    actors = _trainer_group(ray_local, tiny_model_path, stage, world, checkpointing=checkpointing)
     try:
         info = ray_local.get(actors[0].info.remote())
         stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
@@ -86,6 +89,7 @@ def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage, wo
     assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # the reduced gradient is the global one
     assert ref_norm > 1.0  # so clipping to 1.0 was exercised too
     assert info["engine_stage"] == (0 if world == 1 else stage)
+    assert info["model"]["gradient_checkpointing"] is checkpointing
     _compare_weights(states[0], ref_weights, f"ZeRO-{stage} over {world}")
     for n in ref_weights:  # every rank holds the same model after the step
         assert all(np.array_equal(states[0][n], s[n]) for s in states[1:])
