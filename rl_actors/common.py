@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
 from typing import Optional, Sequence
@@ -12,6 +13,34 @@ from primitives.types import ModelConfig
 # said by the job's config check (cluster.jobs) and by a trainer rank built with ZeRO-3 from Python
 GENERATE_ON_ZERO3 = ("cluster.generate_on_trainers needs cluster.zero_stage 1 or 2: under ZeRO-3 a rank holds only a "
                      "shard of the weights it would generate with")
+
+
+# the DeepSpeed release tested recomputing frozen weights under ZeRO-3 (a LoRA base with gradient checkpointing);
+# earlier ones freed a frozen weight inside the recompute, and torch's checkpoint refused it in the backward
+# (CheckpointError: "saved {'shape': [1024]} vs recomputed {'shape': [0]}"; DeepSpeed PR 8148, July 2026)
+FROZEN_RECOMPUTE_DEEPSPEED = (0, 19, 8)
+
+
+def frozen_recompute_error(lora: bool, zero_stage: int, checkpointing: bool,
+                           deepspeed_version: Optional[str] = None) -> Optional[str]:
+    """Why LoRA (a frozen base) under ZeRO-3 with gradient checkpointing cannot run on this DeepSpeed
+    (``FROZEN_RECOMPUTE_DEEPSPEED``), or None. ``deepspeed_version``: the installed one unless given."""
+    if not (lora and zero_stage == 3 and checkpointing):
+        return None
+    if deepspeed_version is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            deepspeed_version = version("deepspeed")
+        except PackageNotFoundError:
+            return None  # no DeepSpeed here (the driver of a cluster elsewhere): the ranks check it themselves
+    release = tuple(int(x) for x in re.findall(r"\d+", deepspeed_version)[:3])
+    if release >= FROZEN_RECOMPUTE_DEEPSPEED:
+        return None
+    return (f"cluster.gradient_checkpointing with model.lora under cluster.zero_stage 3 needs DeepSpeed "
+            f"{'.'.join(map(str, FROZEN_RECOMPUTE_DEEPSPEED))} or later, which keeps a frozen base weight gathered "
+            f"while a layer is recomputed (earlier releases free it, and the backward fails with a CheckpointError); "
+            f"this is DeepSpeed {deepspeed_version}: upgrade it, or use cluster.zero_stage 2, or no checkpointing")
 
 
 def planned_inputs(num_parts: int, resolved: Sequence) -> tuple:

@@ -268,6 +268,7 @@ class DeepSpeedRank:
         their metrics, then padding passes (``padding_backward``) make up the count; ``run``
         None is a rank without rows. Then the engine steps (``finish_step``)."""
         self.check_closed("another update")
+        self.engine.train()  # every rank's passes alike: a rank without rows recomputes checkpointed layers too
         self._backwards_left = max(1, passes)
         metrics = run() if run is not None else {}
         if self._backwards_left < 0:

@@ -45,7 +45,7 @@ from primitives.model.training import (
 )
 from primitives.types import Batch, BatchPlan, ModelConfig
 from rl_actors.clock import BusyClock
-from rl_actors.common import GENERATE_ON_ZERO3, load_causal_lm, loaded, planned_inputs
+from rl_actors.common import GENERATE_ON_ZERO3, frozen_recompute_error, load_causal_lm, loaded, planned_inputs
 from rl_actors.deepspeed_rank import (
     DeepSpeedRank,
     TrainerConfig,
@@ -102,6 +102,10 @@ class TrainerWorker(Reusable, OpenUpdates):
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Load the policy (fp32; DeepSpeed casts it for bf16), join the trainers' process group
         and build the DeepSpeed engine (all ranks together)."""
+        refused = frozen_recompute_error(self.ds.model_config.lora.enabled, self.config.zero_stage,
+                                         self.config.gradient_checkpointing)
+        if refused:
+            raise ValueError(f"{self.role} {self.rank}: {refused}")
         module, self.tokenizer = load_causal_lm(
             self.ds.model_config._replace(device=self.ds.module_device, dtype="float32"), f"{self.role} {self.rank}")
         lora = self.ds.model_config.lora

@@ -15,7 +15,7 @@ from primitives.io.data import (
     PromptFormat,
 )
 from primitives.types import DECODE_MODES, VLLM_CPU_BLOCK, VLLM_MIN_TEMPERATURE
-from rl_actors.common import GENERATE_ON_ZERO3
+from rl_actors.common import GENERATE_ON_ZERO3, frozen_recompute_error
 
 
 class ConfigErrors(ValueError):
@@ -159,11 +159,15 @@ def cluster_errors(cluster, rl_roles: bool, base=None) -> list:
 
 def lora_errors(job: RLJob) -> list:
     """An RL job with ``model.lora``: the reference lives in the trainer ranks' module (the base model
-    with the adapters off), so reference worker settings would be ignored."""
+    with the adapters off), so reference worker settings would be ignored; and gradient checkpointing
+    under ZeRO-3 needs a DeepSpeed that recomputes frozen weights (``frozen_recompute_error``)."""
+    cluster = job.cluster
+    refused = frozen_recompute_error(job.model.lora.enabled, cluster.zero_stage, cluster.gradient_checkpointing)
+    errors = [refused] if refused else []
     if not job.model.lora.enabled or job.cluster.reference_on_trainers:
-        return []
-    return ignored_errors(job.cluster, REFERENCE_FIELDS, "with model.lora the reference is the trainer ranks' model "
-                          "with its adapters off (no reference workers)", ClusterConfig())
+        return errors
+    return errors + ignored_errors(cluster, REFERENCE_FIELDS, "with model.lora the reference is the trainer ranks' "
+                                   "model with its adapters off (no reference workers)", ClusterConfig())
 
 
 def lora_reward_reference_errors(job: RLJob, algos, shaping_fn) -> list:

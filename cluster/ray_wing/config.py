@@ -57,7 +57,8 @@ class ClusterConfig(NamedTuple):
     sync_bucket_mb: float = 64.0  # weight-sync bucket size in MB
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
     # trainer and critic ranks keep each decoder layer's input, not its activations, and recompute them in the
-    # backward: a micro-batch's activation memory / layers' worth, for about a third more train-phase compute
+    # backward: a micro-batch's activation memory / layers' worth, for about a third more train-phase compute (a
+    # job's groups: trainer_config; a cluster built by hand takes it from TrainerConfig.gradient_checkpointing)
     gradient_checkpointing: bool = False
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
     critic_cpus: float = 1.0  # CPUs per critic rank

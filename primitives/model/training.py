@@ -271,7 +271,8 @@ def loss_fn_forward_backward(model, arrays: dict, loss_fn: Callable, global_rows
         attn = part.pop("attention_mask", None)
         labels = part.pop("labels", ids)
         mask = part.pop("loss_mask", torch.ones_like(ids))
-        logits = model(input_ids=ids, attention_mask=attn if attn is not None else torch.ones_like(ids)).logits
+        logits = model(input_ids=ids, attention_mask=attn if attn is not None else torch.ones_like(ids),
+                       use_cache=False).logits
         loss = call_hook(functools.partial(loss_fn, **part) if part else loss_fn, "loss_fn", logits[:, :-1].float(),
                          labels[:, 1:], mask[:, 1:].float())
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:

@@ -295,6 +295,31 @@ def test_packed_decoding_is_refused_where_generation_runs_on_gpus(cluster, refus
                        "use auto"] if refused else []), errors
 
 
+@pytest.mark.parametrize("lora,stage,checkpointing,version,refused", [
+    (True, 3, True, "0.19.2", True), (True, 3, True, "0.15.4", True),
+    (True, 3, True, "0.19.8", False), (True, 3, True, "0.20.0+cu130", False),
+    (True, 2, True, "0.19.2", False), (False, 3, True, "0.19.2", False), (True, 3, False, "0.19.2", False),
+])
+def test_lora_checkpointing_under_zero3_needs_a_deepspeed_that_recomputes_frozen_weights(
+        monkeypatch, lora, stage, checkpointing, version, refused):
+    """By hand, and through the job's checks with the installed version read from the package metadata."""
+    import importlib.metadata
+
+    from cluster.jobs.checks import rl_errors
+    from rl_actors.common import frozen_recompute_error
+
+    error = frozen_recompute_error(lora, stage, checkpointing, version)
+    assert (error is not None) is refused
+    if refused:
+        assert error.endswith(f"this is DeepSpeed {version}: upgrade it, or use cluster.zero_stage 2, or no "
+                              "checkpointing") and "needs DeepSpeed 0.19.8 or later" in error
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "deepspeed" else real(name))
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "model": {"lora": {"rank": 4 if lora else 0}},
+                                   "cluster": {"zero_stage": stage, "gradient_checkpointing": checkpointing}})
+    assert [e for e in rl_errors(job) if "needs DeepSpeed" in e] == ([error] if refused else [])
+
+
 @pytest.mark.parametrize("cluster, refused", [
     ({"generator_backend": "vllm"}, "vllm"),
     ({"generator_gpus": 1}, "auto (vLLM on generator workers with cluster.generator_gpus 1.0)"),

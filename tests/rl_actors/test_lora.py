@@ -24,8 +24,9 @@ LR, EPS = 1e-2, 1e-6  # a large lr: the adapters' first steps must move the logp
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 
 
-def _group(ray, path, stage, world, lora=LORA, mbs=3, fresh=False, bf16=False, **kwargs):
-    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=mbs, max_grad_norm=1.0, adam_eps=EPS, bf16=bf16)
+def _group(ray, path, stage, world, lora=LORA, mbs=3, fresh=False, bf16=False, checkpointing=False, **kwargs):
+    cfg = TrainerConfig(zero_stage=stage, lr=LR, micro_batch_size=mbs, max_grad_norm=1.0, adam_eps=EPS, bf16=bf16,
+                        gradient_checkpointing=checkpointing)
     actors = start_ranks(ray, TrainerWorker, [((ModelConfig(path, lora=lora), r, world, cfg, 0), kwargs)
                                               for r in range(world)], fresh=fresh)
     rendezvous(ray, actors)
@@ -63,15 +64,19 @@ def _one_process(path, before, batch, algo, steps=2):
     return logged, {n: p.detach().numpy() for n, p in one.named_parameters()}
 
 
-@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (2, 1), (3, 1)])
-def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model_path, stage, world):
+@pytest.mark.parametrize("stage,world,checkpointing", [(1, 2, False), (2, 2, False), (3, 2, False), (2, 1, False),
+                                                      (3, 1, False), (3, 2, True)])
+def test_lora_trains_only_the_adapters_as_one_process_does(ray_local, tiny_model_path, stage, world, checkpointing):
     """Two updates (``B`` starts at zero, so the first moves ``B`` alone and the second both ``A`` and
-    ``B``): every rank count and stage ends on the adapters one process computes."""
+    ``B``): every rank count and stage ends on the adapters one process computes; and ZeRO-3 with
+    gradient checkpointing, which recomputes layers whose frozen base weights ZeRO-3 partitions
+    (``rl_actors.common.frozen_recompute_error``)."""
     from transformers import AutoConfig
 
     batch, algo, _, _ = _batch(tiny_model_path)
-    actors = _group(ray_local, tiny_model_path, stage, world)
+    actors = _group(ray_local, tiny_model_path, stage, world, checkpointing=checkpointing)
     try:
+        assert ray_local.get(actors[0].info.remote())["model"]["gradient_checkpointing"] is checkpointing
         before = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
         meta = ray_local.get(actors[0].weight_meta.remote())
         stats = [[u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]

@@ -98,6 +98,29 @@ def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage, wo
     assert moved > 1e-4  # the step really changed the weights
 
 
+def test_zero3_checkpointed_rank_without_rows_at_its_first_update(ray_local, tiny_model_path):
+    """ZeRO-3 over 2 ranks with gradient checkpointing, a first update (SFT) of one row: rank 1 has none and
+    makes a padding pass. A model loads in eval mode, where checkpointed layers recompute nothing, so that
+    rank's backward gathered each layer's weights once where rank 0's gathered them again for its recompute,
+    and gloo refused the mismatched collectives. Every pass now runs in train mode: both ranks step, with
+    the one-process gradient norm."""
+    from transformers import AutoModelForCausalLM
+
+    from primitives.model.training import sft_forward_backward
+
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]])
+    ones = np.ones_like(ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    sft_forward_backward(model, ids, ones, ones, int(ones[:, 1:].sum()), None)
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    actors = _trainer_group(ray_local, tiny_model_path, 3, world=2, checkpointing=True)
+    try:
+        stats = ray_local.get([a.sft_step.remote(ids, ones, ones) for a in actors], timeout=300)
+    finally:
+        done(ray_local, actors)
+    assert [s["grad_norm"] for s in stats] == pytest.approx([norm, norm], rel=1e-5)
+
+
 def _initial(path):
     from transformers import AutoModelForCausalLM
 
