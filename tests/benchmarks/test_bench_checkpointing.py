@@ -11,6 +11,7 @@ from tests.conftest import ROOT
 
 
 @pytest.mark.no_ray
+@pytest.mark.slow  # two processes load the model: the full suite's, not the edit-test loop's
 def test_bench_checkpointing_runs_on_the_tiny_model():
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, "benchmarks/bench_checkpointing.py", "--model", "tiny", "--repeats", "1",
