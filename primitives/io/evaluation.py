@@ -22,7 +22,7 @@ def greedy_accuracy(model, tokenizer, items: Sequence, reward_fn: Callable, max_
     """Share of ``items`` whose greedy completion earns ``reward_fn == correct``, decoded ``batch_size``
     rows at a time at most."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, n=1, stop=tuple(stop),
-                              max_batch_rows=batch_size)
+                              max_batch_rows=batch_size or 0)
     rollouts = generate_rollouts(model, tokenizer, list(items), config)
     rewards = np.asarray([r.reward for r in score_rollouts(rollouts, reward_fn)])
     return float(np.mean(rewards >= correct))
