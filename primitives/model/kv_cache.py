@@ -56,11 +56,11 @@ class ReservedLayer(DynamicLayer):
         self._limit = self.keys.shape[-2] + room
         self._grow()
 
-    def _grow(self) -> tuple:
-        """Move the filled part into buffers of up to ``ROOM_STEP`` more positions (``_limit`` at most);
-        returns the buffers."""
+    def _grow(self, need: int = 0) -> tuple:
+        """Move the filled part into buffers of ``ROOM_STEP`` more positions, or of ``need`` if that is more
+        (``_limit`` at most); returns the buffers."""
         n = self.keys.shape[-2]
-        size = min(self._limit, n + ROOM_STEP)
+        size = min(self._limit, max(need, n + ROOM_STEP))
         room_keys = self.keys.new_empty(*self.keys.shape[:-2], size, self.keys.shape[-1])
         room_values = self.values.new_empty(*self.values.shape[:-2], size, self.values.shape[-1])
         room_keys[..., :n, :] = self.keys
@@ -84,7 +84,7 @@ class ReservedLayer(DynamicLayer):
             self._room_keys = self._room_values = None  # not needed again: free them
             return super().update(key_states, value_states, *args, **kwargs)  # grows by cat from here on
         if end > room_keys.shape[-2]:
-            room_keys, room_values = self._grow()  # full, the limit not reached: another ROOM_STEP
+            room_keys, room_values = self._grow(end)  # full, the limit not reached: another ROOM_STEP, or more
         room_keys[..., n:end, :] = key_states
         room_values[..., n:end, :] = value_states
         self.keys, self.values = room_keys[..., :end, :], room_values[..., :end, :]

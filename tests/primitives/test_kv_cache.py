@@ -104,6 +104,24 @@ def test_reserved_room_grows_in_steps_then_as_before(monkeypatch):
     assert torch.equal(keys, k1) and torch.equal(values, v1)
 
 
+def test_an_update_of_more_positions_than_a_room_step_grows_to_hold_it(monkeypatch):
+    """Steps of 2 positions, room for 6: an update of 3 positions at once (a chunk, not a decode step) and
+    then one of 3 more land in place in one buffer grown to hold them, each view the concatenation."""
+    monkeypatch.setattr(kv_cache, "ROOM_STEP", 2)
+    layer, k, v = _filled_layer()
+    kv_cache.reserve(_Cache(layer), room=6)
+    g = torch.Generator().manual_seed(3)
+    pointers = []
+    for _ in range(2):
+        k1, v1 = torch.randn(3, 2, 3, 5, generator=g), torch.randn(3, 2, 3, 5, generator=g)
+        keys, values = layer.update(k1, v1)
+        k, v = torch.cat([k, k1], -2), torch.cat([v, v1], -2)
+        assert torch.equal(keys, k) and torch.equal(values, v)
+        pointers.append(keys.data_ptr())
+    assert layer._room_keys is not None and layer._room_keys.shape[-2] == 4 + 6  # in room to the end
+    assert pointers[0] != pointers[1]  # grown once more for the second
+
+
 def test_rows_selected_keep_their_room():
     """Rows leaving the batch (``batch_select_indices``) take their room along: the next step is
     written in place after the rows kept."""
