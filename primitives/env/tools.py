@@ -391,9 +391,8 @@ def hf_turns_generator(model, tokenizer, config, generator=None) -> Callable:
         contexts = list(contexts)
         if not contexts:
             return generate_tokens(model, tokenizer, contexts, config, generator)  # its error names the empty call
-        with row_batches(model, config, len(contexts)) as sizes:
-            starts = np.cumsum([0, *sizes[:-1]])
-            return [out for start, size in zip(starts, sizes)
-                    for out in generate_tokens(model, tokenizer, contexts[start: start + size], config, generator)]
+        with row_batches(model, config, len(contexts)) as batches:
+            return [out for batch in batches for out in generate_tokens(model, tokenizer, contexts[batch], config,
+                                                                          generator)]
 
     return generate_turns

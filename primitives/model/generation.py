@@ -319,9 +319,9 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
     prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items], config.template_kwargs)
     rows = [(it, ids, k) for it, ids in zip(items, prompt_ids) for k in range(config.n)]
     rollouts = []
-    with row_batches(model, config, len(rows), batch_size, group=config.n) as sizes:
-        for start, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
-            chunk = rows[start: start + size]
+    with row_batches(model, config, len(rows), batch_size, group=config.n) as batches:
+        for batch in batches:
+            chunk = rows[batch]
             outs = generate_tokens(model, tokenizer, [ids for _, ids, _ in chunk], config, generator)
             for (it, ids, k), o in zip(chunk, outs):
                 rollouts.append(pack_rollout(it, ids, o, k, policy_version))
@@ -331,14 +331,15 @@ def generate_rollouts(model, tokenizer, items: Sequence, config: GenerationConfi
 @contextmanager
 def row_batches(model, config: GenerationConfig, rows: int, batch_size: Optional[int] = None,
                 group: int = 1) -> Iterator[list]:
-    """Yields the sizes of the batches a call's ``rows`` decode in, in order (``batch_rows``); the decode
-    mode's weight packing (``_packed``) is made once for all of them, and a static cache holds the
+    """Yields the slices of a call's ``rows`` that decode together, in order (sized by ``batch_rows``); the
+    decode mode's weight packing (``_packed``) is made once for all of them, and a static cache holds the
     largest batch's rows for all of them (``static_decode.call_rows``)."""
     sizes = batch_rows(rows, config.max_batch_rows, batch_size, group)
+    ends = np.cumsum(sizes).tolist()
     mode = static_decode.decode_mode(model, config.decode, next(model.parameters()).device, sizes[0],
                                      config.max_new_tokens)
     with _packed(model, mode, sizes[0]), static_decode.call_rows(model, sizes[0]):
-        yield sizes
+        yield [slice(end - size, end) for end, size in zip(ends, sizes)]
 
 
 def batch_rows(rows: int, max_batch_rows: int = 0, batch_size: Optional[int] = None, group: int = 1) -> list:
