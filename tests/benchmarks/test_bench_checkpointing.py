@@ -12,9 +12,11 @@ from tests.conftest import ROOT
 
 @pytest.mark.no_ray
 @pytest.mark.slow  # two processes load the model: the full suite's, not the edit-test loop's
-def test_bench_checkpointing_runs_on_the_tiny_model():
+def test_bench_checkpointing_runs_on_the_tiny_model(tiny_model_path):
+    """The suite's saved tiny model, so that the benchmark's own process imports no torch to build one."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, "benchmarks/bench_checkpointing.py", "--model", "tiny", "--repeats", "1",
+    proc = subprocess.run([sys.executable, "benchmarks/bench_checkpointing.py", "--model", tiny_model_path,
+                           "--repeats", "1",
                            "--rows", "4", "--tokens", "16", "--steps", "1", "--threads", "1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
