@@ -12,6 +12,7 @@ memory above what the process held before the first update (``ru_maxrss``, the h
 activations the backward keeps, plus the gradients and Adam's state). Printed: each setting's medians
 over the rounds, checkpointed / kept, and whether the two gave the same loss and gradient norm.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ def main():
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=2, help="updates per process; the first is timed too")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--child", choices=("on", "off"), help=argparse_hidden())
+    p.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args, args.child == "on")))
@@ -53,12 +54,6 @@ def main():
           f"{memory}; {args.rows} rows x {args.tokens} tokens in micro-batches "
           f"of {args.micro_batch}; first update's loss {kept['loss']:.6g} / {ck['loss']:.6g}, gradient norm "
           f"{kept['grad_norm']:.6g} / {ck['grad_norm']:.6g}")
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def child(args, checkpointing: bool) -> dict:
