@@ -294,3 +294,27 @@ def test_the_local_backend_refuses_model_lora_by_name(tiny_model_path):
 
     with pytest.raises(ValueError, match=r"LocalBackend: model.lora is for the Ray trainer ranks .*with_lora"):
         LocalBackend(ModelConfig(tiny_model_path, lora=LORA), reward_fn=lambda r: 0.0)
+
+
+def test_a_rank_built_from_python_refuses_lora_checkpointing_under_zero3_on_an_old_deepspeed(
+        monkeypatch, tiny_model_path):
+    """A group built by hand passes no job check: its rank refuses the combination itself, by its role
+    and rank, before it loads the model (the installed DeepSpeed builds it:
+    ``test_lora_trains_only_the_adapters_as_one_process_does``)."""
+    import importlib.metadata
+
+    import rl_actors.trainer as trainer_module
+
+    loads = []
+    real_load = trainer_module.load_causal_lm
+    monkeypatch.setattr(trainer_module, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    config = TrainerConfig(zero_stage=3, lr=1e-2, gradient_checkpointing=True)
+    worker = TrainerWorker(ModelConfig(tiny_model_path, lora=LORA), 0, 1, config, seed=0)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.19.2" if name == "deepspeed" else real_version(name))
+    with pytest.raises(ValueError, match=r"^trainer 0: cluster.gradient_checkpointing with model.lora under "
+                                         r"cluster.zero_stage 3 needs DeepSpeed 0.19.8 or later.*this is "
+                                         r"DeepSpeed 0.19.2"):
+        worker.setup(*worker.endpoint())
+    assert loads == []  # refused before the model loads
