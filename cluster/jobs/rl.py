@@ -24,7 +24,7 @@ from cluster.jobs.outputs import (
     start_output,
     startup_figures,
 )
-from cluster.ray_wing.config import trainer_config
+from cluster.ray_wing.config import oversubscribed, trainer_config
 from primitives.io.loggers import mean_of
 from primitives.types import ModelConfig
 
@@ -35,8 +35,14 @@ def start_ray_for(job: RLJob, extensions: dict) -> str:
     from cluster.ray_wing.roles import NODE_GROUP_PINS, role_specs, start_ray
 
     cfg, algos = job.cluster, extensions["algos"]
-    return start_ray(cfg, role_specs(cfg, job_needs_reference(algos, extensions["shaping_fn"]),
-                                     NODE_GROUP_PINS if cfg.pin_roles else None, with_critic=any_needs_values(algos)))
+    with_reference, with_critic = job_needs_reference(algos, extensions["shaping_fn"]), any_needs_values(algos)
+    if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):  # a local Ray: every actor on this machine's cores
+        ahead = job.algorithm.max_staleness > 0 and any(not a.filters for a in algos)  # filters generate in turn
+        warning = oversubscribed(cfg, with_reference, with_critic, ahead, len(os.sched_getaffinity(0)))
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return start_ray(cfg, role_specs(cfg, with_reference, NODE_GROUP_PINS if cfg.pin_roles else None,
+                                     with_critic=with_critic))
 
 
 def job_needs_reference(algos, shaping_fn=None) -> bool:

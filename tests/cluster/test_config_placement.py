@@ -154,3 +154,69 @@ def test_a_scripts_output_dir_is_created_where_a_job_would_write(tmp_path, capsy
     assert f"writing outputs to {tmp_path / 'root' / 'runs' / 'a'}" in capsys.readouterr().out
     assert output_dir("b", {}, cwd=str(tmp_path)) == str(tmp_path / "b") and os.path.isdir(tmp_path / "b")
     assert capsys.readouterr().out == ""  # outside a submitted job: where the path says, quietly
+
+
+@pytest.mark.parametrize("cluster, with_reference, with_critic, ahead, busy", [
+    ({"generators": 1, "trainers": 1}, False, False, False, (1, "1 generator worker")),  # the first phase on a tie
+    ({"generators": 1, "trainers": 1}, False, False, True, (2, "1 generator worker and 1 trainer rank")),
+    ({"generators": 2, "trainers": 4}, True, False, False, (4, "4 trainer ranks")),
+    ({"generators": 1, "trainers": 1, "reference_workers": 2}, True, False, False, (2, "2 reference workers")),
+    ({"generators": 1, "trainers": 1}, True, False, True, (3, "1 generator worker and 1 reference worker and 1 "
+                                                           "trainer rank")),
+    ({"generators": 2, "trainers": 2, "reference_workers": 2}, True, False, False,
+     (4, "2 generator workers and 2 reference workers")),  # references score chunks while generation goes on
+    ({"generators": 2, "trainers": 2, "reference_on_trainers": True}, True, False, False, (2, "2 generator workers")),
+    ({"generators": 1, "trainers": 2, "critics": 2}, False, True, False, (4, "2 trainer ranks and 2 critic ranks")),
+    ({"generators": 1, "trainers": 1, "critics": 1}, True, True, True,
+     (4, "1 generator worker and 1 reference worker and 1 trainer rank and 1 critic rank")),
+    ({"generate_on_trainers": True, "generators": 0, "trainers": 2}, False, False, True, (2, "2 trainer ranks")),
+    ({"generators": 1, "trainers": 1, "scaling": {"policy": "idle", "maximum": 3}}, False, False, True,
+     (4, "3 generator workers and 1 trainer rank")),  # the most generators the run may grow to
+])
+def test_busy_actors_counts_the_phases_that_run_at_once(cluster, with_reference, with_critic, ahead, busy):
+    from cluster.jobs.config import record_from_dict
+    from cluster.ray_wing.config import ClusterConfig, busy_actors
+
+    assert busy_actors(record_from_dict(ClusterConfig, cluster), with_reference, with_critic, ahead) == busy
+
+
+def test_more_threads_than_cores_at_once_is_warned_with_the_count_that_fits():
+    from cluster.ray_wing.config import ClusterConfig, oversubscribed
+
+    two = ClusterConfig(generators=1, trainers=1, threads_per_actor=2)
+    assert oversubscribed(two, False, False, ahead=False, cores=2) is None  # one phase at a time: 2 threads
+    assert oversubscribed(two._replace(threads_per_actor=1), False, False, ahead=True, cores=2) is None
+    assert oversubscribed(two, False, False, ahead=True, cores=2) == (
+        "cluster.threads_per_actor 2 x 1 generator worker and 1 trainer rank busy at once (algorithm.max_staleness "
+        "generates beside training) = 4 torch threads on this machine's 2 cores: threads beyond the cores wait on "
+        "each other at every parallel operation, often costing more than they add; cluster.threads_per_actor 1 fits")
+    assert oversubscribed(two, False, False, ahead=True, cores=4) is None
+    warned = oversubscribed(ClusterConfig(generators=3, trainers=2, threads_per_actor=4), False, False, False, 8)
+    assert warned.startswith("cluster.threads_per_actor 4 x 3 generator workers busy at once = 12 torch threads "
+                             "on this machine's 8 cores") and warned.endswith("cluster.threads_per_actor 2 fits")
+    assert oversubscribed(ClusterConfig(generators=4, trainers=1), False, False, False, 2).endswith(
+        "cluster.threads_per_actor 1 fits")  # one thread each is the fewest there is
+
+
+@pytest.mark.parametrize("staleness, algorithm, address, warned", [
+    (1, "grpo", None, True), (0, "grpo", None, False),
+    (1, "dapo", None, False),  # dynamic sampling's filters generate a step at a time
+    (1, "grpo", "127.0.0.1:6379", False),  # a cluster's nodes have cores of their own
+])
+def test_a_local_job_warns_of_oversubscribed_threads_before_ray_starts(monkeypatch, capsys, staleness, algorithm,
+                                                                        address, warned):
+    import cluster.jobs.rl as rl
+    import cluster.ray_wing.roles as roles
+    from cluster.jobs.config import RLJob, record_from_dict
+    from cluster.jobs.inputs import job_extensions
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(roles, "start_ray", lambda cfg, specs: "started")
+    job = record_from_dict(RLJob, {"data": {"task": "arithmetic"}, "algorithm": {
+        "name": algorithm, "max_staleness": staleness, "kl_coef": 0.0}, "cluster": {
+        "generators": 1, "trainers": 1, "threads_per_actor": 2, "ray_address": address}})
+    assert rl.start_ray_for(job, job_extensions(job)) == "started"
+    err = capsys.readouterr().err
+    said = "warning: cluster.threads_per_actor 2 x 1 generator worker and 1 trainer rank busy at once"
+    assert err.startswith(said) if warned else err == ""
