@@ -58,7 +58,7 @@ class ClusterConfig(NamedTuple):
     micro_batch_size: int = 64  # rows per forward/backward on a trainer rank (gradients accumulate over them)
     # trainer and critic ranks keep each decoder layer's input, not its activations, and recompute them in the
     # backward: a micro-batch's activation memory / layers' worth, for about a third more train-phase compute (a
-    # job's groups: trainer_config; a cluster built by hand takes it from TrainerConfig.gradient_checkpointing)
+    # job's groups: trainer_config; a cluster built by hand runs TrainerConfig's, and refuses a different one here)
     gradient_checkpointing: bool = False
     critics: int = 1  # critic ranks when the algorithm has a critic (PPO): a DeepSpeed group of their own
     critic_cpus: float = 1.0  # CPUs per critic rank
@@ -72,6 +72,21 @@ def trainer_config(cfg: ClusterConfig, lr: float):
 
     return TrainerConfig(zero_stage=cfg.zero_stage, lr=lr, micro_batch_size=cfg.micro_batch_size,
                          gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+# what a group's TrainerConfig and the cluster section both say (a job builds the first from the second)
+SHARED_TRAINER_FIELDS = ("zero_stage", "micro_batch_size", "gradient_checkpointing")
+
+
+def trainer_conflicts(cfg: ClusterConfig, trainer_cfg, group: str = "trainer") -> list:
+    """The settings ``cfg`` was given (other than its defaults) that the group's ``TrainerConfig``
+    contradicts. The ranks run the ``TrainerConfig``'s: a cluster built by hand would otherwise drop the
+    cluster's without a word (a job's agree: ``trainer_config``)."""
+    base = ClusterConfig()
+    return [f"cluster.{f} is {getattr(cfg, f)!r} but the {group} group's TrainerConfig.{f} is "
+            f"{getattr(trainer_cfg, f)!r}, which its ranks would run: build the TrainerConfig with "
+            f"trainer_config(cluster, lr), or give both the same {f}"
+            for f in SHARED_TRAINER_FIELDS if getattr(cfg, f) not in (getattr(base, f), getattr(trainer_cfg, f))]
 
 
 def start_s(cfg: ClusterConfig) -> float:

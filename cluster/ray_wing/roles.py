@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from cluster.ray_wing.config import ClusterConfig, peak_generators, start_s, with_lora_reference
+from cluster.ray_wing.config import ClusterConfig, peak_generators, start_s, trainer_conflicts, with_lora_reference
 from cluster.ray_wing.groups import (
     Call,
     RoleFactory,
@@ -211,6 +211,13 @@ def check_cluster_hooks(reward_fn: Callable, aggregate_fn: Optional[Callable], s
             check_picklable(fn, what)
 
 
+def refuse_conflicts(cfg: ClusterConfig, trainer_cfg: TrainerConfig, group: str = "trainer") -> None:
+    """Before anything starts: ``trainer_conflicts`` as one error."""
+    conflicts = trainer_conflicts(cfg, trainer_cfg, group)
+    if conflicts:
+        raise ValueError("; ".join(conflicts))
+
+
 def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: TrainerConfig, reward_fn: Callable,
                      with_reference: bool, ref_update_fn: Optional[Callable] = None, aggregate_fn=None,
                      shaping_fn=None, seed: int = 0, bucket_mb: float = 64.0,
@@ -225,6 +232,7 @@ def build_rl_cluster(model: ModelConfig | str, cfg: ClusterConfig, trainer_cfg: 
     watch_heartbeats(cfg.heartbeat_s)
     marks = [("start", time.time())]
     check_cluster_hooks(reward_fn, aggregate_fn, shaping_fn, ref_update_fn)
+    refuse_conflicts(cfg, trainer_cfg)
     if node_resources is None and cfg.pin_roles:
         node_resources = NODE_GROUP_PINS
     reward_needs_reference = bool(getattr(shaping_fn, "needs_reference", False))
@@ -261,6 +269,7 @@ def build_sft_cluster(model: ModelConfig, cfg: ClusterConfig, trainer_cfg: Train
     stuck rank's group is rebuilt as an RL job's is (its factory)."""
     from rl_actors.trainer import TrainerWorker
 
+    refuse_conflicts(cfg, trainer_cfg)
     watch_heartbeats(cfg.heartbeat_s)
     pins = NODE_GROUP_PINS if cfg.pin_roles else None
     roles = [r for r in role_specs(cfg, with_reference=False, node_resources=pins) if r.name == "trainer"]
@@ -369,6 +378,7 @@ def add_critics(cluster: RLCluster, model: ModelConfig, cfg: ClusterConfig, crit
 
     if cluster.critics is not None:
         raise ValueError("the cluster already has critics")
+    refuse_conflicts(cfg, critic_cfg, "critic")
     import ray
 
     def fits_now(specs):  # in what the other roles left (build_rl_cluster(reserve_critics=True))

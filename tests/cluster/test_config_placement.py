@@ -220,3 +220,34 @@ def test_a_local_job_warns_of_oversubscribed_threads_before_ray_starts(monkeypat
     err = capsys.readouterr().err
     said = "warning: cluster.threads_per_actor 2 x 1 generator worker and 1 trainer rank busy at once"
     assert err.startswith(said) if warned else err == ""
+
+
+def test_a_cluster_built_by_hand_refuses_trainer_settings_its_trainer_config_contradicts(monkeypatch):
+    """``ClusterConfig`` and ``TrainerConfig`` both hold the ZeRO stage, micro-batch and checkpointing;
+    the ranks run the TrainerConfig's. A cluster setting given (not a default) that the TrainerConfig
+    contradicts is refused by name before Ray starts, for the trainers, an SFT group and the critics."""
+    import cluster.ray_wing.roles as roles
+    from cluster.ray_wing.config import ClusterConfig, trainer_config, trainer_conflicts
+    from primitives.fixtures.tasks import arithmetic_reward
+    from rl_actors.deepspeed_rank import TrainerConfig
+
+    monkeypatch.setattr(roles, "start_ray", lambda *a: pytest.fail("Ray started"))
+    given = ClusterConfig(zero_stage=3, micro_batch_size=8, gradient_checkpointing=True)
+    assert trainer_conflicts(given, trainer_config(given, 1e-3)) == []  # a job's: built from the cluster
+    assert trainer_conflicts(ClusterConfig(), TrainerConfig(zero_stage=3, micro_batch_size=4)) == []  # defaults
+    assert trainer_conflicts(given._replace(zero_stage=2), TrainerConfig(zero_stage=3, micro_batch_size=8,
+                                                                         gradient_checkpointing=True)) == []
+    with pytest.raises(ValueError) as e:
+        roles.build_rl_cluster("unused", given, TrainerConfig(micro_batch_size=8), arithmetic_reward,
+                               with_reference=False)
+    assert str(e.value) == (
+        "cluster.zero_stage is 3 but the trainer group's TrainerConfig.zero_stage is 2, which its ranks would run: "
+        "build the TrainerConfig with trainer_config(cluster, lr), or give both the same zero_stage; "
+        "cluster.gradient_checkpointing is True but the trainer group's TrainerConfig.gradient_checkpointing is "
+        "False, which its ranks would run: build the TrainerConfig with trainer_config(cluster, lr), or give both "
+        "the same gradient_checkpointing")
+    with pytest.raises(ValueError, match=r"^cluster.micro_batch_size is 8 but the trainer group's "
+                                         r"TrainerConfig.micro_batch_size is 64"):
+        roles.build_sft_cluster("unused", ClusterConfig(micro_batch_size=8), TrainerConfig())
+    with pytest.raises(ValueError, match=r"^cluster.zero_stage is 3 but the critic group's"):
+        roles.add_critics(roles.RLCluster(*[None] * 10), "unused", ClusterConfig(zero_stage=3), TrainerConfig())
