@@ -10,11 +10,12 @@ Functions here run inside actors; the driver only hands out addresses and metada
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import threading
 from datetime import timedelta
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -253,10 +254,33 @@ def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
     return max((sum(meta[i].nbytes for i in idx) for idx in plan), default=0)
 
 
+@contextlib.contextmanager
+def one_torch_thread(device) -> Iterator[None]:
+    """One torch thread while a broadcast on the CPU runs, the count restored after. A gloo broadcast
+    is mostly waiting on its transport's threads, and the idle threads of a torch thread pool spin
+    after each of the copies around it, taking the cores those transport threads need (the SmolLM2
+    job's sync on 2 cores: 0.85 -> 0.43 s; docs/benchmarks.md, 2026-12-01 session 67). vLLM's
+    receiver passes its buffers, not a device, and keeps its threads for its own repacking."""
+    before = torch.get_num_threads()
+    if not (isinstance(device, torch.device) and device.type == "cpu") or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank: Optional[int],
                       device: torch.device, get_tensors: Optional[Callable[[list], list]] = None,
                       on_received: Optional[Callable[[list, list], None]] = None,
                       buffer: Optional[torch.Tensor] = None) -> int:
+    with one_torch_thread(device):
+        return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
+
+
+def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer) -> int:
     """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
     receivers pass ``on_received(metas, tensors)`` (None: take part and keep nothing). Returns
     bytes moved per receiver.

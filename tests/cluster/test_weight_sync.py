@@ -88,6 +88,41 @@ def test_a_short_buffer_or_a_wrong_tensor_is_refused_before_anything_is_sent():
         broadcast_buckets(group, META, 256, 0, cpu, get_tensors=lambda ms: [src[ms[0].name]])
 
 
+class CountingGroup:
+    """A group of one that records the torch threads at each broadcast (and may fail one)."""
+
+    def __init__(self, fail_at: int = -1):
+        self.threads, self.fail_at = [], fail_at
+
+    def broadcast(self, tensors, opts):
+        self.threads.append(torch.get_num_threads())
+        if len(self.threads) == self.fail_at:
+            raise RuntimeError("the link dropped")
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+def test_a_cpu_broadcast_runs_on_one_torch_thread_and_restores_the_count(monkeypatch):
+    """Idle pool threads spin after each copy and take the cores gloo's transport needs: the sync runs
+    on one torch thread (docs/benchmarks.md, 2026-12-01 session 67), and the actor's count comes back
+    after it, a failed one too; on another device the count is left alone."""
+    src = _source_tensors()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sender = CountingGroup()
+        broadcast_buckets(sender, META, 256, 0, torch.device("cpu"), get_tensors=lambda ms: [src[m.name] for m in ms])
+        assert sender.threads == [1, 1, 1] and torch.get_num_threads() == 2  # three buckets
+        failing = CountingGroup(fail_at=2)
+        with pytest.raises(RuntimeError, match="the link dropped"):
+            broadcast_buckets(failing, META, 256, 1, torch.device("cpu"), on_received=lambda ms, ts: None)
+        assert failing.threads == [1, 1] and torch.get_num_threads() == 2
+        elsewhere = CountingGroup()
+        broadcast_buckets(elsewhere, META, 256, 1, torch.device("meta"))
+        assert elsewhere.threads == [2, 2, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_rendezvous_given_up_is_left_at_once_and_one_that_completes_is_kept():
     """``join_unless_abandoned``: rank 0 of a 2-member gloo group whose rank 1 never comes (it died
     before joining) leaves the rendezvous as soon as the driver gives the group up, not after the
