@@ -258,9 +258,9 @@ def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
 def one_torch_thread(device) -> Iterator[None]:
     """One torch thread while a broadcast on the CPU runs, the count restored after. A gloo broadcast
     is mostly waiting on its transport's threads, and the idle threads of a torch thread pool spin
-    after each of the copies around it, taking the cores those transport threads need (the SmolLM2
-    job's sync on 2 cores: 0.85 -> 0.43 s; docs/benchmarks.md, 2026-12-01 session 67). vLLM's
-    receiver passes its buffers, not a device, and keeps its threads for its own repacking."""
+    after each of the copies around it, taking the cores those transport threads need. The SmolLM2
+    job's sync on 2 cores took 0.85 -> 0.43 s into an HF generator and 1.33 -> 0.86 s into vLLM,
+    whose generation after it was as fast (docs/benchmarks.md, 2026-12-01 session 67)."""
     before = torch.get_num_threads()
     if not (isinstance(device, torch.device) and device.type == "cpu") or before == 1:
         yield
