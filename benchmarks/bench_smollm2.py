@@ -14,12 +14,14 @@ matmul rate measured here before and after the job (the faster of the two: this 
 speed moved by a quarter within the hour, and the floor is what the machine can do), each prompt
 counted once per group (the generators and the trainer both share it) and every completion token,
 2 FLOPs per matmul parameter to generate (or the weights read once per decode step, if that takes
-longer) and 6 to train; sync and rewards count 0. ``benchmarks/gpu_step.py --model smollm2`` puts
-the phases beside a plain PyTorch loop.
+longer) and 6 to train; sync and rewards count 0. Generators computing in bf16 (``--model.dtype
+bfloat16``; the trainer keeps float32) have their FLOPs priced at the bf16 rate, measured after the
+job. ``benchmarks/gpu_step.py --model smollm2`` puts the phases beside a plain PyTorch loop.
 """
 import json
 import os
 import sys
+from typing import Optional
 
 import numpy as np
 from common import ROOT, table
@@ -42,7 +44,13 @@ def main():
     phases = ["time/generate", "time/reward", "time/train", "time/sync", "time/step"]
     print(table([[k, f"{np.median([r[k] for r in steps]):.2f}"] for k in phases], ["phase", "median s"]))
     best = max(before[0], after[0]), max(before[1], after[1])  # the faster: what the machine can do
-    floors = step_floors(steps, os.path.join(summary["out"], "config.yaml"), *best)  # the job's, overrides included
+    config = os.path.join(summary["out"], "config.yaml")  # the job's, overrides included
+    dtype = generation_dtype(config)
+    generate_rate = best[0] if dtype == "float32" else rates(dtype)[0]
+    if dtype != "float32":
+        print(f"generation in {dtype}: matmul GFLOPS {generate_rate / 1e9:.0f} (after the job), the generation "
+              f"floor's rate; the train phase's float32")
+    floors = step_floors(steps, config, *best, generate_rate)
     ratio = np.median([r["time/step"] / f for r, f in zip(steps, floors)])
     print(f"step floor {np.median(floors):.2f} s; step / floor {ratio:.2f} (median of the steps)")
     print(f"accuracy {summary['accuracy_before_rl']:.3f} -> {summary['accuracy_after_rl']:.3f} "
@@ -50,24 +58,35 @@ def main():
           f"{summary['reward_mean_last5']} (first and last 5 steps); wall {summary['wall_s']} s")
 
 
-def step_floor(row: dict, prompt_tokens: float, group: int, n_matmul: int, flops: float, bandwidth: float) -> float:
+def step_floor(row: dict, prompt_tokens: float, group: int, n_matmul: int, flops: float, bandwidth: float,
+               generate_flops: Optional[float] = None, generate_bytes: int = 4) -> float:
     """Seconds one step needs at least (module docstring), from its logged rows and mean completion
-    length and longest completion (decode steps)."""
+    length and longest completion (decode steps). Generation in another dtype than the train phase's
+    float32 (``model.dtype``) is priced at that dtype's rate, ``generate_flops``, its weights read at
+    ``generate_bytes`` a parameter."""
     rollouts = row["batch/rows"]
     tokens = prompt_tokens * rollouts / group + row["response/len_mean"] * rollouts
-    generate = max(2 * n_matmul * tokens / flops, row["response/len_max"] * n_matmul * 4 / bandwidth)
+    generate = max(2 * n_matmul * tokens / (generate_flops or flops),
+                   row["response/len_max"] * n_matmul * generate_bytes / bandwidth)
     return generate + 6 * n_matmul * tokens / flops
 
 
-def rates() -> tuple:
-    """``(matmul FLOP/s, memory bytes/s)`` measured now, float32, this process's threads."""
+def generation_dtype(config: str) -> str:
+    """The dtype the job's generators compute in (``model.dtype`` of its resolved config)."""
+    import yaml
+
+    return (yaml.safe_load(open(config)).get("model") or {}).get("dtype", "float32")
+
+
+def rates(dtype: str = "float32") -> tuple:
+    """``(matmul FLOP/s, memory bytes/s)`` measured now, in ``dtype``, this process's threads."""
     import torch
     from gpu_step import machine_rates
 
-    return machine_rates(torch.device("cpu"), torch.float32)
+    return machine_rates(torch.device("cpu"), getattr(torch, dtype))
 
 
-def step_floors(steps: list, config: str, flops: float, bandwidth: float) -> list:
+def step_floors(steps: list, config: str, flops: float, bandwidth: float, generate_flops: float) -> list:
     """``step_floor`` of each logged step of the job whose resolved ``config`` (its output's
     config.yaml) is given, with the prompts' mean length under the chat template, the
     model's matmul parameters and the machine's rates given."""
@@ -87,7 +106,8 @@ def step_floors(steps: list, config: str, flops: float, bandwidth: float) -> lis
                                                                       [it.prompt for it in items])]))
     n_matmul = matmul_params(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     group = job["generation"]["group_size"]
-    return [step_floor(r, prompt_tokens, group, n_matmul, flops, bandwidth) for r in steps]
+    width = getattr(torch, generation_dtype(config)).itemsize
+    return [step_floor(r, prompt_tokens, group, n_matmul, flops, bandwidth, generate_flops, width) for r in steps]
 
 
 if __name__ == "__main__":

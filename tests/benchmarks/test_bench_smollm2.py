@@ -17,3 +17,7 @@ def test_step_floor_by_hand(monkeypatch):
     assert step_floor(row, 40.0, 8, 10 ** 8, 1e11, 5e9) == pytest.approx(1.28 + 2.88, rel=1e-12)
     # a faster memory: generation is compute-bound (0.96)
     assert step_floor(row, 40.0, 8, 10 ** 8, 1e11, 5e10) == pytest.approx(0.96 + 2.88, rel=1e-12)
+    # generation in bf16 at 4e11 FLOP/s, weights of 2 bytes: max(2e8 * 480 / 4e11 = 0.24, 16 * 2e8 / 5e10 = 0.064)
+    assert step_floor(row, 40.0, 8, 10 ** 8, 1e11, 5e10, 4e11, 2) == pytest.approx(0.24 + 2.88, rel=1e-12)
+    # ... and memory-bound at 5e9 B/s: 16 * 2e8 / 5e9 = 0.64
+    assert step_floor(row, 40.0, 8, 10 ** 8, 1e11, 5e9, 4e11, 2) == pytest.approx(0.64 + 2.88, rel=1e-12)
