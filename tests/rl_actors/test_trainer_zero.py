@@ -127,23 +127,28 @@ def _initial(path):
     return {n: p.detach().numpy() for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
 
 
-def test_grpo_with_kl_and_three_ranks(ray_local, tiny_model_path):
-    """Uneven shards (16 rows over 3 ranks) with KL in the loss: still the global loss."""
+@pytest.mark.parametrize("stage,checkpointing", [(2, False), (3, True)])
+def test_grpo_with_kl_and_three_ranks(ray_local, tiny_model_path, stage, checkpointing):
+    """Uneven shards (16 rows over 3 ranks) with KL in the loss: still the global loss; and so under
+    ZeRO-3 with gradient checkpointing, where each rank gathers every layer's partitioned weights once
+    more for its recompute, whatever its share of the rows."""
     rollouts, tok = scored_rollouts(tiny_model_path)
     rollouts = [r._replace(ref_logprobs=r.logprobs - 0.1) for r in rollouts]
     algo = grpo(kl_coef=0.05)
     batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
     ref_loss, ref_norm, ref_weights = _single_process(tiny_model_path, batch, algo)
-    actors = _trainer_group(ray_local, tiny_model_path, 2, world=3)
+    actors = _trainer_group(ray_local, tiny_model_path, stage, world=3, checkpointing=checkpointing)
     try:
+        info = ray_local.get(actors[0].info.remote())
         stats = [u[0] for u in ray_local.get([a.train_step.remote(batch, algo, 1.0) for a in actors], timeout=300)]
         state = ray_local.get([a.full_state.remote() for a in actors], timeout=300)[0]
     finally:
         done(ray_local, actors)
+    assert (info["engine_stage"], info["model"]["gradient_checkpointing"]) == (stage, checkpointing)
     assert sum(s["loss/policy"] for s in stats) == pytest.approx(ref_loss, abs=1e-6)
     assert sum(s["loss/kl"] for s in stats) > 0
     assert stats[0]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
-    _compare_weights(state, ref_weights, "ZeRO-2 over 3 ranks")
+    _compare_weights(state, ref_weights, f"ZeRO-{stage} over 3 ranks")
 
 
 KEYS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/entropy", "policy/clip_frac", "policy/ratio_mean",
