@@ -37,7 +37,7 @@ def start_ray_for(job: RLJob, extensions: dict) -> str:
     cfg, algos = job.cluster, extensions["algos"]
     with_reference, with_critic = job_needs_reference(algos, extensions["shaping_fn"]), any_needs_values(algos)
     if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):  # a local Ray: every actor on this machine's cores
-        ahead = job.algorithm.max_staleness > 0 and any(not a.filters for a in algos)  # filters generate in turn
+        ahead = job.algorithm.max_staleness if any(not a.filters for a in algos) else 0  # filters: one at a time
         warning = oversubscribed(cfg, with_reference, with_critic, ahead, len(os.sched_getaffinity(0)))
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -111,38 +111,42 @@ def peak_generators(cfg: ClusterConfig) -> int:
     return max(cfg.generators, sc.maximum)
 
 
-def busy_actors(cfg: ClusterConfig, with_reference: bool, with_critic: bool, ahead: bool) -> tuple:
+def busy_actors(cfg: ClusterConfig, with_reference: bool, with_critic: bool, staleness: int) -> tuple:
     """``(count, words)``: the most actors of a job that compute at once, each with
-    ``threads_per_actor`` torch threads. Generation keeps the generator workers busy, and the reference
-    workers score the chunk each generator finishes while the others still generate; the update keeps
-    the trainer and critic ranks busy; ``ahead`` (``algorithm.max_staleness`` > 0) generates the next
-    steps while this one trains, so both phases run at once. Reward workers run user code between
-    them and are not counted."""
+    ``threads_per_actor`` torch threads. Each generator makes one chunk of a step's rollouts, which a
+    reference worker scores once it is done, so generating and scoring one step keep at most as many
+    actors busy as there are chunks; the update keeps the trainer and critic ranks busy. Generating
+    ``staleness`` steps ahead (``algorithm.max_staleness``) runs the next step's generation beside this
+    step's update, and from 2 on the scoring of one step beside the generation of the next. Reward
+    workers run user code between them and are not counted."""
     generators = 0 if cfg.generate_on_trainers else peak_generators(cfg)
+    chunks = generators or cfg.trainers  # generation on the trainer ranks: a chunk per rank
+    references = min(cfg.reference_workers, chunks) if with_reference and not cfg.reference_on_trainers else 0
     generate = [(generators, "generator worker")] if generators else []
-    score = [(cfg.reference_workers, "reference worker")] if with_reference and not cfg.reference_on_trainers else []
+    score = [(references, "reference worker")] if references else []
     train = [(cfg.trainers, "trainer rank")] + ([(cfg.critics, "critic rank")] if with_critic else [])
-    if ahead and generate:
-        phases = [generate + score + train]
-    else:  # one generator's chunk is scored once it is done; several generators finish one after another
-        phases = [generate + score, train] if generators > 1 else [generate, score, train]
+    if staleness and generate:
+        phases = [generate + (score if staleness > 1 else []) + train]
+    else:
+        phases = [generate, score, train]
     busiest = max(phases, key=lambda roles: sum(n for n, _ in roles))
     return sum(n for n, _ in busiest), " and ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in busiest)
 
 
-def oversubscribed(cfg: ClusterConfig, with_reference: bool, with_critic: bool, ahead: bool,
+def oversubscribed(cfg: ClusterConfig, with_reference: bool, with_critic: bool, staleness: int,
                    cores: int) -> Optional[str]:
     """A warning when the actors busy at once (``busy_actors``) run more torch threads than ``cores``
-    (a local Ray's: every actor shares this machine), else None. Threads beyond the cores wait on
-    each other at every parallel operation: a SmolLM2 job with one generator and one trainer rank
-    of 2 threads each, generating a step ahead on 2 cores, took 14.8 s a step against 6.0 s with 1
-    thread each (docs/benchmarks.md, 2026-12-01 session 67)."""
-    count, words = busy_actors(cfg, with_reference, with_critic, ahead)
+    (a local Ray's: every actor shares this machine) and fewer threads each would help, else None.
+    Threads beyond the cores wait on each other at every parallel operation: a SmolLM2 job with one
+    generator and one trainer rank of 2 threads each, generating a step ahead on 2 cores, took 14.8 s
+    a step against 6.0 s with 1 thread each (docs/benchmarks.md, 2026-12-01 session 67)."""
+    count, words = busy_actors(cfg, with_reference, with_critic, staleness)
     threads = count * cfg.threads_per_actor
-    if threads <= cores:
+    if threads <= cores or cfg.threads_per_actor == 1:  # one thread each: no thread pool to wait on
         return None
-    why = " (algorithm.max_staleness generates beside training)" if ahead and not cfg.generate_on_trainers else ""
+    why = " (algorithm.max_staleness generates beside training)" if staleness and not cfg.generate_on_trainers else ""
     return (f"cluster.threads_per_actor {cfg.threads_per_actor} x {words} busy at once{why} = {threads} torch "
             f"threads on this machine's {cores} cores: threads beyond the cores wait on each other at every "
-            f"parallel operation, often costing more than they add; cluster.threads_per_actor "
-            f"{max(1, cores // count)} fits")
+            f"parallel operation, often costing more than they add; " + (
+                f"cluster.threads_per_actor {cores // count} fits" if count <= cores else
+                f"cluster.threads_per_actor 1 comes closest ({count} actors for {cores} cores)"))

@@ -156,46 +156,52 @@ def test_a_scripts_output_dir_is_created_where_a_job_would_write(tmp_path, capsy
     assert capsys.readouterr().out == ""  # outside a submitted job: where the path says, quietly
 
 
-@pytest.mark.parametrize("cluster, with_reference, with_critic, ahead, busy", [
-    ({"generators": 1, "trainers": 1}, False, False, False, (1, "1 generator worker")),  # the first phase on a tie
-    ({"generators": 1, "trainers": 1}, False, False, True, (2, "1 generator worker and 1 trainer rank")),
-    ({"generators": 2, "trainers": 4}, True, False, False, (4, "4 trainer ranks")),
-    ({"generators": 1, "trainers": 1, "reference_workers": 2}, True, False, False, (2, "2 reference workers")),
-    ({"generators": 1, "trainers": 1}, True, False, True, (3, "1 generator worker and 1 reference worker and 1 "
-                                                           "trainer rank")),
-    ({"generators": 2, "trainers": 2, "reference_workers": 2}, True, False, False,
-     (4, "2 generator workers and 2 reference workers")),  # references score chunks while generation goes on
-    ({"generators": 2, "trainers": 2, "reference_on_trainers": True}, True, False, False, (2, "2 generator workers")),
-    ({"generators": 1, "trainers": 2, "critics": 2}, False, True, False, (4, "2 trainer ranks and 2 critic ranks")),
-    ({"generators": 1, "trainers": 1, "critics": 1}, True, True, True,
-     (4, "1 generator worker and 1 reference worker and 1 trainer rank and 1 critic rank")),
-    ({"generate_on_trainers": True, "generators": 0, "trainers": 2}, False, False, True, (2, "2 trainer ranks")),
-    ({"generators": 1, "trainers": 1, "scaling": {"policy": "idle", "maximum": 3}}, False, False, True,
+@pytest.mark.parametrize("cluster, with_reference, with_critic, staleness, busy", [
+    ({"generators": 1, "trainers": 1}, False, False, 0, (1, "1 generator worker")),  # the first phase on a tie
+    ({"generators": 1, "trainers": 1}, False, False, 1, (2, "1 generator worker and 1 trainer rank")),
+    ({"generators": 2, "trainers": 4}, True, False, 0, (4, "4 trainer ranks")),
+    # a chunk a generator: its reference scores it once it is done, so no more scoring than chunks
+    ({"generators": 1, "trainers": 1, "reference_workers": 2}, True, False, 0, (1, "1 generator worker")),
+    ({"generators": 3, "trainers": 1, "reference_workers": 2}, True, False, 0, (3, "3 generator workers")),
+    ({"generators": 1, "trainers": 1}, True, False, 1, (2, "1 generator worker and 1 trainer rank")),
+    # two steps ahead: one step's chunks are scored while the next step's are generated
+    ({"generators": 2, "trainers": 1, "reference_workers": 4}, True, False, 2,
+     (5, "2 generator workers and 2 reference workers and 1 trainer rank")),
+    ({"generators": 2, "trainers": 2, "reference_on_trainers": True}, True, False, 0, (2, "2 generator workers")),
+    ({"generators": 1, "trainers": 2, "critics": 2}, False, True, 0, (4, "2 trainer ranks and 2 critic ranks")),
+    ({"generators": 1, "trainers": 1, "critics": 1}, True, True, 1,
+     (3, "1 generator worker and 1 trainer rank and 1 critic rank")),
+    ({"generate_on_trainers": True, "generators": 0, "trainers": 2}, False, False, 1, (2, "2 trainer ranks")),
+    ({"generate_on_trainers": True, "generators": 0, "trainers": 2, "reference_workers": 3}, True, False, 0,
+     (2, "2 reference workers")),  # a tie with the trainers: a chunk per trainer rank, scored after
+    ({"generators": 1, "trainers": 1, "scaling": {"policy": "idle", "maximum": 3}}, False, False, 1,
      (4, "3 generator workers and 1 trainer rank")),  # the most generators the run may grow to
 ])
-def test_busy_actors_counts_the_phases_that_run_at_once(cluster, with_reference, with_critic, ahead, busy):
+def test_busy_actors_counts_the_phases_that_run_at_once(cluster, with_reference, with_critic, staleness, busy):
     from cluster.jobs.config import record_from_dict
     from cluster.ray_wing.config import ClusterConfig, busy_actors
 
-    assert busy_actors(record_from_dict(ClusterConfig, cluster), with_reference, with_critic, ahead) == busy
+    assert busy_actors(record_from_dict(ClusterConfig, cluster), with_reference, with_critic, staleness) == busy
 
 
 def test_more_threads_than_cores_at_once_is_warned_with_the_count_that_fits():
     from cluster.ray_wing.config import ClusterConfig, oversubscribed
 
     two = ClusterConfig(generators=1, trainers=1, threads_per_actor=2)
-    assert oversubscribed(two, False, False, ahead=False, cores=2) is None  # one phase at a time: 2 threads
-    assert oversubscribed(two._replace(threads_per_actor=1), False, False, ahead=True, cores=2) is None
-    assert oversubscribed(two, False, False, ahead=True, cores=2) == (
+    assert oversubscribed(two, False, False, staleness=0, cores=2) is None  # one phase at a time: 2 threads
+    assert oversubscribed(two._replace(threads_per_actor=1), False, False, staleness=1, cores=2) is None
+    assert oversubscribed(two, False, False, staleness=1, cores=2) == (
         "cluster.threads_per_actor 2 x 1 generator worker and 1 trainer rank busy at once (algorithm.max_staleness "
         "generates beside training) = 4 torch threads on this machine's 2 cores: threads beyond the cores wait on "
         "each other at every parallel operation, often costing more than they add; cluster.threads_per_actor 1 fits")
-    assert oversubscribed(two, False, False, ahead=True, cores=4) is None
+    assert oversubscribed(two, False, False, staleness=1, cores=4) is None
     warned = oversubscribed(ClusterConfig(generators=3, trainers=2, threads_per_actor=4), False, False, False, 8)
     assert warned.startswith("cluster.threads_per_actor 4 x 3 generator workers busy at once = 12 torch threads "
                              "on this machine's 8 cores") and warned.endswith("cluster.threads_per_actor 2 fits")
-    assert oversubscribed(ClusterConfig(generators=4, trainers=1), False, False, False, 2).endswith(
-        "cluster.threads_per_actor 1 fits")  # one thread each is the fewest there is
+    more = ClusterConfig(generators=4, trainers=1, threads_per_actor=2)
+    assert oversubscribed(more, False, False, 0, 2).endswith(
+        "cluster.threads_per_actor 1 comes closest (4 actors for 2 cores)")  # more actors than cores
+    assert oversubscribed(more._replace(threads_per_actor=1), False, False, 0, 2) is None  # no pool to wait on
 
 
 @pytest.mark.parametrize("staleness, algorithm, address, warned", [
