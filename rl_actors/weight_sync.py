@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -255,14 +256,18 @@ def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
 
 
 @contextlib.contextmanager
-def one_torch_thread(device) -> Iterator[None]:
-    """One torch thread while a broadcast on the CPU runs, the count restored after. A gloo broadcast
-    is mostly waiting on its transport's threads, and the idle threads of a torch thread pool spin
-    after each of the copies around it, taking the cores those transport threads need. The SmolLM2
-    job's sync on 2 cores took 0.85 -> 0.43 s into an HF generator and 1.33 -> 0.86 s into vLLM,
-    whose generation after it was as fast (docs/benchmarks.md, 2026-12-01 session 67)."""
+def one_torch_thread(device, members: int = 1) -> Iterator[None]:
+    """One torch thread while a broadcast on the CPU runs, the count restored after, where the group's
+    ``members`` with this actor's thread count each (as if they all shared this machine) would run
+    more threads than it has cores. A gloo broadcast is mostly waiting on its transport's threads,
+    and the idle threads of a torch thread pool spin after each of the copies around it, taking the
+    cores those transport threads need. The SmolLM2 job's sync on 2 cores (2 threads in the trainer
+    and 2 in the generator) took 0.85 -> 0.43 s into an HF generator and 1.33 -> 0.86 s into vLLM,
+    whose generation after it was as fast (docs/benchmarks.md, 2026-12-01 session 67). An actor
+    runs one call at a time, and no other thread of it uses torch during a sync."""
     before = torch.get_num_threads()
-    if not (isinstance(device, torch.device) and device.type == "cpu") or before == 1:
+    if not (isinstance(device, torch.device) and device.type == "cpu") or before == 1 or \
+            before * members <= len(os.sched_getaffinity(0)):
         yield
         return
     torch.set_num_threads(1)
@@ -276,7 +281,7 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
                       device: torch.device, get_tensors: Optional[Callable[[list], list]] = None,
                       on_received: Optional[Callable[[list, list], None]] = None,
                       buffer: Optional[torch.Tensor] = None) -> int:
-    with one_torch_thread(device):
+    with one_torch_thread(device, group.size() if hasattr(group, "size") else 1):
         return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
 
 

@@ -91,8 +91,11 @@ def test_a_short_buffer_or_a_wrong_tensor_is_refused_before_anything_is_sent():
 class CountingGroup:
     """A group of one that records the torch threads at each broadcast (and may fail one)."""
 
-    def __init__(self, fail_at: int = -1):
-        self.threads, self.fail_at = [], fail_at
+    def __init__(self, fail_at: int = -1, members: int = 2):
+        self.threads, self.fail_at, self.members = [], fail_at, members
+
+    def size(self):
+        return self.members
 
     def broadcast(self, tensors, opts):
         self.threads.append(torch.get_num_threads())
@@ -102,9 +105,13 @@ class CountingGroup:
 
 
 def test_a_cpu_broadcast_runs_on_one_torch_thread_and_restores_the_count(monkeypatch):
-    """Idle pool threads spin after each copy and take the cores gloo's transport needs: the sync runs
-    on one torch thread (docs/benchmarks.md, 2026-12-01 session 67), and the actor's count comes back
-    after it, a failed one too; on another device the count is left alone."""
+    """Idle pool threads spin after each copy and take the cores gloo's transport needs: where the
+    members' threads outnumber the cores, the sync runs on one torch thread (docs/benchmarks.md,
+    2026-12-01 session 67), and the actor's count comes back after it, a failed one too; with cores
+    for every thread, or on another device, the count is left alone."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # 3 cores: 2 members x 2 threads overrun
     src = _source_tensors()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -119,6 +126,10 @@ def test_a_cpu_broadcast_runs_on_one_torch_thread_and_restores_the_count(monkeyp
         elsewhere = CountingGroup()
         broadcast_buckets(elsewhere, META, 256, 1, torch.device("meta"))
         assert elsewhere.threads == [2, 2, 2]
+        room = CountingGroup()
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # 4 cores for 2 x 2 threads
+        broadcast_buckets(room, META, 256, 1, torch.device("cpu"), on_received=lambda ms, ts: None)
+        assert room.threads == [2, 2, 2]
     finally:
         torch.set_num_threads(before)
 
