@@ -281,11 +281,6 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
                       device: torch.device, get_tensors: Optional[Callable[[list], list]] = None,
                       on_received: Optional[Callable[[list, list], None]] = None,
                       buffer: Optional[torch.Tensor] = None) -> int:
-    with one_torch_thread(device, group.size() if hasattr(group, "size") else 1):
-        return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
-
-
-def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer) -> int:
     """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
     receivers pass ``on_received(metas, tensors)`` (None: take part and keep nothing). Returns
     bytes moved per receiver.
@@ -293,7 +288,13 @@ def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_
     With ``buffer`` (``bucket_buffer``), every bucket is laid out in it in turn, and the tensors a
     receiver's ``on_received`` gets are views into it, valid until it returns: a receiver that
     keeps them copies them (vLLM's layerwise reload keeps what it is given until a layer is
-    whole, so its receiver passes none and each bucket gets a buffer of its own)."""
+    whole, so its receiver passes none and each bucket gets a buffer of its own). On a CPU whose cores
+    the group's threads outnumber, it runs on one torch thread (``one_torch_thread``)."""
+    with one_torch_thread(device, group.size() if hasattr(group, "size") else 1):
+        return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
+
+
+def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer) -> int:
     rank = in_group(group, rank)
     if rank == 0 and get_tensors is None:
         raise ValueError("the source of a broadcast (rank 0) passes get_tensors")
