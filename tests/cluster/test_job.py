@@ -658,11 +658,12 @@ def test_every_trainer_setting_of_the_cluster_section_reaches_the_trainer_config
     other than its default) and the learning rate it is given; the local backend honours gradient
     checkpointing as the ranks do."""
     from cluster.local import LocalBackend
-    from cluster.ray_wing.config import ClusterConfig, trainer_config
+    from cluster.ray_wing.config import SHARED_TRAINER_FIELDS, ClusterConfig, trainer_config
     from rl_actors.deepspeed_rank import TrainerConfig
 
     shared = set(TrainerConfig._fields) & set(ClusterConfig._fields)
-    assert shared == {"zero_stage", "micro_batch_size", "gradient_checkpointing"}
+    # a field both records gain is one a hand-built cluster must also compare (trainer_conflicts)
+    assert shared == set(SHARED_TRAINER_FIELDS) == {"zero_stage", "micro_batch_size", "gradient_checkpointing"}
     cluster = ClusterConfig(zero_stage=3, micro_batch_size=5, gradient_checkpointing=True)
     assert all(getattr(cluster, f) != ClusterConfig._field_defaults[f] for f in shared)
     got = trainer_config(cluster, 0.25)
