@@ -9,6 +9,19 @@ import psutil
 from tests.chaos import actor_pids
 
 
+def _titled(pid: int, title: str, timeout_s: float = 30.0) -> None:
+    """Wait until process ``pid`` shows ``title``: ``Popen`` returns once the exec has begun, and the kernel
+    sets the new program's arguments a moment later (its cmdline reads empty until then), a moment a loaded
+    machine can stretch: this tier runs at SCHED_IDLE beside the Ray tests, and once the finder read nothing
+    there (the likely cause; the orphan is waited for too, so that not finding it is not vacuous)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process(pid).cmdline()[:1] != [title]:
+        assert time.monotonic() < deadline, f"process {pid} never showed its title {title!r}"
+        time.sleep(0.05)
+
+
 def test_the_actor_finder_finds_this_runs_actors_alone(tmp_path):
     """A process titled as an actor that descends from this pytest is found; one outside it, titled
     the same (another Ray's actor on the machine: a ``make run`` beside the tests), never is."""
@@ -20,6 +33,8 @@ def test_the_actor_finder_finds_this_runs_actors_alone(tmp_path):
     subprocess.run([sys.executable, "-c", outside, title, str(pid_file)], check=True, timeout=60)
     orphan = int(pid_file.read_text())  # its parent has exited: no longer under this process
     try:
+        _titled(mine.pid, title)
+        _titled(orphan, title)
         assert psutil.pid_exists(orphan) and os.getpid() not in [p.pid for p in psutil.Process(orphan).parents()]
         assert actor_pids(title[len("ray::"):]) == [mine.pid]
         assert actor_pids(title[len("ray::"):], since=psutil.Process(mine.pid).create_time() + 1) == []
