@@ -15,6 +15,7 @@ import hashlib
 import os
 import socket
 import threading
+import weakref
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
@@ -100,12 +101,36 @@ def init_sync_group(address: SyncAddress, rank: int, timeout_s: float = 300.0):
     # keys of their own per forming: a member left waiting on an earlier forming never meets a new one's
     store = dist.PrefixStore("rayrl-weight-sync" + (f"/{address.token}" if address.token else ""), store)
     if address.backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, address.world_size, timeout)
+        store.set(f"machine/{rank}", machine_name())  # before the rendezvous: every name is there after it
+        group = dist.ProcessGroupGloo(store, rank, address.world_size, timeout)
+        names = [store.get(f"machine/{r}").decode() for r in range(address.world_size)]
+        _ON_THIS_MACHINE[group] = names.count(machine_name())
+        return group
     if address.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
     raise ValueError(f"unknown weight-sync backend '{address.backend}' (gloo, nccl)")
+
+
+# gloo groups formed here -> how many of their members run on this process's machine (members_here)
+_ON_THIS_MACHINE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def machine_name() -> str:
+    """The machine this process runs on, as the members of a group compare it: the host's name.
+    Ray's nodes started on one host (``ray.cluster_utils.Cluster``) share its cores, and its name."""
+    return socket.gethostname()
+
+
+def members_here(group) -> int:
+    """How many of ``group``'s members share this process's machine, as each told the others when the
+    gloo group formed (``init_sync_group``); a group formed otherwise counts all its members."""
+    try:
+        known = _ON_THIS_MACHINE.get(group)
+    except TypeError:  # no weak reference to it: not a group formed here
+        known = None
+    return known if known is not None else (group.size() if hasattr(group, "size") else 1)
 
 
 ABANDONED_KEY = "rayrl-sync-abandoned-"  # + a group's token: in Ray's key-value store once the driver gave it up
@@ -258,7 +283,7 @@ def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
 @contextlib.contextmanager
 def one_torch_thread(device, members: int = 1) -> Iterator[None]:
     """One torch thread while a broadcast on the CPU runs, the count restored after, where the group's
-    ``members`` with this actor's thread count each (as if they all shared this machine) would run
+    ``members`` on this machine (``members_here``), with this actor's thread count each, would run
     more threads than it has cores. A gloo broadcast is mostly waiting on its transport's threads,
     and the idle threads of a torch thread pool spin after each of the copies around it, taking the
     cores those transport threads need. The SmolLM2 job's sync on 2 cores (2 threads in the trainer
@@ -289,8 +314,8 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
     receiver's ``on_received`` gets are views into it, valid until it returns: a receiver that
     keeps them copies them (vLLM's layerwise reload keeps what it is given until a layer is
     whole, so its receiver passes none and each bucket gets a buffer of its own). On a CPU whose cores
-    the group's threads outnumber, it runs on one torch thread (``one_torch_thread``)."""
-    with one_torch_thread(device, group.size() if hasattr(group, "size") else 1):
+    the threads of the group's members there outnumber, it runs on one torch thread (``one_torch_thread``)."""
+    with one_torch_thread(device, members_here(group)):
         return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
 
 

@@ -4,6 +4,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from rl_actors import weight_sync
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
@@ -25,8 +26,11 @@ def _source_tensors():
     return {m.name: torch.randn(m.shape, generator=g).to(getattr(torch, m.dtype)) for m in META}
 
 
-def _member(rank, address, queue, buffered):
+def _member(rank, address, queue, buffered, machines):
+    from rl_actors import weight_sync
+
     torch.set_num_threads(1)
+    weight_sync.machine_name = lambda: machines[rank]  # where this member says it runs
     group = init_sync_group(address, rank, timeout_s=60)
     src = _source_tensors()
     got, in_buffer = {}, []
@@ -40,7 +44,8 @@ def _member(rank, address, queue, buffered):
 
     moved = broadcast_buckets(group, META, 256, rank, torch.device("cpu"),
                               get_tensors=lambda ms: [src[m.name] for m in ms], on_received=keep, buffer=buffer)
-    queue.put((rank, moved, tensor_checksums(sorted(got.items())) if rank else None, in_buffer))
+    queue.put((rank, moved, tensor_checksums(sorted(got.items())) if rank else None, in_buffer,
+               weight_sync.members_here(group)))
 
 
 def test_a_bucket_buffer_holds_the_largest_bucket():
@@ -54,17 +59,20 @@ def test_a_bucket_buffer_holds_the_largest_bucket():
 def test_broadcast_delivers_exact_bytes_to_every_receiver():
     """Every receiver gets the source's bytes, whether a member lays every bucket out in one
     reused buffer (the sender and receiver 1) or each bucket in a buffer of its own (receiver 2,
-    as vLLM's receiver does; the tests of vLLM's wire send that way too)."""
+    as vLLM's receiver does; the tests of vLLM's wire send that way too). Each member counts the
+    members on its own machine: ranks 0 and 1 here say they share one, rank 2 another."""
     buffered = (True, True, False)
     address = SyncAddress("127.0.0.1", free_port(), 3, "gloo")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, address, queue, buffered)) for r in range(3)]
+    machines = ("node-a", "node-a", "node-b")
+    procs = [ctx.Process(target=_member, args=(r, address, queue, buffered, machines)) for r in range(3)]
     for p in procs:
         p.start()
     answers = [queue.get(timeout=120) for _ in procs]
-    results = dict((r, (moved, sums)) for r, moved, sums, _ in answers)
-    in_buffer = dict((r, views) for r, _, _, views in answers)
+    results = dict((r, (moved, sums)) for r, moved, sums, _, _ in answers)
+    in_buffer = dict((r, views) for r, _, _, views, _ in answers)
+    assert {r: here for r, *_, here in answers} == {0: 2, 1: 2, 2: 1}
     for p in procs:
         p.join(timeout=30)
     expected = tensor_checksums(sorted(_source_tensors().items()))
@@ -108,7 +116,7 @@ def test_a_cpu_broadcast_runs_on_one_torch_thread_and_restores_the_count(monkeyp
     """Idle pool threads spin after each copy and take the cores gloo's transport needs: where the
     members' threads outnumber the cores, the sync runs on one torch thread (docs/benchmarks.md,
     2026-12-01 session 67), and the actor's count comes back after it, a failed one too; with cores
-    for every thread, or on another device, the count is left alone."""
+    for every thread (members on other machines not counted), or on another device, the count is left alone."""
     import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # 3 cores: 2 members x 2 threads overrun
@@ -126,6 +134,10 @@ def test_a_cpu_broadcast_runs_on_one_torch_thread_and_restores_the_count(monkeyp
         elsewhere = CountingGroup()
         broadcast_buckets(elsewhere, META, 256, 1, torch.device("meta"))
         assert elsewhere.threads == [2, 2, 2]
+        apart = CountingGroup()  # its other member on another machine (init_sync_group's count): 2 threads fit
+        monkeypatch.setitem(weight_sync._ON_THIS_MACHINE, apart, 1)
+        broadcast_buckets(apart, META, 256, 1, torch.device("cpu"), on_received=lambda ms, ts: None)
+        assert apart.threads == [2, 2, 2]
         room = CountingGroup()
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # 4 cores for 2 x 2 threads
         broadcast_buckets(room, META, 256, 1, torch.device("cpu"), on_received=lambda ms, ts: None)
