@@ -48,7 +48,7 @@ class RLConfig(NamedTuple):
     warmup: int = 0  # linear warm-up steps of the RL learning rate
     kl_coef: Optional[float] = None  # KL coefficient (None: the preset's own); > 0 adds a reference worker
     ppo_epochs: int = 1  # passes over each rollout batch
-    mini_batches: int = 1  # optimizer updates per pass (the rollout batch split into this many parts)
+    mini_batches: int = 1  # updates per pass (the rollout batch split into this many parts, at most one a row)
     is_level: str = "token"  # truncated importance weight against the generator's logprobs: off, token, sequence
     is_cap: float = 2.0  # cap of the truncated importance weight
     max_resample_rounds: int = 4  # DAPO dynamic sampling: extra generation rounds per step

@@ -113,23 +113,29 @@ def with_old_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch
 
 
 def minibatches(batch: Batch, algo: AlgorithmConfig) -> list:
-    """``algo.mini_batches`` contiguous parts of ``batch`` (whole units), in order."""
+    """``algo.mini_batches`` contiguous parts of ``batch`` (whole units: rows, or pairs for a
+    pairwise loss), in order; one part per unit where the batch has fewer units than that. A
+    step's rows are not known before it: dynamic sampling keeps only the groups whose rewards
+    differ, a pair selector only the prompts with a better and a worse completion, so a step of
+    a job planned for 4 mini-batches may bring one pair; it makes one update, not an error
+    after everything before it has run."""
     unit = pair_unit(algo)
     if batch.size % unit:
         raise ValueError(f"batch of {batch.size} rows is not a whole number of units of {unit}")
     units = batch.size // unit
-    if algo.mini_batches > units:
-        raise ValueError(f"mini_batches={algo.mini_batches} is more than the batch's {units} "
-                         f"{'pairs' if unit == 2 else 'rows'}")
-    bounds = [unit * (units * k // algo.mini_batches) for k in range(algo.mini_batches + 1)]
+    if units == 0:
+        raise ValueError("an empty batch has no mini-batches")
+    parts = min(algo.mini_batches, units)
+    bounds = [unit * (units * k // parts) for k in range(parts + 1)]
     return [batch.select(range(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def updates_of(batch: Batch, algo: AlgorithmConfig, prepare: Callable[[Batch, bool], Batch]) -> list:
     """The optimizer updates of one rollout batch, in order: ``(part, counts)`` pairs.
 
-    ``algo.ppo_epochs`` passes over ``algo.mini_batches`` contiguous mini-batches, in the same
-    order each pass (groups stay together). ``counts`` are each mini-batch's global counts.
+    ``algo.ppo_epochs`` passes over ``algo.mini_batches`` contiguous mini-batches (``minibatches``:
+    fewer for a batch with fewer units), in the same order each pass (groups stay together).
+    ``counts`` are each mini-batch's global counts.
     ``prepare(mini_batch, fix_old)`` runs once per mini-batch before any update - a trainer
     rank takes its shard there - and must set ``old_logprobs`` when ``fix_old`` is true (the
     policy moves within the batch, so the clip ratio's denominator is fixed first). A
@@ -137,7 +143,7 @@ def updates_of(batch: Batch, algo: AlgorithmConfig, prepare: Callable[[Batch, bo
     weights on its zero gradient.
     """
     parts = minibatches(batch, algo)
-    fix_old = algo.ppo_epochs * algo.mini_batches > 1
+    fix_old = algo.ppo_epochs * len(parts) > 1
     prepared = [prepare(part, fix_old) for part in parts]
     counts = [step_counts(part) for part in parts]
     order = [k for _ in range(algo.ppo_epochs) for k in range(len(parts))]

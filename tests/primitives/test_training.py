@@ -202,6 +202,32 @@ def test_one_epoch_of_two_mini_batches_fixes_the_old_logprobs_first(scored, toke
     assert updates[1]["policy/approx_kl_old"] > 1e-3
 
 
+def test_a_batch_with_fewer_units_than_mini_batches_makes_one_update_per_unit(scored, tiny_model, tokenizer):
+    """Dynamic sampling or a pair selector can leave a step fewer rows (pairs) than
+    ``algo.mini_batches``: each unit is then a mini-batch of its own, not an error after the
+    step's generation and scoring. Bounds by hand: 10 rows in 4 parts are [0, 2, 5, 7, 10]; 3 rows
+    in 8 parts are 3 parts of a row; 1 pair in 4 parts is one part of 2 rows, one update, on-policy
+    (no old-logprob pass, ``fix_old`` false), as with ``mini_batches`` 1."""
+    from primitives.model.training import updates_of
+
+    grpo = algos.grpo(kl_coef=0.0, mini_batches=4)
+    batch = make_batch(scored[:10], grpo, tokenizer.pad_token_id)
+    assert [p.size for p in minibatches(batch, grpo)] == [2, 3, 2, 3]
+    assert [p.input_ids.tolist() for p in minibatches(batch, grpo)][1] == batch.input_ids[2:5].tolist()
+    three = make_batch(scored[:3], grpo._replace(mini_batches=8), tokenizer.pad_token_id)
+    assert [p.size for p in minibatches(three, grpo._replace(mini_batches=8))] == [1, 1, 1]
+    dpo = algos.online_dpo(mini_batches=4)
+    pair = make_batch([r._replace(ref_logprobs=r.logprobs) for r in scored[:4]], dpo, tokenizer.pad_token_id)
+    pair = pair.select(range(2))  # one (chosen, rejected) pair
+    fixes = []
+    updates = updates_of(pair, dpo, lambda part, fix_old: fixes.append(fix_old) or part)
+    assert [u.size for u, _ in updates] == [2] and fixes == [False]
+    assert len(updates_of(pair, dpo._replace(ppo_epochs=2), lambda part, fix_old: fixes.append(fix_old) or part)) == 2
+    assert fixes == [False, True]  # two updates on one pair: the second's ratio needs the old logprobs
+    with pytest.raises(ValueError, match="an empty batch has no mini-batches"):
+        minibatches(pair.select([]), dpo)
+
+
 @pytest.mark.parametrize("name", ["grpo", "online_dpo"])
 def test_a_rank_counts_the_backward_passes_forward_backward_makes(name, scored, tiny_model, tokenizer):
     """A DeepSpeed rank pads its backward passes up to the largest shard's count, which it computes
