@@ -94,6 +94,41 @@ def test_reference_updates():
     torch.testing.assert_close(bound(ref, policy, 4, kl=0.2).weights["w"], torch.tensor([3.0]))
 
 
+def test_a_bf16_reference_follows_its_ema_in_float32():
+    """A bf16 weight of 1 next to a policy at 1 + 2^-7 (the next bf16 number): an EMA of decay 0.99
+    moves it by 0.01 x 2^-7 = 7.8e-5 a step, under half of bf16's 2^-7 step there, so rounded to
+    bf16 at each step it never moves. Kept in float32 (``ref_state_from_model``), after 100 steps it
+    is 1 + 2^-7 (1 - 0.99^100) = 1.0049529 by hand, and the model holds that rounded to bf16:
+    1 + 2^-7 (the nearer of 1 and 1.0078125). The same through the reference actor's ``move``."""
+    from rl_actors.reference import Reference
+
+    gap = 2.0 ** -7
+    expected = 1.0 + gap * (1.0 - 0.99 ** 100)
+    assert expected == pytest.approx(1.0049529, abs=1e-7)
+    model = torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    policy = {"weight": torch.full((2, 3), 1.0 + gap, dtype=torch.bfloat16)}
+    update = K.create_ema_updater(0.99)
+    state = K.ref_state_from_model(model)
+    assert state.weights["weight"].dtype == torch.float32
+    reference = Reference(model, update)
+    for step in range(100):
+        state = update(state, policy, step)
+        reference.move(policy, step)
+    torch.testing.assert_close(state.weights["weight"], torch.full((2, 3), expected), rtol=0, atol=1e-6)
+    torch.testing.assert_close(reference.state.weights["weight"], torch.full((2, 3), expected), rtol=0, atol=1e-6)
+    assert model.weight.dtype == torch.bfloat16 and torch.equal(model.weight, policy["weight"])
+    narrow = K.RefState({"weight": torch.ones(2, 3, dtype=torch.bfloat16)})  # the state kept in bf16: stuck
+    for step in range(100):
+        narrow = update(narrow, policy, step)
+    assert torch.equal(narrow.weights["weight"], torch.ones(2, 3, dtype=torch.bfloat16))
+    full = torch.nn.Linear(2, 2)  # a float32 model's state: copies in float32, not its own tensors
+    kept = K.ref_state_from_model(full).weights["weight"]
+    assert kept.dtype == torch.float32 and torch.equal(kept, full.weight)
+    assert kept.data_ptr() != full.weight.data_ptr()
+
+
 def test_create_reference_model_is_frozen_copy(tiny_model):
     ref = K.create_reference_model(tiny_model)
     assert ref is not tiny_model
