@@ -129,6 +129,50 @@ def test_a_bf16_reference_follows_its_ema_in_float32():
     assert kept.data_ptr() != full.weight.data_ptr()
 
 
+def test_a_saved_tracking_reference_resumes_its_update_state(tiny_model, tmp_path):
+    """A periodic reference (every 3 steps) over steps 1-8 resets at 3 and 6. Saved after step 4 and
+    loaded by a new one (a resumed job's reference), it must reset at 6, not at 5 and 8 as one that
+    forgot its last reset (step 3) would. A bf16 EMA reference gets its float32 state back exactly,
+    not the bf16 weights it scores with; a fixed reference writes no update state."""
+    import copy
+    import os
+
+    from rl_actors.reference import TRACKING_STATE, Reference
+
+    def policy_at(step):
+        return {k: v.detach() + 0.01 * step for k, v in tiny_model.named_parameters()}
+
+    def resets(ref, steps):
+        out = []
+        for step in steps:
+            before = ref.state.last_reset_step
+            ref.move(policy_at(step), step)
+            out += [step] if ref.state.last_reset_step != before else []
+        return out
+
+    periodic = K.create_periodic_updater(3)
+    assert resets(Reference(copy.deepcopy(tiny_model), periodic), range(1, 9)) == [3, 6]
+    first = Reference(copy.deepcopy(tiny_model), periodic)
+    assert resets(first, range(1, 5)) == [3]
+    first.save(str(tmp_path / "periodic"))
+    resumed = Reference(copy.deepcopy(tiny_model), periodic)
+    resumed.load_from(str(tmp_path / "periodic"))
+    assert resumed.state.last_reset_step == 3 and resets(resumed, range(5, 9)) == [6]
+
+    ema = Reference(copy.deepcopy(tiny_model).to(torch.bfloat16), K.create_ema_updater(0.99))
+    for step in range(1, 4):
+        ema.move({k: v + 0.001 for k, v in policy_at(0).items()}, step)
+    ema.save(str(tmp_path / "ema"))
+    again = Reference(copy.deepcopy(tiny_model).to(torch.bfloat16), K.create_ema_updater(0.99))
+    again.load_from(str(tmp_path / "ema"))
+    assert again.state.weights.keys() == ema.state.weights.keys()
+    for name, kept in ema.state.weights.items():
+        assert kept.dtype == torch.float32 and torch.equal(again.state.weights[name], kept), name
+    assert any(not torch.equal(kept.to(torch.bfloat16).float(), kept) for kept in ema.state.weights.values())
+    Reference(copy.deepcopy(tiny_model)).save(str(tmp_path / "fixed"))
+    assert not os.path.exists(tmp_path / "fixed" / TRACKING_STATE)
+
+
 def test_create_reference_model_is_frozen_copy(tiny_model):
     ref = K.create_reference_model(tiny_model)
     assert ref is not tiny_model
