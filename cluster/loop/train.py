@@ -307,7 +307,7 @@ def train(backend: Backend, prompt_source: Callable, algorithm_schedule: Callabl
                                                        run.max_staleness)
         dispatch_ahead(backend, prompt_source, queue, position, algo, run, it, tools)
         metrics.update({"recovery/actor_restarts": float(backend.restarts), **scaled})
-        trained = update_and_sync(backend, rollouts, state, algo, run, it, queue)
+        trained = update_and_sync(backend, rollouts, state, algo, run, it, queue, tools)
         updated = trained is not None
         idle, t_clock = idle_shares(backend, t_clock)
         metrics.update({**idle, **backend.prefix_cache(), **(trained or SKIPPED_UPDATE), "step": it,
@@ -351,13 +351,20 @@ def dispatch_ahead(backend: Backend, prompt_source: Callable, queue: deque, posi
         queue.append(dispatch(backend, items, after, run.gen, collects_reference(backend, algo), tools))
 
 
+def policy_token_budget(gen: GenerationConfig, tools=None) -> int:
+    """The most policy tokens a rollout can hold: ``gen.max_new_tokens`` a turn, over ``tools.max_turns``
+    turns with tools. ``make_batch``'s ``budget``: DAPO's overlong limit (a per-turn budget there took
+    the reward from rollouts of 2 turns of 12 tokens under 20 a turn) and Dr.GRPO's constant normaliser."""
+    return gen.max_new_tokens * (max(1, tools.max_turns) if tools is not None else 1)
+
+
 def update_and_sync(backend: Backend, rollouts: Sequence, state: TrainState, algo, run: RLRun, it: int,
-                    queue: deque) -> Optional[dict]:
+                    queue: deque, tools=None) -> Optional[dict]:
     """The step's update and weight sync (``train_and_sync``) as the next policy version; None when there
     is nothing to train (no rollouts kept, or no pair found): no update, no sync, the weights stay."""
     if not rollouts:
         return None
-    plan_args = {"seed": state.rng_seed + it, "budget": run.gen.max_new_tokens,
+    plan_args = {"seed": state.rng_seed + it, "budget": policy_token_budget(run.gen, tools),
                  "component_names": None if run.component_names is None else tuple(run.component_names)}
     return train_and_sync(backend, rollouts, plan_args, algo, run.gen.temperature, run.lr_schedule(it),
                           state.policy_version + 1, it + 1, queue)

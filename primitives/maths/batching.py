@@ -90,7 +90,8 @@ def apply_overlong_penalty(rollouts: Sequence, algo: "AlgorithmConfig", budget: 
     """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13) added to each reward when
     ``algo.overlong_buffer_frac > 0``; the buffer is that share of the hard limit. Length is
     counted in policy tokens (tool output inside a completion does not count); for multi-turn
-    rollouts, whose budget is per turn, set ``max_completion_len`` to the whole rollout's."""
+    rollouts ``budget`` is the whole rollout's (the RL loop passes ``max_new_tokens`` x ``max_turns``:
+    ``cluster.loop.train.policy_token_budget``), not a turn's."""
     if not algo.overlong_buffer_frac:
         return list(rollouts)
     limit = overlong_limit(algo, budget)
@@ -112,7 +113,8 @@ def make_batch(rollouts: Sequence, algo: "AlgorithmConfig", pad_id: int,
     masked; for a pairwise loss, never paired).
 
     ``budget`` is the generation budget the rollouts were sampled with
-    (``GenerationConfig.max_new_tokens``): Dr.GRPO's constant normaliser and the default
+    (``GenerationConfig.max_new_tokens``, times ``max_turns`` for multi-turn tool rollouts:
+    the most policy tokens a rollout can hold): Dr.GRPO's constant normaliser and the default
     limit of DAPO's overlong penalty. ``values`` are the critic's per rollout (GAE). With a
     pair selector the rows are (chosen, rejected) pairs, adjacent, with advantage +1 / -1
     marking the role. Rollout filters (dynamic sampling) are the driver's job (it needs to

@@ -334,3 +334,42 @@ def test_a_tool_that_raises_mid_round_is_named_with_its_rollout(tokenizer):
     with pytest.raises(UserFunctionError, match=named):
         multiturn_rollouts(_by_context(tokenizer, {0: 0, 1: 1}, []), tokenizer,
                            [PromptItem(i, f"What is item {i}?") for i in (0, 1)], 1, ToolConfig(executor))
+
+
+def test_dapo_overlong_limit_of_a_tool_rollout_is_its_whole_budget(monkeypatch):
+    """DAPO's soft overlong penalty counts a rollout's policy tokens over all its turns, so the RL loop's
+    budget for it is max_new_tokens x max_turns (20 x 3 = 60), not a turn's 20. Default buffer 20 % of 60
+    = 12, so the penalty starts past 48 tokens: turns of [12, 12] and [10, 10, 10] tokens (each ended by
+    its stop, tool output between them) keep reward 1, and [20, 20, 12] = 52 tokens gets 1 - 4 / 12 by
+    hand. With a turn's 20 as the limit (buffer 4), 24 and 30 tokens lost the whole reward."""
+    from collections import deque
+
+    from cluster.loop import train as loop
+    from primitives.env.tools import ToolConfig
+    from primitives.maths.algorithms import get_algorithm
+    from primitives.maths.batching import apply_overlong_penalty
+    from primitives.types import GenerationConfig, Rollout, TrainState
+
+    def rollout(turns, tool=6):
+        mask = np.concatenate([np.r_[np.ones(t), np.zeros(tool)] for t in turns])[:-tool].astype(np.float32)
+        return Rollout(uid="e0/i0/s0", group="e0/i0", prompt="p", prompt_ids=np.arange(3),
+                       completion_ids=np.arange(len(mask)), loss_mask=mask, logprobs=np.zeros(len(mask), np.float32),
+                       finish_reason="stop", reward=1.0)
+
+    gen, tools = GenerationConfig(max_new_tokens=20), ToolConfig(executor=lambda call: None, max_turns=3)
+    budget = loop.policy_token_budget(gen, tools)
+    assert budget == 60 and loop.policy_token_budget(gen) == 20
+    assert loop.policy_token_budget(gen, ToolConfig(executor=lambda call: None, max_turns=0)) == 20
+    dapo = get_algorithm("dapo")
+    rewards = [r.reward for r in apply_overlong_penalty([rollout(t) for t in ([12, 12], [10, 10, 10], [20, 20, 12])],
+                                                        dapo, budget)]
+    assert rewards == pytest.approx([1.0, 1.0, 1.0 - 4 / 12], abs=1e-12)
+    per_turn = [r.reward for r in apply_overlong_penalty([rollout([12, 12]), rollout([10, 10, 10])], dapo, 20)]
+    assert per_turn == [0.0, 0.0]
+
+    planned = []
+    monkeypatch.setattr(loop, "train_and_sync", lambda backend, rows, plan_args, *rest: planned.append(plan_args))
+    run = loop.RLRun(gen, num_steps=1, prompts_per_step=1, lr_schedule=lambda it: None, progress=False)
+    loop.update_and_sync(None, [object()], TrainState(), dapo, run, 0, deque(), tools)
+    loop.update_and_sync(None, [object()], TrainState(), dapo, run, 0, deque())
+    assert [p["budget"] for p in planned] == [60, 20]
