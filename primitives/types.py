@@ -86,7 +86,7 @@ class LoraConfig(NamedTuple):
 
     rank: int = 0  # adapter rank r (0: no LoRA, every weight trains)
     alpha: Optional[float] = None  # the update's scale is alpha / rank (None: alpha = 2 x rank, scale 2)
-    dropout: float = 0.0  # dropout on the adapters' input in training forwards (> 0: the loss's logprobs are noisy)
+    dropout: float = 0.0  # must be 0: logprob forwards run without dropout (primitives.model.logprobs.disable_dropout)
     # module names (a name matches a module whose dotted path ends with it), or all-linear: every linear layer but
     # the output head
     target_modules: tuple[str, ...] = ("all-linear",)

@@ -193,7 +193,9 @@ def value_errors(cfg: LoraConfig) -> list:
     """Settings of ``model.lora`` that cannot hold, whatever the model."""
     checks = [(cfg.rank >= 0, f"model.lora.rank must be 0 (off) or more, got {cfg.rank}"),
               (cfg.alpha is None or cfg.alpha > 0, f"model.lora.alpha must be > 0, got {cfg.alpha}"),
-              (0.0 <= cfg.dropout < 1.0, f"model.lora.dropout must be in [0, 1), got {cfg.dropout}"),
+              (cfg.dropout == 0.0, f"model.lora.dropout must be 0, got {cfg.dropout}: every forward that computes "
+                                   "logprobs (training, SFT, scoring) runs without dropout, so the trainer's "
+                                   "ratio and KL compare the function the sampler drew from; it would not apply"),
               (bool(cfg.target_modules), "model.lora.target_modules is empty; name modules (e.g. q_proj, v_proj) "
                                          "or all-linear"),
               ("all-linear" not in cfg.target_modules or len(cfg.target_modules) == 1,

@@ -135,6 +135,8 @@ BAD_INPUTS = [
      "'embed_tokens' names Embedding modules, not linear layers"),
     (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=-2))}, "model.lora.rank must be 0 (off) or more"),
     (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, alpha=0.0))}, "model.lora.alpha must be > 0"),
+    (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, dropout=0.1))},
+     "model.lora.dropout must be 0, got 0.1: every forward that computes logprobs"),
     (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8)), "cluster": ClusterConfig(reference_workers=2)},
      "cluster.reference_workers 2 would be ignored: with model.lora the reference is the trainer ranks' model"),
     (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8)), "cluster": ClusterConfig(zero_stage=3),
