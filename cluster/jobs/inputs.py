@@ -188,12 +188,29 @@ def rl_prompts(job: RLJob, eval_on: bool) -> tuple:
     return list(train), list(evals), task
 
 
-def check_prompts(items, tokenizer, data) -> None:
+def check_prompts(items, tokenizer, data):
     """The prompts as the generators will render them: a chat template where chat prompts need
-    one, and none longer than ``data.max_prompt_tokens``."""
+    one, and none longer than ``data.max_prompt_tokens``. Their lengths in tokens."""
     from primitives.io.data import check_prompt_lengths
 
-    check_prompt_lengths(items, tokenizer, data.max_prompt_tokens, chat_template_kwargs(tokenizer, data.format))
+    return check_prompt_lengths(items, tokenizer, data.max_prompt_tokens, chat_template_kwargs(tokenizer, data.format))
+
+
+def vllm_room_errors(items, lengths, job) -> list:
+    """With vLLM generators and ``cluster.vllm.max_model_len``: the first prompt with no room for
+    ``generation.max_new_tokens`` after it. vLLM refuses a prompt over its engine's length mid-job,
+    and cuts a completion short at it without a word (a first turn, with tools: later turns are
+    longer still)."""
+    from cluster.jobs.checks import generates_with_vllm
+
+    limit, room = job.cluster.vllm.max_model_len, job.generation.max_new_tokens
+    if not generates_with_vllm(job.cluster) or limit is None or not len(lengths) or lengths.max() + room <= limit:
+        return []
+    k = int((lengths + room > limit).argmax())
+    where = items[k].source or f"item {items[k].index}"
+    return [f"{where}: prompt is {lengths[k]} tokens, and generation.max_new_tokens {room} after it is over "
+            f"cluster.vllm.max_model_len {limit} (the longest prompt is {lengths.max()} tokens); raise "
+            f"cluster.vllm.max_model_len or lower generation.max_new_tokens"]
 
 
 def sft_samples(sft, tokenizer, task=None) -> tuple:
@@ -270,7 +287,7 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
         if job.checkpoint.resume and job.sft.full_weights and job.model.lora.enabled:
             job = job._replace(model=job.model._replace(model_name_or_path=adapters_base(job.checkpoint.resume)))
         tokenizer = load_tokenizer(job.model)
-        check_prompts(train + evals, tokenizer, job.data)
+        raise_if(vllm_room_errors(train + evals, check_prompts(train + evals, tokenizer, job.data), job))
         sft, sft_eval = sft_samples(job.sft, tokenizer, task) if job.sft.steps and not job.checkpoint.resume \
             else ([], [])
         return RLInputs(job, train, evals[: job.eval.max_items], sft, sft_eval, reward_fn, aggregate_fn, names, algo,

@@ -22,11 +22,11 @@ from cluster.jobs.config import (
     SFTJob,
     ShapingSpec,
 )
-from cluster.jobs.inputs import prepare_rl
+from cluster.jobs.inputs import prepare_rl, vllm_room_errors
 from cluster.jobs.sft import run_sft
 from primitives.env.rewards import RewardSpec
-from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
-from primitives.types import LoraConfig, ModelConfig
+from primitives.io.data import EvalData, FieldMap, PromptFormat, PromptItem, SFTFields
+from primitives.types import LoraConfig, ModelConfig, VLLMConfig
 from tests.conftest import ROOT, ray_up
 
 DEFAULT = os.path.join(ROOT, "examples", "configs", "default.yaml")
@@ -128,6 +128,9 @@ BAD_INPUTS = [
     (lambda t, m: {"sft": SFTConfig(steps=3)}, "sft.steps > 0 but there is no SFT data"),
     (lambda t, m: {"checkpoint": CheckpointConfig(resume=str(t))}, "not a checkpoint directory"),
     (lambda t, m: {"eval": EvalConfig(k=4)}, "eval.k 4 samples at eval.temperature 0"),
+    (lambda t, m: {"cluster": ClusterConfig(generator_backend="vllm", vllm=VLLMConfig(max_model_len=10))},
+     "prompts.jsonl:11: prompt is 6 tokens, and generation.max_new_tokens 5 after it is over "
+     "cluster.vllm.max_model_len 10 (the longest prompt is 6 tokens)"),
     (lambda t, m: {"model": ModelConfig(m, lora=LoraConfig(rank=8, target_modules=("q_projj", "v_proj")))},
      "model.lora.target_modules: 'q_projj' matches no module of {m}; did you mean 'q_proj'?; its linear layers "
      "are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
@@ -191,6 +194,21 @@ def test_bad_input_fails_before_ray_naming_the_culprit(tmp_path, tiny_model_path
         prepare_rl(job)
     assert message.format(t=tmp_path, m=tiny_model_path) in str(e.value)
     assert "ray" not in sys.modules
+
+
+def test_vllm_room_is_checked_at_its_bound_and_only_for_vllm(tmp_path, tiny_model_path):
+    """Prompts of 4 and 6 tokens with 5 new tokens need a vLLM engine of 11: 11 passes, 10 names the
+    6-token prompt; HF generators, or vLLM without a max_model_len, are not asked."""
+    items, lengths = [PromptItem(0, "1+1="), PromptItem(1, "12+12=", source="p.jsonl:2")], np.array([4, 6])
+    job = _file_job(tmp_path, tiny_model_path)
+
+    def with_vllm(limit, backend="vllm"):
+        return job._replace(cluster=ClusterConfig(generator_backend=backend, vllm=VLLMConfig(max_model_len=limit)))
+
+    assert vllm_room_errors(items, lengths, with_vllm(11)) == []
+    assert vllm_room_errors(items, lengths, with_vllm(10))[0].startswith("p.jsonl:2: prompt is 6 tokens")
+    assert vllm_room_errors(items, lengths, with_vllm(10, "hf")) == []
+    assert vllm_room_errors(items, lengths, with_vllm(None)) == []
 
 
 @pytest.mark.ray
