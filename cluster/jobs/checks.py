@@ -371,6 +371,10 @@ def rl_errors(job: RLJob) -> list:
         (ev.every >= 0, "eval.every must be >= 0"),
         (ev.k >= 1, f"eval.k must be at least 1, got {ev.k}"),
         (ev.temperature >= 0, f"eval.temperature must be >= 0, got {ev.temperature}"),
+        (not (0 < ev.temperature < VLLM_MIN_TEMPERATURE and generates_with_vllm(job.cluster)),
+         f"eval.temperature {ev.temperature} with cluster.generator_backend {vllm_backend_words(job.cluster)}: vLLM "
+         f"raises a temperature below {VLLM_MIN_TEMPERATURE} to {VLLM_MIN_TEMPERATURE} (a warning), so the "
+         f"evaluation would sample at {VLLM_MIN_TEMPERATURE}; use 0 (greedy) or at least {VLLM_MIN_TEMPERATURE}"),
         (ev.k == 1 or ev.temperature > 0, f"eval.k {ev.k} samples at eval.temperature 0 are all the same greedy "
                                           "completion; set eval.temperature > 0 for pass@k"),
         (ev.max_items is None or ev.max_items >= 1, "eval.max_items must be at least 1"),

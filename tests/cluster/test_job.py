@@ -128,6 +128,8 @@ BAD_INPUTS = [
     (lambda t, m: {"sft": SFTConfig(steps=3)}, "sft.steps > 0 but there is no SFT data"),
     (lambda t, m: {"checkpoint": CheckpointConfig(resume=str(t))}, "not a checkpoint directory"),
     (lambda t, m: {"eval": EvalConfig(k=4)}, "eval.k 4 samples at eval.temperature 0"),
+    (lambda t, m: {"eval": EvalConfig(temperature=0.005), "cluster": ClusterConfig(generator_backend="vllm")},
+     "eval.temperature 0.005 with cluster.generator_backend vllm: vLLM raises a temperature below 0.01 to 0.01"),
     (lambda t, m: {"cluster": ClusterConfig(generator_backend="vllm", vllm=VLLMConfig(max_model_len=10))},
      "prompts.jsonl:11: prompt is 6 tokens, and generation.max_new_tokens 5 after it is over "
      "cluster.vllm.max_model_len 10 (the longest prompt is 6 tokens)"),
