@@ -45,7 +45,7 @@ class RLConfig(NamedTuple):
     steps: int = 80  # RL iterations in all (one rollout batch each; a resumed run counts on)
     prompts_per_step: int = 32  # prompts per RL step
     lr: float = 3e-4  # RL learning rate
-    warmup: int = 0  # linear warm-up steps of the RL learning rate
+    warmup: int = 0  # linear warm-up steps of the policy's learning rate (the critic trains at critic_lr throughout)
     kl_coef: Optional[float] = None  # KL coefficient (None: the preset's own); > 0 adds a reference worker
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # updates per pass (the rollout batch split into this many parts, at most one a row)
