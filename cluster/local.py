@@ -175,9 +175,9 @@ class LocalBackend:
         rollouts = [r._replace(ref_logprobs=lp) for r, lp in zip(done.rollouts, refs)]
         return LocalRollouts(rollouts, {**done.times, "time/ref": time.perf_counter() - t0})
 
-    def score(self, done: LocalRollouts) -> LocalRollouts:
+    def score(self, done: LocalRollouts, shaped: bool = True) -> LocalRollouts:
         t0 = time.perf_counter()
-        rollouts = score_rollouts(done.rollouts, self.reward_fn, self.aggregate_fn, self.shaping_fn)
+        rollouts = score_rollouts(done.rollouts, self.reward_fn, self.aggregate_fn, self.shaping_fn if shaped else None)
         return LocalRollouts(rollouts, {**done.times, "time/reward": time.perf_counter() - t0})
 
     def score_and_reference(self, done: LocalRollouts, temperature: float) -> LocalRollouts:

@@ -47,13 +47,15 @@ class RewardWorker(Reusable):
         """Where it runs, and whether torch is loaded (plain-Python rewards never load it)."""
         return {**actor_info(self.role, self.rank), "torch_loaded": "torch" in sys.modules}
 
-    def score(self, rollouts: Sequence) -> list:
-        return score_rollouts(list(rollouts), self.reward_fn, self.aggregate_fn, self.shaping_fn)
+    def score(self, rollouts: Sequence, shaped: bool = True) -> list:
+        """The rollouts with their rewards; ``shaped`` False: the task's reward, without the shaping
+        function (an evaluation's)."""
+        return score_rollouts(list(rollouts), self.reward_fn, self.aggregate_fn, self.shaping_fn if shaped else None)
 
-    def score_summarized(self, rollouts: Sequence) -> tuple:
+    def score_summarized(self, rollouts: Sequence, shaped: bool = True) -> tuple:
         """``(summaries, scored rollouts)``: the driver fetches the summaries and leaves the
         rollouts in the object store (called with two returns)."""
-        scored = self.score(rollouts)
+        scored = self.score(rollouts, shaped)
         return [summarize(r) for r in scored], scored
 
     def select(self, filters: Sequence[Callable], rows: tuple, num_parts: int, *resolved) -> list:

@@ -15,7 +15,8 @@ def evaluate(backend: Backend, items: Sequence, gen: GenerationConfig, k: int, c
              component_names: Optional[Sequence[str]] = None, tools=None) -> dict:
     """``k`` completions of each item at ``gen`` (its ``n`` is replaced by ``k``), generated and
     scored on ``backend`` (its generators and reward workers): ``eval_metrics``
-    (mean reward, accuracy = share with reward >= ``correct``, pass@1 and pass@k). With
+    (mean reward, accuracy = share with reward >= ``correct``, pass@1 and pass@k), of the task's
+    reward without the job's shaping function. With
     ``samples_path``, every sample is also written there as one JSON line
     (``sample_records``), replacing the file atomically.
     k = 1 at temperature 0 is greedy accuracy; pass@k with k > 1 needs temperature > 0."""
@@ -24,8 +25,9 @@ def evaluate(backend: Backend, items: Sequence, gen: GenerationConfig, k: int, c
     if k < 1 or (k > 1 and gen.temperature <= 0):
         raise ValueError(f"evaluate: k={k} samples per item at temperature {gen.temperature}; k must be >= 1, "
                          "and pass@k with k > 1 needs temperature > 0 (greedy samples are all the same)")
-    # whole: the samples are written out; with ``tools`` (a ToolConfig) each is a multi-turn conversation
-    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False, tools=tools)
+    # whole: the samples are written out; with ``tools`` (a ToolConfig) each is a multi-turn conversation. The
+    # task's reward, unshaped: a length penalty would count right answers wrong, and KL shaping has no reference
+    rollouts, _ = collect(backend, items, gen._replace(n=k), with_ref=False, tools=tools, shaped=False)
     metrics = eval_metrics(rollouts, k, correct, component_names)
     if samples_path is not None:
         write_jsonl_atomic(samples_path, sample_records(rollouts, step, component_names))

@@ -38,6 +38,7 @@ class Collection(NamedTuple):
     handle: object  # the backend's handle of the rollouts (generate -> reference, reward)
     restarts: int  # backend.restarts when dispatched (an actor replaced later failed it)
     with_ref: bool  # reference logprobs were asked for
+    shaped: bool = True  # rewards through the shaping function (False: the task's reward, for an evaluation)
 
 
 def collects_reference(backend: Backend, algo) -> bool:
@@ -53,19 +54,20 @@ def collects_reference(backend: Backend, algo) -> bool:
 
 
 def dispatch(backend: Backend, items: Sequence, position, gen: GenerationConfig, with_ref: bool,
-             tools=None) -> Collection:
+             tools=None, shaped: bool = True) -> Collection:
     """Start generating ``items`` (then rewards and, with ``with_ref``, reference logprobs) on
     the backend without waiting. Reference logprobs and rewards run side by side unless the
     shaping function reads reference logprobs (KL in the reward); then the reference comes
-    first. Logprobs are scored at the sampling temperature."""
+    first. Logprobs are scored at the sampling temperature. ``shaped`` False (an evaluation, no
+    reference): the task's reward, the shaping function left out."""
     handle = backend.generate(items, gen, tools)
     if with_ref and backend.reward_needs_reference:
         handle = backend.score(backend.reference_logprobs(handle, gen.temperature))
     elif with_ref:
         handle = backend.score_and_reference(handle, gen.temperature)
     else:
-        handle = backend.score(handle)
-    return Collection(list(items), position, handle, backend.restarts, with_ref)
+        handle = backend.score(handle) if shaped else backend.score(handle, shaped=False)
+    return Collection(list(items), position, handle, backend.restarts, with_ref, shaped)
 
 
 def fetch_collection(backend: Backend, coll: Collection, gen: GenerationConfig, tools=None) -> tuple:
@@ -77,14 +79,15 @@ def fetch_collection(backend: Backend, coll: Collection, gen: GenerationConfig, 
             return backend.fetch(coll.handle)
         except ActorFailure as failure:
             backend.recover(failure, since=coll.restarts)
-            coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, tools)
+            coll = dispatch(backend, coll.items, coll.position, gen, coll.with_ref, tools, coll.shaped)
 
 
-def collect(backend: Backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None) -> tuple:
-    """``(rollouts, times)``: generate, then rewards and reference logprobs, waited for, and the
-    rollouts fetched whole (to look at them or write them out; the RL loop keeps only their
-    summaries)."""
-    held, times = fetch_collection(backend, dispatch(backend, items, None, gen, with_ref, tools), gen, tools)
+def collect(backend: Backend, items: Sequence, gen: GenerationConfig, with_ref: bool, tools=None,
+            shaped: bool = True) -> tuple:
+    """``(rollouts, times)``: generate, then rewards (``shaped``: through the shaping function) and
+    reference logprobs, waited for, and the rollouts fetched whole (to look at them or write them
+    out; the RL loop keeps only their summaries)."""
+    held, times = fetch_collection(backend, dispatch(backend, items, None, gen, with_ref, tools, shaped), gen, tools)
     return backend.rollouts(held), times
 
 

@@ -150,15 +150,16 @@ class RayBackend(Recovery):
         return refs.then("ref", [self.cluster.reference_handle.with_ref_logprobs(i, x, temperature)
                                  for i, x in enumerate(chunks)])
 
-    def _score(self, chunks: Sequence) -> tuple:
+    def _score(self, chunks: Sequence, shaped: bool = True) -> tuple:
         """``(summary calls, scored-rollout refs)`` of each chunk, spread over the reward workers."""
         rewards = self.cluster.reward_group
-        split = [call_split(rewards, i % rewards.size, "score_summarized", x) for i, x in enumerate(chunks)]
+        split = [call_split(rewards, i % rewards.size, "score_summarized", x, shaped) for i, x in enumerate(chunks)]
         return [s for s, _ in split], [d for _, d in split]
 
-    def score(self, refs: RolloutRefs) -> RolloutRefs:
-        """Rewards of the rollouts, the chunks spread over the reward workers."""
-        calls, data = self._score([x.ref for x in refs.phases[-1][1]])
+    def score(self, refs: RolloutRefs, shaped: bool = True) -> RolloutRefs:
+        """Rewards of the rollouts (``shaped`` False: without the shaping function), the chunks spread
+        over the reward workers."""
+        calls, data = self._score([x.ref for x in refs.phases[-1][1]], shaped)
         return refs.then("reward", calls, tuple((d, None) for d in data))
 
     def score_and_reference(self, refs: RolloutRefs, temperature: float) -> RolloutRefs:

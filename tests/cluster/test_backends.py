@@ -339,3 +339,18 @@ def test_a_reward_worker_killed_under_the_filters_is_replaced_and_the_step_goes_
                  [{k: v for k, v in m.items() if k != "recovery/actor_restarts"} for m in killed])
     uids = [u for step in backend.trained_uids for u in step]
     assert backend.trained_uids == undisturbed.trained_uids and uids and len(uids) == len(set(uids))
+
+
+def test_evaluation_scores_the_task_reward_without_the_shaping(tiny_model_path):
+    """Every completion is right (reward 1): with a length penalty in the job's shaping the evaluation
+    still counts them all right (it counted every one wrong), and with KL shaping, which needs
+    reference logprobs an evaluation does not collect, it runs (it raised before step 0)."""
+    from cluster.loop.evaluate import evaluate
+    from primitives.env.rewards import kl_penalty_shaping, length_penalty
+
+    items = make_arithmetic_task(ArithmeticTaskSpec(num_train=4, num_heldout=4, seed=0))[1]
+    greedy = GenerationConfig(max_new_tokens=4, temperature=0.0, n=1)
+    for shaping in (length_penalty(0.01, 2), kl_penalty_shaping(0.1)):
+        backend = LocalBackend(tiny_model_path, lambda r: 1.0, shaping_fn=shaping)
+        metrics = evaluate(backend, items, greedy, k=1)
+        assert metrics["eval/accuracy"] == 1.0 and metrics["eval/reward_mean"] == 1.0

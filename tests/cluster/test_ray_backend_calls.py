@@ -2,7 +2,7 @@
 they were given: the policy's scheduled learning rate reaches the trainer ranks only; the
 critic ranks train at their own (``algorithm.critic_lr``, set when the group is built)."""
 
-from cluster.ray_wing.backend import RayBackend
+from cluster.ray_wing.backend import RayBackend, RolloutRefs
 from cluster.ray_wing.groups import WorkerGroup
 from cluster.ray_wing.roles import RLCluster
 from primitives.types import BatchPlan
@@ -45,3 +45,31 @@ def test_the_critic_trains_at_its_own_learning_rate(ray_local):
     finally:  # an idle actor left for the rest of the run still costs its process's upkeep (4 CPU-s each here)
         for actor in cluster.trainers.actors + cluster.critics.actors:
             ray_local.kill(actor)
+
+
+def test_an_evaluation_is_scored_without_the_shaping_function(ray_local):
+    """A real reward worker with a shaping function (reward - 0.25): the training collection's rewards
+    are shaped, an evaluation's (``shaped=False``, as ``cluster.loop.evaluate`` asks) are the task's
+    own. A length penalty counted right answers wrong, and a KL shaping raised, with no reference there."""
+    import numpy as np
+
+    from cluster.ray_wing.groups import Call
+    from primitives.types import Rollout
+    from rl_actors.reward import RewardWorker
+
+    rollouts = [Rollout(uid=f"e0/i0/s{i}", group="e0/i0", prompt="p", prompt_ids=np.arange(3),
+                        completion_ids=np.arange(2 + i), loss_mask=np.ones(2 + i, np.float32),
+                        logprobs=np.zeros(2 + i, np.float32), finish_reason="stop") for i in range(3)]
+    worker = ray_local.remote(num_cpus=0)(RewardWorker).remote(
+        reward_fn=lambda r: float(len(r.completion_ids)), shaping_fn=lambda r, reward: reward - 0.25)
+    cluster = RLCluster(generators=None, trainers=None, rewards=WorkerGroup("reward", (worker,)), reference=None,
+                        sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0, timeout_s=60,
+                        ray_address="")
+    backend = RayBackend(cluster)
+    try:
+        generated = RolloutRefs((("generate", [Call(ray_local.put(rollouts), "generator", 0, "generate")]),))
+        for shaped, expected in ((True, [1.75, 2.75, 3.75]), (False, [2.0, 3.0, 4.0])):
+            held, times = backend.fetch(backend.score(generated, shaped=shaped))
+            assert [r.reward for r in backend.rollouts(held)] == expected and "time/reward" in times
+    finally:
+        ray_local.kill(worker)
