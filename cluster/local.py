@@ -84,7 +84,9 @@ class LocalBackend:
     ``name_or_path``); ``optimizer`` then replaces the AdamW built from ``trainer`` (its own
     learning rate stays unless the run's ``lr_schedule`` sets one), and ``reference_model``
     is the reference to use instead of a frozen copy of the starting policy (it is frozen,
-    dropout off, in place).
+    dropout off, in place); ``reference_state`` (a ``RefState``, with ``ref_update_fn``) the update
+    function's state to go on from (its last reset, its float32 weights), instead of the
+    reference's weights with no reset yet.
     """
 
     name = "local"
@@ -94,7 +96,7 @@ class LocalBackend:
                  shaping_fn: Optional[Callable] = None, with_reference: bool = False,
                  ref_update_fn: Optional[Callable] = None, trainer: TrainerConfig = TrainerConfig(),
                  critic: Optional[str] = None, critic_lr: Optional[float] = None, seed: int = 0,
-                 tokenizer=None, optimizer=None, reference_model=None):
+                 tokenizer=None, optimizer=None, reference_model=None, reference_state=None):
         check_arity(reward_fn, "reward_fn", None)
         if aggregate_fn is not None:
             check_arity(aggregate_fn, "aggregate_fn", [0.0])
@@ -126,7 +128,9 @@ class LocalBackend:
         elif with_reference or self.reward_needs_reference:
             self.reference = create_reference_model(self.policy)
         self.ref_update_fn = ref_update_fn
-        self.ref_state = ref_state_from_model(self.reference) if ref_update_fn is not None else None
+        self.ref_state = None
+        if ref_update_fn is not None:
+            self.ref_state = reference_state if reference_state is not None else ref_state_from_model(self.reference)
         self.critic = self.critic_optimizer = None
         if critic is not None:
             from primitives.model.value import value_model_from_policy, value_model_from_reward_model

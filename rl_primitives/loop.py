@@ -66,6 +66,9 @@ class TrainingState(NamedTuple):
     metadata: Optional[dict] = None
     tokenizer: Any = None  # None: loaded from the model's directory
     loop_state: Optional[TrainState] = None  # our loop's state; train(initial_state=...) resumes from it
+    # the reference update function's state (primitives.maths.kl.RefState: its last reset, its float32 weights);
+    # train(initial_state=...) goes on from it
+    ref_update_state: Any = None
 
 
 def _arity(fn: Callable, *candidates: int) -> Optional[int]:
@@ -124,7 +127,7 @@ def facade_state(backend: LocalBackend, loop_state: TrainState, initial: Trainin
     return initial._replace(iteration=loop_state.iteration, global_step=loop_state.global_step, model=backend.policy,
                             optimizer=backend.optimizer, ref_model=backend.reference,
                             stats_history=tuple(initial.stats_history) + stats, tokenizer=backend.tokenizer,
-                            loop_state=loop_state)
+                            loop_state=loop_state, ref_update_state=backend.ref_state)
 
 
 def train(initial_state: TrainingState, prompt_loader, num_iterations: int, gen_config: GenerationConfig,
@@ -170,7 +173,8 @@ def train(initial_state: TrainingState, prompt_loader, num_iterations: int, gen_
     backend = LocalBackend(initial_state.model, reward_fn, aggregate_fn, shaping_fn,
                            with_reference=reads_reference or ref_update is not None, ref_update_fn=ref_update,
                            trainer=trainer, seed=seed, tokenizer=initial_state.tokenizer,
-                           optimizer=initial_state.optimizer, reference_model=initial_state.ref_model)
+                           optimizer=initial_state.optimizer, reference_model=initial_state.ref_model,
+                           reference_state=initial_state.ref_update_state if ref_update is not None else None)
     source = as_prompt_source(prompt_loader)
     loop_state = initial_state.loop_state or TrainState(iteration=initial_state.iteration,
                                                         global_step=initial_state.global_step, rng_seed=seed)
@@ -328,11 +332,15 @@ def log_to_console(state: TrainingState, stats: TrainingStats, log_fn: Optional[
     (log_fn or print)(msg)
 
 
+REFERENCE_FILE, REFERENCE_UPDATE_FILE = "reference.pt", "reference_update.pt"  # in a seeds' checkpoint
+
+
 def save_checkpoint(state_or_path, checkpoint_dir=None, *args, **kwargs) -> str:
     """The seeds' ``save_checkpoint(state, checkpoint_dir)``: the state's model, tokenizer,
-    optimizer, scheduler and loop state (``primitives.io.checkpoint.save_checkpoint``, one atomic
-    directory; ``load_checkpoint`` reads it back). Called our way - ``save_checkpoint(path, model,
-    ...)`` - it is ours."""
+    optimizer, scheduler, loop state, reference model (``REFERENCE_FILE``: its weights) and the
+    reference update's state (``REFERENCE_UPDATE_FILE``) (``primitives.io.checkpoint.save_checkpoint``,
+    one atomic directory; ``load_checkpoint`` reads it back). Called our way - ``save_checkpoint(path,
+    model, ...)`` - it is ours."""
     if isinstance(state_or_path, TrainingState):
         if args or kwargs.get("saver") is not None:
             raise ValueError("save_checkpoint(state, dir, saver=...): a custom saver is a checkpoint_fn(state) of "
@@ -350,14 +358,46 @@ def save_checkpoint(state_or_path, checkpoint_dir=None, *args, **kwargs) -> str:
                 raise ValueError(f"save_checkpoint: the scheduler's state_dict() cannot be written as JSON ({e}); "
                                  f"save it yourself in a checkpoint_fn(state)") from None
         return _save_checkpoint(str(checkpoint_dir), state.model, tokenizer, state.optimizer, state.loop_state,
-                                extra=extra)
+                                extra=extra, also=lambda tmp: _save_reference(state, tmp))
     return _save_checkpoint(state_or_path, checkpoint_dir, *args, **kwargs)
+
+
+def _save_reference(state: TrainingState, directory: str) -> None:
+    """The state's reference (a model apart from the policy) and its update's state, into ``directory``."""
+    import torch
+
+    if isinstance(state.ref_model, torch.nn.Module) and state.ref_model is not state.model:
+        torch.save(state.ref_model.state_dict(), os.path.join(directory, REFERENCE_FILE))
+    if state.ref_update_state is not None:
+        torch.save({"weights": dict(state.ref_update_state.weights),
+                    "last_reset_step": int(state.ref_update_state.last_reset_step)},
+                   os.path.join(directory, REFERENCE_UPDATE_FILE))
+
+
+def _load_reference(path: str, model) -> tuple:
+    """``(reference model or None, RefState or None)`` that ``_save_reference`` wrote to ``path``: the
+    reference a copy of ``model`` with the saved weights."""
+    import copy
+
+    import torch
+
+    from primitives.maths.kl import RefState
+
+    reference, update = None, None
+    if os.path.isfile(os.path.join(path, REFERENCE_FILE)):
+        reference = copy.deepcopy(model)
+        reference.load_state_dict(torch.load(os.path.join(path, REFERENCE_FILE), weights_only=True))
+    if os.path.isfile(os.path.join(path, REFERENCE_UPDATE_FILE)):
+        saved = torch.load(os.path.join(path, REFERENCE_UPDATE_FILE), weights_only=True)
+        update = RefState(saved["weights"], int(saved["last_reset_step"]))
+    return reference, update
 
 
 def load_checkpoint(checkpoint_path: str, model, optimizer=None, scheduler=None, loader: Optional[Callable] = None):
     """The seeds' ``load_checkpoint(checkpoint_path, model, optimizer, scheduler) -> TrainingState``:
     what ``save_checkpoint(state, dir)`` wrote, loaded into ``model``, ``optimizer`` and
-    ``scheduler`` in place; ``train(initial_state=<it>, ...)`` then goes on as if never stopped.
+    ``scheduler`` in place, with the reference (a copy of ``model`` holding the saved reference's
+    weights) and its update's state; ``train(initial_state=<it>, ...)`` then goes on as if never stopped.
     Called our way - ``load_checkpoint(path, model, optimizer, restore_rng=...)`` - it is ours
     (``primitives.io.checkpoint.load_checkpoint``: ``(TrainState, extra)``)."""
     if loader is not None:
@@ -374,8 +414,10 @@ def load_checkpoint(checkpoint_path: str, model, optimizer=None, scheduler=None,
             raise ValueError(f"{checkpoint_path}: no scheduler state was saved (the state had none)")
         scheduler.load_state_dict(extra["scheduler"])
     stats = tuple(stats_from_metrics(m) for m in loop_state.metrics_history)
+    reference, update = _load_reference(checkpoint_path, model)
     return TrainingState(iteration=loop_state.iteration, global_step=loop_state.global_step, model=model,
-                         optimizer=optimizer, scheduler=scheduler, stats_history=stats, loop_state=loop_state)
+                         optimizer=optimizer, scheduler=scheduler, stats_history=stats, loop_state=loop_state,
+                         ref_model=reference, ref_update_state=update)
 
 
 def log_to_wandb(state: TrainingState, stats: TrainingStats, project: str, entity: Optional[str] = None) -> None:

@@ -14,7 +14,7 @@ import random
 import re
 import shutil
 import tempfile
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -48,8 +48,9 @@ def state_from_json(d: dict) -> TrainState:
 
 
 def save_checkpoint(path: str, model, tokenizer=None, optimizer=None, state: Optional[TrainState] = None,
-                    extra: Optional[dict] = None) -> str:
-    """Write ``model`` (HF ``save_pretrained``), tokenizer, optimizer, state and RNG atomically."""
+                    extra: Optional[dict] = None, also: Optional[Callable[[str], None]] = None) -> str:
+    """Write ``model`` (HF ``save_pretrained``), tokenizer, optimizer, state and RNG atomically;
+    ``also(directory)`` writes more into the same directory before it is renamed into place."""
 
     def write(tmp: str) -> None:
         model.save_pretrained(tmp)
@@ -60,6 +61,8 @@ def save_checkpoint(path: str, model, tokenizer=None, optimizer=None, state: Opt
         torch.save(capture_rng_state(), os.path.join(tmp, "rng.pt"))
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump({"state": state_to_json(state) if state is not None else None, "extra": extra or {}}, f)
+        if also is not None:
+            also(tmp)
 
     return atomic_directory(path, write)
 

@@ -224,13 +224,16 @@ def test_quick_start_training_one_call(tiny_model_path, capsys):
         quick_start_training(model_name="meta-llama/Llama-3-8B", prompts=prompts, reward_fn=my_reward)
 
 
-def _seed_train(state, iterations, **hooks):
+def _seed_train(state, iterations, reference=None, **hooks):
+    """``reference`` "periodic": a KL of 0.1 to a reference reset to the policy every 3 steps."""
     from primitives.types import GenerationConfig
-    from rl_primitives import create_algorithm_config, train
+    from rl_primitives import create_algorithm_config, create_ref_update_fn, train
 
+    algorithm = create_algorithm_config("grpo", kl_coef=0.1 if reference else 0.0)
+    update = create_ref_update_fn("periodic", reset_every=3) if reference else None
     return train(state, make_prompt_source(["a", "b", "c", "d", "e"], shuffle=False), iterations,
-                 GenerationConfig(max_new_tokens=4, n=2, temperature=1.0), create_algorithm_config("grpo", kl_coef=0.0),
-                 reward_len, prompts_per_step=2, **hooks)
+                 GenerationConfig(max_new_tokens=4, n=2, temperature=1.0), algorithm,
+                 reward_len, ref_model_update_fn=update, prompts_per_step=2, **hooks)
 
 
 def _fresh_state(path):
@@ -245,7 +248,7 @@ def _fresh_state(path):
 
 
 def _same_run(a, b):
-    keys = ("reward/mean", "loss/total", "grad_norm", "lr")
+    keys = ("reward/mean", "loss/total", "grad_norm", "lr", *(("kl/ref_k3",) if a.ref_update_state else ()))
     assert b.iteration == a.iteration and b.loop_state.policy_version == a.loop_state.policy_version
     assert [[s.custom_metrics[k] for k in keys] for s in b.stats_history] == \
         [[s.custom_metrics[k] for k in keys] for s in a.stats_history]
@@ -254,29 +257,41 @@ def _same_run(a, b):
         assert torch.equal(x, y), name
 
 
-def test_the_returned_state_passed_back_goes_on_as_one_run(tiny_model_path):
+@pytest.mark.parametrize("reference", [None, "periodic"])
+def test_the_returned_state_passed_back_goes_on_as_one_run(tiny_model_path, reference):
     """``train`` twice, the returned ``TrainingState`` passed back, equals one call of as many
     iterations: the same metrics at each step (the scheduler's learning rate too) and the same final
     weights (a new backend serves the state's policy version; it once started at 0, and the first
-    resumed step was refused as stale)."""
-    straight = _seed_train(_fresh_state(tiny_model_path), 4)
-    resumed = _seed_train(_seed_train(_fresh_state(tiny_model_path), 2), 2)
-    assert straight.iteration == 4 and straight.loop_state.policy_version == 4
-    assert len({s.custom_metrics["lr"] for s in straight.stats_history}) == 4  # the scheduler moved it each step
+    resumed step was refused as stale). With a reference reset every 3 steps, 4 + 2 steps reset it
+    at 3 and 6, as 6 do (the state passed back once forgot the reset at 3 and reset at 5)."""
+    first = 4 if reference else 2
+    straight = _seed_train(_fresh_state(tiny_model_path), first + 2, reference)
+    resumed = _seed_train(_seed_train(_fresh_state(tiny_model_path), first, reference), 2, reference)
+    assert straight.iteration == first + 2 and straight.loop_state.policy_version == first + 2
+    assert len({s.custom_metrics["lr"] for s in straight.stats_history}) == first + 2  # the scheduler moved it
+    if reference:
+        kl = [s.custom_metrics["kl/ref_k3"] for s in straight.stats_history]
+        assert [k == 0 for k in kl] == [True, False, False, True, False, False]  # reset after steps 3 and 6
+        assert straight.ref_update_state.last_reset_step == resumed.ref_update_state.last_reset_step == 6
     _same_run(straight, resumed)
 
 
-def test_a_state_saved_and_loaded_back_goes_on_as_one_run(tiny_model_path, tmp_path):
-    """The seeds' ``save_checkpoint(state, dir)`` after 2 iterations, ``load_checkpoint(dir, model,
-    optimizer, scheduler)`` into a fresh model, optimizer and scheduler, 2 more: the run of 4."""
+@pytest.mark.parametrize("reference", [None, "periodic"])
+def test_a_state_saved_and_loaded_back_goes_on_as_one_run(tiny_model_path, tmp_path, reference):
+    """The seeds' ``save_checkpoint(state, dir)`` after 2 iterations (4 with a reference reset every
+    3 steps), ``load_checkpoint(dir, model, optimizer, scheduler)`` into a fresh model, optimizer and
+    scheduler, 2 more: the run of 4 (6). The reference and its last reset come back with it (without
+    them the trained policy became the reference, and KL read 0 on the first step after loading)."""
     from rl_primitives import load_checkpoint, save_checkpoint
 
-    straight = _seed_train(_fresh_state(tiny_model_path), 4)
-    save_checkpoint(_seed_train(_fresh_state(tiny_model_path), 2), str(tmp_path / "iter_2"))
+    first = 4 if reference else 2
+    straight = _seed_train(_fresh_state(tiny_model_path), first + 2, reference)
+    save_checkpoint(_seed_train(_fresh_state(tiny_model_path), first, reference), str(tmp_path / "saved"))
     fresh = _fresh_state(tiny_model_path)
-    loaded = load_checkpoint(str(tmp_path / "iter_2"), fresh.model, fresh.optimizer, fresh.scheduler)
-    assert (loaded.iteration, len(loaded.stats_history), loaded.scheduler.last_epoch) == (2, 2, 2)
-    _same_run(straight, _seed_train(loaded, 2))
+    loaded = load_checkpoint(str(tmp_path / "saved"), fresh.model, fresh.optimizer, fresh.scheduler)
+    assert (loaded.iteration, len(loaded.stats_history), loaded.scheduler.last_epoch) == (first, first, first)
+    assert (loaded.ref_model is None) == (reference is None)
+    _same_run(straight, _seed_train(loaded, 2, reference))
 
 
 def test_the_seeds_hooks_that_cannot_be_called_are_refused_before_a_step(tiny_model_path, tmp_path, monkeypatch):
