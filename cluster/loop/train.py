@@ -199,11 +199,14 @@ def train_and_sync(backend: Backend, rows: Sequence, plan_args: dict, algo, temp
 def scale_for_step(backend: Backend, policy: Optional[Callable], history: Sequence, queue: deque) -> dict:
     """Grow or shrink the backend's generator workers to what ``policy`` asks for the coming
     step (the collections in flight finish first: none is lost); ``generators/count`` and, when
-    it changed, ``time/scale``. {} without a policy."""
+    it changed, ``time/scale``. {} without a policy. The policy sees the count the run last logged: a
+    run resumed from a checkpoint starts at the job's ``cluster.generators``, and goes on at the size
+    it had (an ``idle`` policy keeps its count between decisions; it kept the started one)."""
     if policy is None:
         return {}
     current = backend.generator_count
-    wanted = call_hook(policy, "generator_policy", history, current)
+    logged = next((m["generators/count"] for m in reversed(history) if "generators/count" in m), None)
+    wanted = call_hook(policy, "generator_policy", history, current if logged is None else int(logged))
     if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1:
         raise ValueError(f"generator_policy returned {wanted!r}; expected a count (int) >= 1")
     if wanted == current:

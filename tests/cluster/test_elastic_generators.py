@@ -133,6 +133,40 @@ def test_the_idle_policy_grows_when_the_trainers_wait_and_shrinks_when_the_gener
     assert [steps([{"step": s - 1}] if s else [], 9) for s in range(6)] == [1, 1, 3, 3, 2, 2]
 
 
+def test_a_resumed_run_goes_on_at_the_size_it_logged():
+    """An idle policy (1-3 workers, deciding every 2 steps) whose generators wait shrinks 3 -> 2 -> 1
+    by step 4. Resumed from step 5's checkpoint the cluster starts at the job's 3: the policy is
+    given the logged 1, so the run goes back to 1 worker (it stayed at 3, then shrank again: 3, 2, 2
+    where the run had 1, 1, 1). Without a history the cluster's own count is the policy's."""
+    from collections import deque
+
+    from cluster.loop.train import scale_for_step
+
+    class Workers:
+        def __init__(self, count):
+            self.generator_count = count
+
+        def scale_generators(self, n, in_flight):
+            self.generator_count = n
+            return {"generators/count": float(n), "time/scale": 0.1}
+
+    policy = idle_scaling_policy(1, 3, every=2, threshold=0.3)
+    waiting = {"idle/generators": 0.8, "idle/trainers": 0.05}
+
+    def run(backend, history, steps):
+        for step in steps:
+            history.append({"step": step, **waiting, **scale_for_step(backend, policy, history, deque())})
+        return history
+
+    straight = run(Workers(3), [], range(8))
+    counts = [m["generators/count"] for m in straight]
+    assert counts == [3, 3, 2, 2, 1, 1, 1, 1]
+    resumed = Workers(3)  # started at cluster.generators, with the checkpoint's history of steps 0-4
+    assert [m["generators/count"] for m in run(resumed, [dict(m) for m in straight[:5]], range(5, 8))] == counts
+    assert resumed.generator_count == 1
+    assert scale_for_step(Workers(2), policy, [], deque()) == {"generators/count": 2.0}
+
+
 @settings(max_examples=200, deadline=None)
 @given(generate=st.floats(0.05, 20.0), train_s=st.floats(0.05, 20.0), threshold=st.floats(0.05, 0.9),
        start=st.integers(1, 8))
