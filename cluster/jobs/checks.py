@@ -415,6 +415,33 @@ def algorithm_of(rl, where: str = "algorithm"):
         if key not in AlgorithmConfig._fields:
             hint = did_you_mean(key, AlgorithmConfig._fields) or "; see primitives.maths.algorithms.AlgorithmConfig"
             raise ConfigErrors([f"{where}.overrides.{key}: not an AlgorithmConfig field{hint}"])
+    overrides = {key: typed_override(f"{where}.overrides.{key}", key, value) for key, value in overrides.items()}
     kl = {} if rl.kl_coef is None else {"kl_coef": rl.kl_coef}
     return get_algorithm(rl.name, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches, is_level=rl.is_level,
                          is_cap=rl.is_cap, **kl, **overrides)
+
+
+def typed_override(where: str, key: str, value):
+    """``value`` as the type of ``AlgorithmConfig.<key>`` where that is a number or a boolean: an
+    ``overrides`` mapping takes any scalar, so the command line's ``false`` (tyro reads only ``False`` as
+    a boolean) and YAML 1.1's ``1e9`` (no dot: a string) arrived as strings, and the string ``'false'``
+    is true. A string that does not read as the type is refused, naming ``where``."""
+    from typing import Union, get_args, get_origin, get_type_hints
+
+    from primitives.maths.algorithms import AlgorithmConfig
+
+    tp = get_type_hints(AlgorithmConfig).get(key)
+    inner = [a for a in get_args(tp) if a is not type(None)]
+    if get_origin(tp) is Union and len(inner) == 1 and value is not None:  # Optional[float] takes a float
+        tp = inner[0]
+    if tp is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if tp in (int, float) and isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    if tp in (bool, int, float) and not (isinstance(value, tp) or (tp is float and isinstance(value, int))) \
+            or tp in (int, float) and isinstance(value, bool):
+        raise ConfigErrors([f"{where}: expected {tp.__name__}, got {value!r}"])
+    return float(value) if tp is float else value

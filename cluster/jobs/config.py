@@ -319,6 +319,32 @@ def _key_lines(node, prefix: str = "") -> dict:
     return lines
 
 
+def job_loader():
+    """PyYAML's safe loader as a job file needs it: numbers such as ``1e-3`` are floats (YAML 1.2;
+    PyYAML's 1.1 reads an exponent without a dot as a string, which a function's ``kwargs`` then got),
+    and a key written twice in one mapping is refused with both lines (the second silently replaced
+    the first: a whole section lost)."""
+    import re
+
+    import yaml
+
+    class JobLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = key_node.value
+                if key in seen and key != "<<":
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"'{key}' is written twice in one mapping (lines {seen[key]} and "
+                        f"{key_node.start_mark.line + 1}); the second would replace the first", key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    JobLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    return JobLoader
+
+
 def load_job_config(path: Optional[str], job_type=RLJob):
     """The job record of a YAML file (``None``: the record's defaults); every error names the file."""
     import yaml
@@ -330,8 +356,9 @@ def load_job_config(path: Optional[str], job_type=RLJob):
     try:
         with open(path) as f:
             text = f.read()
-        node = yaml.compose(text)
-        values = yaml.safe_load(text)
+        loader = job_loader()
+        node = yaml.compose(text, Loader=loader)
+        values = yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if values is None:

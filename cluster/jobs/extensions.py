@@ -46,7 +46,7 @@ def named_function(field: str, name: str, kwargs: Optional[dict], builtins: dict
         if fn is not None:
             check_arity(fn, f"{field}: {hook}", *args)
             check_picklable(fn, field)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a factory given an argument of the wrong type
         message = str(e)
         raise ConfigErrors([message if message.startswith(field) else f"{field}: {message}"]) from None
     return fn

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from typing import get_args, get_origin, get_type_hints
 
+import numpy as np
 import pytest
 
 from cluster.jobs.cli import parse
@@ -79,11 +80,44 @@ algorithm: {lr: 1e-5, steps: 3}
     ("model: {model_name_or_path: null}\n", "model.model_name_or_path: may not be empty"),
     ("- a\n- b\n", "expected a mapping of sections"),
     ("algorithm: {lr: 1\n", "not valid YAML"),
+    ("algorithm: {name: dapo, lr: 1.0e-5}\nsft: {steps: 0}\nalgorithm: {steps: 10}\n",
+     "'algorithm' is written twice in one mapping (lines 1 and 3); the second would replace the first"),
 ])
 def test_bad_files_name_the_key_and_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         load_job_config(_write(tmp_path, text), RLJob)
     assert message in str(e.value)
+
+
+def test_numbers_with_an_exponent_and_booleans_reach_functions_and_overrides_typed(tmp_path):
+    """PyYAML reads ``1e-3`` (no dot) as a string (YAML 1.1): a shaping function's ``coef`` then failed
+    at the first RL step on the reward workers, and ``value_clip: 1e9`` was refused as "must be > 0, got
+    1e9". The command line's ``false`` in ``algorithm.overrides`` (tyro reads only ``False``) was the string
+    ``'false'``, which is true: the KL stayed in the reward. Each now arrives as the number or boolean."""
+    from cluster.jobs.checks import ConfigErrors, algorithm_of
+    from cluster.jobs.extensions import build_shaping
+    from primitives.types import Rollout
+
+    text = ("algorithm:\n  name: ppo\n  overrides: {value_clip: 1e9, gamma: 1}\n"
+            "shaping:\n  - {name: length_penalty, kwargs: {coef: 1e-3, target_len: 3}}\n")
+    job = load_job_config(_write(tmp_path, text), RLJob)
+    assert job.shaping[0].kwargs == {"coef": 0.001, "target_len": 3}
+    assert algorithm_of(job.algorithm).value_clip == 1e9 and isinstance(algorithm_of(job.algorithm).gamma, float)
+    rollout = Rollout(uid="e0/i0/s0", group="e0/i0", prompt="p", prompt_ids=np.arange(1), completion_ids=np.arange(5),
+                      loss_mask=np.ones(5, np.float32), logprobs=np.zeros(5, np.float32))
+    assert build_shaping(job)(rollout, 1.0) == pytest.approx(1.0 - 0.001 * 2)  # 2 tokens over the target of 3
+    path = os.path.join(ROOT, "examples", "configs", "default.yaml")
+    _, cli, _ = parse(["rl", path, "--algorithm.name", "ppo", "--algorithm.overrides", "kl_in_reward", "false",
+                       "whiten_advantages", "FALSE", "--print-config"])
+    algo = algorithm_of(cli.algorithm)
+    assert algo.kl_in_reward is False and algo.whiten_advantages is False
+    with pytest.raises(ConfigErrors, match="algorithm.overrides.kl_in_reward: expected bool, got 'maybe'"):
+        algorithm_of(cli.algorithm._replace(overrides={"kl_in_reward": "maybe"}))
+    from cluster.jobs.extensions import build_ref_update
+
+    wrong = load_job_config(_write(tmp_path, "reference: {update: ema, kwargs: {decay: high}}\n"), RLJob)
+    with pytest.raises(ConfigErrors, match="reference.update: '<=' not supported"):  # named, not a traceback
+        build_ref_update(wrong)
 
 
 def test_missing_file_and_empty_file(tmp_path):
