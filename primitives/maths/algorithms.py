@@ -254,6 +254,12 @@ def validate_algorithm(algo: AlgorithmConfig) -> AlgorithmConfig:
         raise ValueError(f"{where}: {'; '.join(numbers)}")
     if algo.kl_coef > 0 and not algo.needs_reference:
         raise ValueError(f"{where}: kl_coef={algo.kl_coef} needs reference logprobs, but needs_reference is False")
+    if algo.kl_coef > 0 and not algo.kl_in_reward and algo.kl_fn is kl_k1:
+        raise ValueError(f"{where}: kl_fn k1 in the loss (kl_coef {algo.kl_coef}, kl_in_reward False) has a zero "
+                         "gradient in expectation: k1 = log pi - log ref, and E_pi[grad log pi] = 0, so it only adds "
+                         "noise and never pulls the policy towards the reference; in the loss use k2 (its gradient "
+                         "is that of KL(pi || ref)) or k3 (GRPO's), or put k1 in the reward (kl_in_reward True, as "
+                         "ppo and reinforce_pp do)")
     return algo
 
 

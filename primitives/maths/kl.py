@@ -8,6 +8,11 @@ from the policy:
 * k2 = l^2 / 2                  biased, low variance, >= 0
 * k3 = exp(-l) - 1 + l          unbiased, low variance, >= 0
 
+In the loss (differentiated through ``logp`` at the sampled tokens) their expected gradients
+differ from what they estimate: k1's is 0 (E_pi[grad log pi] = 0; ``validate_algorithm`` refuses it
+there), k2's is the gradient of KL(pi || ref), k3's that of KL(ref || pi). In the reward (no
+gradient) k1 and k3 estimate KL(pi || ref) without bias.
+
 All take tensors of equal shape (B, T) and return (B, T); masked positions are 0.
 A ``kl_fn(logp, ref_logp, mask) -> (B, T)`` is the extension point the loss and the reward
 shaping call.

@@ -59,7 +59,7 @@ def test_split_evenly_and_bucket_plan():
     (["--algorithm.name", "gspo", "--algorithm.ppo-epochs", "0"], "algorithm.ppo_epochs must be at least 1"),
     (["--algorithm.name", "no_such_module:my_algorithm"], "cannot import 'no_such_module'"),
     (["--algorithm.overrides", "kl_fn", "k4"], "kl_fn: unknown name 'k4'"),
-    (["--algorithm.overrides", "kl_fn", "primitives.maths.kl:kl_k1", "advantage_fn", "primitives.maths.kl:kl_k2"],
+    (["--algorithm.overrides", "kl_fn", "primitives.maths.kl:kl_k2", "advantage_fn", "primitives.maths.kl:kl_k2"],
      "advantage_fn primitives.maths.kl.kl_k2 fails on a small sample"),
     (["--algorithm.name", "online_dpo", "--algorithm.overrides", "pair_selector", "none"],
      "pair_selector: unknown name 'none'"),

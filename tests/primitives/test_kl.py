@@ -182,3 +182,32 @@ def test_create_reference_model_is_frozen_copy(tiny_model):
     state = K.ref_state_from_model(ref)
     K.apply_ref_state(ref, K.create_ema_updater(0.0)(state, {k: v * 0 for k, v in state.weights.items()}, 1))
     assert all(float(p.abs().sum()) == 0 for p in ref.parameters())
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+def test_what_each_estimator_pulls_towards_in_the_loss(name):
+    """A KL estimator in the loss is differentiated through log pi at the sampled tokens, so its expected
+    gradient over pi is sum_a pi(a) grad k(a). Exactly, on a 3-token softmax (logits [0.5, -0.3, 1.2],
+    reference softmax([0, 0.4, -0.2])): k1's is 0 (E_pi[grad log pi] = 0: no pull at all), k2's is the
+    gradient of KL(pi || ref), k3's that of KL(ref || pi) (GRPO's); by hand, k2 [-0.106, -0.203, 0.310]
+    and k3 [-0.013, -0.321, 0.334]. So k1 belongs in the reward, never in the loss (refused there)."""
+    from primitives.maths import algorithms as A
+
+    theta = torch.tensor([0.5, -0.3, 1.2], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.4, -0.2], dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    expected = (logp.exp().detach() * K.get_kl_fn(name)(logp, ref)).sum()
+    (grad,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    p = logp.exp()
+    divergence = {"k1": torch.zeros((), dtype=torch.float64, requires_grad=True),
+                  "k2": (p * (logp - ref)).sum(), "k3": (ref.exp() * (ref - logp)).sum()}[name]
+    (truth,) = torch.autograd.grad(divergence, theta, allow_unused=True)
+    torch.testing.assert_close(grad, torch.zeros(3, dtype=torch.float64) if truth is None else truth,
+                               atol=1e-12, rtol=0)
+    by_hand = {"k1": [0.0, 0.0, 0.0], "k2": [-0.106, -0.203, 0.310], "k3": [-0.013, -0.321, 0.334]}[name]
+    assert grad.tolist() == pytest.approx(by_hand, abs=1e-3)
+    if name == "k1":
+        with pytest.raises(ValueError, match="kl_fn k1 in the loss .* has a zero gradient in expectation"):
+            A.get_algorithm("grpo", kl_fn="k1")
+        assert A.get_algorithm("grpo", kl_fn="k1", kl_in_reward=True).kl_fn is K.kl_k1  # in the reward
+        assert A.get_algorithm("grpo", kl_fn="k1", kl_coef=0.0).kl_fn is K.kl_k1  # no KL at all
