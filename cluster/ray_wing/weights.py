@@ -58,6 +58,13 @@ def save_cluster_checkpoint(cluster: RLCluster, path: str, state: TrainState) ->
         gather([cluster.reference.save(ref_tmp)], cluster.timeout_s)
         extra["reference"] = ref_tmp
     gather(fan_out(cluster.trainers, "save_checkpoint", path, state_to_json(state), extra), cluster.timeout_s)
+    if not os.path.isfile(os.path.join(path, "train_state.json")):  # written on trainer rank 0's node
+        import socket
+
+        raise FileNotFoundError(f"checkpoint {path}: trainer rank 0 wrote it, but the driver (on "
+                                f"{socket.gethostname()}) does not see it there. The job's output directory "
+                                f"(logging.out, RAYRL_OUTPUT_ROOT) must be a volume every node mounts: the driver "
+                                f"resumes, prunes and reads checkpoints from it")
     return path
 
 

@@ -73,3 +73,46 @@ def test_an_evaluation_is_scored_without_the_shaping_function(ray_local):
             assert [r.reward for r in backend.rollouts(held)] == expected and "time/reward" in times
     finally:
         ray_local.kill(worker)
+
+
+class Saver:
+    """A trainer rank whose checkpoint lands where the driver sees it, or on a disk of its own node
+    (``elsewhere``: nothing appears at the path here)."""
+
+    def __init__(self, elsewhere: bool):
+        self.elsewhere = elsewhere
+
+    def save_checkpoint(self, path, state, extra):
+        import os
+
+        if not self.elsewhere:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, "train_state.json"), "w") as f:
+                f.write(state if isinstance(state, str) else "{}")
+        return path
+
+
+def test_a_checkpoint_the_driver_cannot_see_fails_the_save_by_name(ray_local, tmp_path):
+    """On several nodes without a shared volume, trainer rank 0 writes the checkpoint on its own disk: the
+    driver, which resumes (``--resume auto``), prunes and reads checkpoints, would find none later and
+    start over in silence. The save fails at once, naming the path and what the output needs."""
+    import pytest
+
+    from cluster.ray_wing.weights import save_cluster_checkpoint
+    from primitives.types import TrainState
+
+    for elsewhere in (False, True):
+        actor = ray_local.remote(num_cpus=0)(Saver).remote(elsewhere)
+        cluster = RLCluster(generators=None, trainers=WorkerGroup("trainer", (actor,)), rewards=None, reference=None,
+                            sync_address=None, weight_meta=(), pad_token_id=0, bucket_bytes=0, timeout_s=60,
+                            ray_address="")
+        path = str(tmp_path / f"step_{int(elsewhere)}")
+        try:
+            if elsewhere:
+                with pytest.raises(FileNotFoundError, match="trainer rank 0 wrote it, but the driver .* does not see "
+                                                            "it there.*a volume every node mounts"):
+                    save_cluster_checkpoint(cluster, path, TrainState())
+            else:
+                assert save_cluster_checkpoint(cluster, path, TrainState()) == path
+        finally:
+            ray_local.kill(actor)
