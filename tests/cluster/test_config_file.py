@@ -93,7 +93,8 @@ def test_numbers_with_an_exponent_and_booleans_reach_functions_and_overrides_typ
     """PyYAML reads ``1e-3`` (no dot) as a string (YAML 1.1): a shaping function's ``coef`` then failed
     at the first RL step on the reward workers, and ``value_clip: 1e9`` was refused as "must be > 0, got
     1e9". The command line's ``false`` in ``algorithm.overrides`` (tyro reads only ``False``) was the string
-    ``'false'``, which is true: the KL stayed in the reward. Each now arrives as the number or boolean."""
+    ``'false'``, which is true (``kl_in_reward false`` kept the KL in the reward). Each now arrives as the
+    number or boolean."""
     from cluster.jobs.checks import ConfigErrors, algorithm_of
     from cluster.jobs.extensions import build_shaping
     from primitives.types import Rollout
@@ -107,10 +108,10 @@ def test_numbers_with_an_exponent_and_booleans_reach_functions_and_overrides_typ
                       loss_mask=np.ones(5, np.float32), logprobs=np.zeros(5, np.float32))
     assert build_shaping(job)(rollout, 1.0) == pytest.approx(1.0 - 0.001 * 2)  # 2 tokens over the target of 3
     path = os.path.join(ROOT, "examples", "configs", "default.yaml")
-    _, cli, _ = parse(["rl", path, "--algorithm.name", "ppo", "--algorithm.overrides", "kl_in_reward", "false",
+    _, cli, _ = parse(["rl", path, "--algorithm.name", "ppo", "--algorithm.overrides", "filter_overlong", "true",
                        "whiten_advantages", "FALSE", "--print-config"])
     algo = algorithm_of(cli.algorithm)
-    assert algo.kl_in_reward is False and algo.whiten_advantages is False
+    assert algo.filter_overlong is True and algo.whiten_advantages is False
     with pytest.raises(ConfigErrors, match="algorithm.overrides.kl_in_reward: expected bool, got 'maybe'"):
         algorithm_of(cli.algorithm._replace(overrides={"kl_in_reward": "maybe"}))
     from cluster.jobs.extensions import build_ref_update
