@@ -1,4 +1,4 @@
-"""Decoding on a CPU with the large linear layers' weights packed once for oneDNN.
+"""Decoding on a CPU with the linear layers' weights packed once for oneDNN.
 
 A decode step multiplies a few rows (the batch) by every weight matrix. On a CPU, torch's
 ``F.linear`` hands each product to a GEMM that first copies the whole weight into its blocked
@@ -11,21 +11,23 @@ back within 2.4 to 10.6 products; weights of 3 to 8 MiB took 0.58-0.65 but neede
 (docs/benchmarks.md, 2026-11-30).
 
 ``packed_linears(model)`` packs, once, every ``torch.nn.Linear`` whose weight is float32 on the CPU
-and at least ``PACK_MIN_BYTES``, and points the layer's forward at the packed copy until the block
-ends, when the layers get their own forward back and the copies are freed. The packing reads the
+(and at least ``PACK_MIN_BYTES``, 0 by default), and points the layer's forward at the packed copy until
+the block ends, when the layers get their own forward back and the copies are freed. The packing reads the
 weights as they are when the block starts, so a weight changed later (a sync, an optimizer step) is
 never served stale: a generation call packs anew. ``GenerationConfig.decode="auto"`` packs only
 batches of many rows and tokens (``worth_packing``), where the weights measured paid their packing
-back. The copies take memory while the call runs: on SmolLM2 only the head (108 MiB); on a model
-whose MLP weights are 16 MiB or more, nearly the model again. Inside the block a layer runs its own
-forward where autograd would need it (grad mode on and an input or weight that requires grad) and
-for inputs that are not float32 or not on the CPU.
+back. The copies take memory while the call runs: about the model's linear weights again (SmolLM2:
+540 MB); ``decode="eager"`` does without them.
 
-On SmolLM2 only the head is that large: generating 4 chat prompts x 8 samples x 16 tokens took
-0.84-0.91 of the eager loop's time (paired rounds, packing included, 80 ms of it;
-``benchmarks/bench_packed_decode.py``); packing every layer as well was no faster (0.87-0.94). The
-products differ from ``F.linear``'s in the last bits (another summation order), as a kernel chosen
-for another batch size does.
+On SmolLM2 (4 chat prompts x 8 samples x 16 tokens, 2 threads, ``benchmarks/bench_packed_decode.py``,
+16 rounds in one process, packing included): the eager loop 3.54 s, the head alone packed 0.889 of
+it, every layer packed **0.755** (211 weights packed in 0.19 s), 2026-12-01 session 69. On a machine
+whose ``F.linear`` ran the decode's 32-row products at 121 GFLOPS (2026-11-30) packing every layer had
+been no faster than the head alone (0.87-0.94 against 0.84-0.91); on this one ``F.linear`` ran them at
+64 GFLOPS and the packed product at 118. The layers' products in one stacked weight per parent (q, k, v;
+gate, up: vLLM's fused layers) were measured too, and were slower (0.784). The products differ from
+``F.linear``'s in the last bits (another summation order), as a kernel chosen for another batch size
+does.
 """
 from __future__ import annotations
 
@@ -37,10 +39,11 @@ import torch.nn.functional as F
 
 # decode="auto" packs on a CPU a batch of at least PACK_MIN_ROWS rows and PACK_MIN_STEPS new tokens:
 # SmolLM2's head packs in 35-83 ms and saves 23 ms a product at 8 rows, 35 at 32, 9 at one row; the
-# weights of 16-128 MiB measured paid their packing back within 2.4-10.6 products at 32 rows.
+# weights of 16-128 MiB measured paid their packing back within 2.4-10.6 products at 32 rows, those of
+# 1-4 MiB (SmolLM2's layers) within 16 decode steps of 32 rows (module docstring).
 PACK_MIN_ROWS = 8
 PACK_MIN_STEPS = 16
-PACK_MIN_BYTES = 16 << 20  # smaller weights pay their packing back only over 10 or more products (above)
+PACK_MIN_BYTES = 0  # a floor on the weights packed (every float32 linear layer by default)
 ACTIVE = "_rayrl_packed_linears"  # in the model's __dict__ while its layers run packed
 
 

@@ -84,8 +84,8 @@ def decode_mode(model, requested: str, device: torch.device, rows: int = 0, new_
         return "packed" if cpu else "eager"
     if requested == "packed":
         if device.type != "cpu" or not packed_decode.can_pack(model):
-            raise ValueError(f"GenerationConfig.decode='packed' packs float32 linear layers of "
-                             f"{packed_decode.PACK_MIN_BYTES >> 20} MiB or more for oneDNN on a CPU; "
+            raise ValueError(f"GenerationConfig.decode='packed' packs float32 linear layers "
+                             f"(plain torch.nn.Linear) for oneDNN on a CPU; "
                              f"{type(model).__name__} on {device} has none (or this torch lacks oneDNN): use "
                              f"decode='eager' or 'auto'")
         return requested

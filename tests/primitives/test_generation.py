@@ -159,7 +159,6 @@ def test_max_batch_rows_decodes_a_call_in_batches_of_that_many(tiny_model, token
     ``batch_size`` too, the smaller cap holds."""
     from primitives.model import generation, packed_decode
 
-    monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 0)  # the tiny model's layers pack too
     items = [PromptItem(i, p) for i, p in enumerate(PROMPTS)]
     gen = GenerationConfig(max_new_tokens=6, temperature=0.0, n=3, decode="packed")
     whole = generate_rollouts(tiny_model, tokenizer, items, gen)

@@ -17,12 +17,6 @@ from tests.primitives.decoding import PROMPTS, SAMPLING_IDS, SAMPLINGS, assert_s
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 
-@pytest.fixture(autouse=True)
-def small_weights_pack(monkeypatch):
-    """The tiny model's weights are far under ``PACK_MIN_BYTES``: here every size packs."""
-    monkeypatch.setattr(packed_decode, "PACK_MIN_BYTES", 0)
-
-
 @pytest.fixture
 def products(monkeypatch):
     """Counts of the packed products and of the weights packed while the test runs."""
@@ -168,8 +162,9 @@ def test_modes(tiny_model):
 
 
 def test_auto_packs_a_big_batch_and_not_a_single_row(tiny_model, tokenizer, products):
-    """Through ``generate_tokens``: 12 rows x 16 tokens pack; one row (a tool turn) and 12 rows x 15
-    tokens do not."""
+    """Through ``generate_tokens``, with the module's default ``PACK_MIN_BYTES``: 12 rows x 16 tokens pack
+    every linear layer, the tiny model's small ones too; one row (a tool turn) and 12 rows x 15 tokens
+    do not pack."""
     ids = [np.array([5, 6, 7])] * 12
     generate_tokens(tiny_model, tokenizer, ids, GenerationConfig(max_new_tokens=16), torch.Generator().manual_seed(0))
     assert products["packed"] == _linears(tiny_model)
