@@ -1,4 +1,4 @@
-"""CPU generation with the large linear weights packed for oneDNN (``decode: packed``), against the
+"""CPU generation with linear weights packed for oneDNN (``decode: packed``), against the
 eager loop, in one process, round by round (``primitives.model.packed_decode``).
 
 Run:  python benchmarks/bench_packed_decode.py [--model smollm2|tiny --repeats 8 --variants 16 0]
@@ -40,6 +40,10 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     task = TASKS["chat_arithmetic"](max_operand=99, num_train=2000, num_heldout=64)
     variants = {"eager": None, **{f"packed, >= {v:g} MiB": int(v * (1 << 20)) for v in args.variants}}
+    for name, packing in variants.items():  # a variant that packs nothing is refused before any round
+        packed_decode.PACK_MIN_BYTES = packing or 0
+        if packing is not None and not packed_decode.can_pack(model):
+            raise SystemExit(f"--variants: '{name}' packs no layer of {args.model} (its weights are smaller)")
     times: dict = {name: [] for name in variants}
     tokens, same, pack = [], 0, {name: [] for name in variants}
     for r in range(args.repeats + 1):  # round 0 warms every variant up and is not counted
