@@ -18,6 +18,7 @@ from primitives.maths.losses import LossCounts, sft_loss
 from primitives.maths.metrics import merge_metrics
 from primitives.maths.objectives import LossInputs, policy_objective
 from primitives.model.logprobs import completion_logprobs, sequence_logprobs
+from primitives.model.tied_gradient import folded_tied_gradient
 from primitives.types import Batch
 
 
@@ -78,18 +79,20 @@ def forward_backward(model, batch: Batch, algo: AlgorithmConfig, counts: LossCou
     entropy_grad = entropy_in_loss(algo)
     parts = []
     model.train()
-    for s in range(0, batch.size, step):
-        mb = batch.select(range(s, min(s + step, batch.size)))
-        logp, entropy = completion_logprobs(model, _tensor(mb.input_ids, device), _tensor(mb.attention_mask, device),
-                                            mb.prompt_len, temperature, with_entropy=True, entropy_grad=entropy_grad)
-        inputs = LossInputs(logp=logp, old_logp=_tensor(mb.old_logprobs, device),
-                            advantages=_tensor(mb.advantages, device), mask=_tensor(mb.loss_mask, device),
-                            counts=counts, behaviour_logp=_tensor(mb.behaviour_logprobs, device),
-                            ref_logp=_tensor(mb.ref_logprobs, device), entropy=entropy)
-        loss, m = call_hook(algo.loss_fn, "loss_fn", inputs, algo,
-                            where=f"{where}, rollouts {mb.rollouts[0].uid}..{mb.rollouts[-1].uid}".lstrip(", "))
-        backward(loss * loss_scale)
-        parts.append(m)
+    with folded_tied_gradient(model):
+        for s in range(0, batch.size, step):
+            mb = batch.select(range(s, min(s + step, batch.size)))
+            logp, entropy = completion_logprobs(model, _tensor(mb.input_ids, device),
+                                                _tensor(mb.attention_mask, device), mb.prompt_len, temperature,
+                                                with_entropy=True, entropy_grad=entropy_grad)
+            inputs = LossInputs(logp=logp, old_logp=_tensor(mb.old_logprobs, device),
+                                advantages=_tensor(mb.advantages, device), mask=_tensor(mb.loss_mask, device),
+                                counts=counts, behaviour_logp=_tensor(mb.behaviour_logprobs, device),
+                                ref_logp=_tensor(mb.ref_logprobs, device), entropy=entropy)
+            loss, m = call_hook(algo.loss_fn, "loss_fn", inputs, algo,
+                                where=f"{where}, rollouts {mb.rollouts[0].uid}..{mb.rollouts[-1].uid}".lstrip(", "))
+            backward(loss * loss_scale)
+            parts.append(m)
     return merge_metrics(parts)
 
 
@@ -234,9 +237,10 @@ def sft_forward_backward(model, input_ids: np.ndarray, attention_mask: np.ndarra
     """Masked NLL over right-padded SFT samples (loss on ``loss_mask`` targets), accumulated."""
     total = 0.0
     model.train()
-    for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens, micro_batch_size):
-        backward(loss * loss_scale)
-        total += float(loss.detach())
+    with folded_tied_gradient(model):
+        for loss in _sft_micro_losses(model, input_ids, attention_mask, loss_mask, num_tokens, micro_batch_size):
+            backward(loss * loss_scale)
+            total += float(loss.detach())
     return {"loss/sft": total, "sft/tokens": float(loss_mask[:, 1:].sum())}
 
 
@@ -271,23 +275,29 @@ def loss_fn_forward_backward(model, arrays: dict, loss_fn: Callable, global_rows
     step = micro_batch_size or rows or 1
     total = 0.0
     model.train()
-    for s in range(0, rows, step):
-        part = {k: torch.as_tensor(np.asarray(v[s: s + step])).to(device) for k, v in arrays.items()}
-        ids = part.pop("input_ids")
-        attn = part.pop("attention_mask", None)
-        labels = part.pop("labels", ids)
-        mask = part.pop("loss_mask", torch.ones_like(ids))
-        logits = model(input_ids=ids, attention_mask=attn if attn is not None else torch.ones_like(ids),
-                       use_cache=False).logits
-        loss = call_hook(functools.partial(loss_fn, **part) if part else loss_fn, "loss_fn", logits[:, :-1].float(),
-                         labels[:, 1:], mask[:, 1:].float())
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            raise ValueError(f"loss_fn must return a scalar tensor (the mean over its rows), got "
-                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
-        share = loss * (len(ids) / global_rows)
-        backward(share * loss_scale)
-        total += float(share.detach())
+    with folded_tied_gradient(model):
+        for s in range(0, rows, step):
+            part = {k: torch.as_tensor(np.asarray(v[s: s + step])).to(device) for k, v in arrays.items()}
+            share = len(part["input_ids"]) / global_rows * _user_loss(model, part, loss_fn)
+            backward(share * loss_scale)
+            total += float(share.detach())
     return {"loss": total, "rows": float(rows)}
+
+
+def _user_loss(model, part: dict, loss_fn: Callable) -> torch.Tensor:
+    """``loss_fn`` on one micro-batch's arrays (``loss_fn_forward_backward``), checked to be a scalar."""
+    ids = part.pop("input_ids")
+    attn = part.pop("attention_mask", None)
+    labels = part.pop("labels", ids)
+    mask = part.pop("loss_mask", torch.ones_like(ids))
+    logits = model(input_ids=ids, attention_mask=attn if attn is not None else torch.ones_like(ids),
+                   use_cache=False).logits
+    loss = call_hook(functools.partial(loss_fn, **part) if part else loss_fn, "loss_fn", logits[:, :-1].float(),
+                     labels[:, 1:], mask[:, 1:].float())
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(f"loss_fn must return a scalar tensor (the mean over its rows), got "
+                         f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+    return loss
 
 
 def linear_warmup(base_lr: float, warmup_steps: int):

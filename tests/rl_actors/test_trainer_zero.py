@@ -9,6 +9,7 @@ import torch
 
 from primitives.maths.algorithms import dapo, grpo
 from primitives.maths.batching import make_batch
+from primitives.model import tied_gradient
 from primitives.model.training import forward_backward, optim_step, step_counts
 from primitives.types import ModelConfig
 from rl_actors.trainer import TrainerConfig, TrainerWorker
@@ -40,11 +41,14 @@ def test_the_stage_deepspeed_runs():
 
 
 def _single_process(path, batch, algo):
+    """One update in this process, the tied embedding's gradient made as PyTorch makes it: the trainers'
+    (folded, ``primitives.model.tied_gradient``) are checked against it under DeepSpeed's hooks."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
-    metrics = forward_backward(model, batch, algo, step_counts(batch), micro_batch_size=5)
+    with tied_gradient.folding(False):
+        metrics = forward_backward(model, batch, algo, step_counts(batch), micro_batch_size=5)
     grad_norm = optim_step(model, opt, max_grad_norm=1.0)
     return metrics["loss/policy"], grad_norm, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 

@@ -1,0 +1,233 @@
+"""The tied embedding's gradient folded (``primitives.model.tied_gradient``): the gradients PyTorch's own
+modules give, without the two (V, H) temporaries, and nothing changed where the pair cannot be folded."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import profile
+
+from primitives.fixtures.tiny import TinyModelSpec, build_tiny_model
+from primitives.maths import algorithms as algos
+from primitives.maths.batching import make_batch
+from primitives.model import tied_gradient as tg
+from primitives.model.training import (
+    forward_backward,
+    loss_fn_forward_backward,
+    sft_forward_backward,
+    step_counts,
+)
+from tests.primitives.test_training import scored  # noqa: F401 (a fixture)
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same(got: dict, want: dict, rel: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        scale = max(float(w.abs().max()), 1e-12)
+        err = float((got[n].float() - w.float()).abs().max())
+        assert err <= rel * scale, f"{n}: gradients differ by {err} (largest {scale})"
+
+
+def _both(model, run) -> tuple:
+    """``run(model)``'s gradients with PyTorch's own pair, then folded, on two copies of ``model``."""
+    out = []
+    for on in (False, True):
+        m = copy.deepcopy(model)
+        m.zero_grad(set_to_none=True)
+        with tg.folding(on):
+            run(m)
+        out.append(_grads(m))
+    return tuple(out)
+
+
+def _sft_arrays(tokenizer, rows=5, length=9, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, len(tokenizer), size=(rows, length))
+    attn = np.ones_like(ids)
+    for i in range(rows):  # right padding of several lengths, the pad id in the ids
+        attn[i, length - i:] = 0
+        ids[i, length - i:] = tokenizer.pad_token_id
+    return ids, attn, attn.copy()
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_rl_step_gradients_are_pytorchs(tiny_model, tokenizer, scored, packing, monkeypatch):  # noqa: F811
+    """Every parameter's accumulated gradient over several micro-batches, packed and padded, as PyTorch's
+    modules make it."""
+    import primitives.model.logprobs as lp
+
+    monkeypatch.setattr(lp, "PACK_MIN_SHARE", 0.0 if packing else 2.0)
+    algo = algos.grpo(kl_coef=0.0)
+    batch = make_batch(scored, algo, tokenizer.pad_token_id)
+    assert (batch.input_ids == tokenizer.pad_token_id).any()
+    plain, folded = _both(tiny_model, lambda m: forward_backward(m, batch, algo, step_counts(batch),
+                                                                micro_batch_size=5))
+    _same(folded, plain)
+
+
+def test_sft_and_user_loss_gradients_are_pytorchs(tiny_model, tokenizer):
+    ids, attn, lm = _sft_arrays(tokenizer)
+    plain, folded = _both(tiny_model, lambda m: sft_forward_backward(m, ids, attn, lm, int(lm[:, 1:].sum()), 2))
+    _same(folded, plain)
+
+    def loss_fn(logits, labels, mask, advantages):
+        logp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return -(logp * mask * advantages[:, None]).sum() / mask.sum()
+
+    arrays = {"input_ids": ids, "attention_mask": attn, "advantages": np.linspace(-1, 1, len(ids))}
+    plain, folded = _both(tiny_model, lambda m: loss_fn_forward_backward(m, arrays, loss_fn, len(ids), 2))
+    _same(folded, plain)
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+
+
+def test_kept_buffer_is_rezeroed_between_passes(tiny_model, tokenizer):
+    """The second backward touches other rows than the first: the first's rows must not leak into it,
+    whatever rows either used (random ids, several passes, gradients cleared between). The pad id, attended
+    here, is the embedding's padding row: nn.Embedding gives it no gradient (the head's part it keeps)."""
+    V, pad = tiny_model.config.vocab_size, tokenizer.pad_token_id
+    assert tiny_model.get_input_embeddings().padding_idx == pad
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, V, (2, 3 + k), generator=gen) for k in range(5)]
+    batches.insert(1, torch.full((1, 4), 7))  # one row alone after many
+    batches[3][:, 1:] = pad
+    want, got = [], []
+    for on, out in ((False, want), (True, got)):
+        m = copy.deepcopy(tiny_model)
+        with tg.folding(on), tg.folded_tied_gradient(m):
+            for ids in batches:
+                m.zero_grad(set_to_none=True)
+                _loss(m, ids).backward()
+                out.append(_grads(m))
+    for g, w in zip(got, want):
+        _same(g, w)
+    assert tg._SCATTERS[m.get_input_embeddings()].buffer is not None  # kept on CPU
+
+
+def test_two_graphs_in_one_backward_and_a_dropped_graph(tiny_model):
+    """Two forward passes before one backward of both: the second must not take the buffer the first's
+    backward hands the engine (which, with no head part to add it into, keeps it until the second's arrives).
+    A forward whose graph is dropped unused gives the buffer back."""
+    a, b = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[4, 5, 6], [9, 9, 1]])
+
+    def body(m, ids):  # the hidden states alone: no head in the backward
+        return m.model(input_ids=ids).last_hidden_state.pow(2).mean()
+
+    def run(m):
+        with tg.folded_tied_gradient(m):
+            _loss(m, b)  # dropped: its graph dies here
+            la = _loss(m, a)
+            if tg.ENABLED:
+                assert tg._SCATTERS[m.get_input_embeddings()].owner() is not None  # taken again
+            (la + 2 * _loss(m, b)).backward()
+            (body(m, a) + body(m, b)).backward()
+            scatter = tg._SCATTERS.get(m.get_input_embeddings())
+            assert scatter is None or scatter.owner is None  # the buffer's user has run its backward
+
+    plain, folded = _both(tiny_model, run)
+    _same(folded, plain)
+
+
+def test_no_vocabulary_sized_temporaries(tokenizer):
+    """The reason for the fold: PyTorch's own pair zeroes a new (V, H) tensor and adds out of place into
+    another; folded, after the first pass neither is made (the one (V, H) add left is in place)."""
+    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=1))
+    V, H = model.get_input_embeddings().weight.shape
+    ids = torch.randint(0, V, (3, 11), generator=torch.Generator().manual_seed(0))
+
+    def made(on: bool) -> set:
+        with tg.folding(on), tg.folded_tied_gradient(model):
+            _loss(model, ids).backward()  # the first pass makes the kept buffer
+            model.zero_grad(set_to_none=True)
+            with profile(record_shapes=True) as prof:
+                _loss(model, ids).backward()
+        return {e.name for e in prof.events() if any(list(s) == [V, H] for s in e.input_shapes)}
+
+    plain, folded = made(False), made(True)
+    zeroing = {"aten::fill_", "aten::zero_"}
+    assert "aten::add" in plain and zeroing & plain  # if PyTorch stops making these, the fold is moot
+    assert not ({"aten::add"} | zeroing) & folded
+    assert "aten::add_" in folded
+
+
+def test_bf16_gradients_are_pytorchs(tiny_model, tokenizer):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    ids, attn, lm = _sft_arrays(tokenizer, seed=3)
+    plain, folded = _both(model, lambda m: sft_forward_backward(m, ids, attn, lm, int(lm[:, 1:].sum()), 2))
+    _same(folded, plain, rel=1e-2)  # bf16: the two parts added in another order round differently
+
+
+def test_forward_without_gradients_is_untouched(tiny_model):
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        want = tiny_model(input_ids=ids).logits
+        with tg.folded_tied_gradient(tiny_model):
+            got = tiny_model(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert "forward" not in vars(tiny_model.get_input_embeddings())  # put back on leaving
+
+
+def _untied(tokenizer):
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+    return m
+
+
+def _frozen(tokenizer):
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    m.get_input_embeddings().weight.requires_grad_(False)
+    return m
+
+
+def _zero3(tokenizer):
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    m.get_input_embeddings().weight.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
+    return m
+
+
+def _biased(tokenizer):
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    m.lm_head.bias = torch.nn.Parameter(torch.zeros(m.config.vocab_size))
+    return m
+
+
+def _scaled(tokenizer):
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    m.get_input_embeddings().scale_grad_by_freq = True
+    return m
+
+
+def _patched(tokenizer):
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    emb = m.get_input_embeddings()
+    emb.forward = lambda ids: torch.nn.functional.embedding(ids, emb.weight)  # someone else's
+    return m
+
+
+@pytest.mark.parametrize("make", [_untied, _frozen, _zero3, _biased, _scaled, _patched])
+def test_pairs_it_cannot_fold_are_left_alone(tokenizer, make):
+    m = make(tokenizer)
+    emb, head = m.get_input_embeddings(), m.get_output_embeddings()
+    before = (vars(emb).get("forward"), vars(head).get("forward"))
+    with tg.folded_tied_gradient(m):
+        assert (vars(emb).get("forward"), vars(head).get("forward")) == before
+    assert (vars(emb).get("forward"), vars(head).get("forward")) == before
+
+
+def test_forwards_restored_after_an_error_and_nesting_is_harmless(tiny_model):
+    emb, head = tiny_model.get_input_embeddings(), tiny_model.get_output_embeddings()
+    assert tg.tied_pair(tiny_model) == (emb, head)
+    with pytest.raises(RuntimeError, match="inside"):
+        with tg.folded_tied_gradient(tiny_model):
+            assert "forward" in vars(emb) and "forward" in vars(head)
+            with tg.folded_tied_gradient(tiny_model):  # the inner one leaves the outer's in place
+                pass
+            assert "forward" in vars(emb) and "forward" in vars(head)
+            raise RuntimeError("inside")
+    assert "forward" not in vars(emb) and "forward" not in vars(head)
