@@ -1,0 +1,43 @@
+"""benchmarks/bench_tied_gradient.py on the tiny model (tied, as SmolLM2) in a subprocess: both modes train and
+the figures print; a model whose pair cannot be folded is refused by name before any round."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+
+def _bench(*args):
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "benchmarks/bench_tied_gradient.py", "--model", "tiny", "--prompts", "2",
+                           "--group", "2", "--max-new-tokens", "4", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.no_ray
+def test_bench_tied_gradient_runs_on_the_tiny_model():
+    proc = _bench("--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.search(r"^tiny, 4 rollouts, micro-batches of 16, 1 threads, 1 rounds$", lines[-5]), lines[-5]
+    assert re.search(r"^\| as PyTorch makes it +\| \d+\.\d{3} +\| 1\.000 ", lines[-2]), lines[-2]
+    assert re.search(r"^\| folded +\| \d+\.\d{3} +\| \d+\.\d{3} ", lines[-1]), lines[-1]
+
+
+@pytest.mark.no_ray
+def test_bench_tied_gradient_refuses_an_untied_model(tmp_path):
+    from primitives.fixtures.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    proc = _bench("--model", str(tmp_path), "--repeats", "1")
+    assert proc.returncode != 0
+    assert f"{tmp_path}: its embedding and head are not a tied pair this folds; nothing to compare" in proc.stderr
