@@ -73,10 +73,16 @@ class _Scatter:
         elif self.rows is not None:
             buf.index_fill_(0, self.rows, 0)
         buf.index_add_(0, rows, values)
-        if buf.device.type == "cpu":  # elsewhere the caching allocator already reuses memory
+        if keeps_buffer(buf.device):
             self.buffer, self.rows = buf, rows
         self.owner = None
         return buf
+
+
+def keeps_buffer(device: torch.device) -> bool:
+    """On a CPU a new (V, H) tensor is fresh pages each time; a GPU's caching allocator already reuses
+    its memory, and a kept buffer there would hold it between steps for nothing."""
+    return device.type == "cpu"
 
 
 class _Token:

@@ -110,6 +110,23 @@ def test_kept_buffer_is_rezeroed_between_passes(tiny_model, tokenizer):
     assert tg._SCATTERS[m.get_input_embeddings()].buffer is not None  # kept on CPU
 
 
+def test_a_device_that_keeps_no_buffer(tiny_model, monkeypatch):
+    """Where no buffer is kept (a GPU: its caching allocator reuses memory), every backward scatters into a
+    new one: the same gradients, and nothing held after."""
+    monkeypatch.setattr(tg, "keeps_buffer", lambda device: False)
+    ids = [torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6], [7, 8]])]
+
+    def run(m):
+        with tg.folded_tied_gradient(m):
+            for x in ids:
+                _loss(m, x).backward()
+        assert tg._SCATTERS.get(m.get_input_embeddings()) is None or \
+            tg._SCATTERS[m.get_input_embeddings()].buffer is None
+
+    plain, folded = _both(tiny_model, run)
+    _same(folded, plain)
+
+
 def test_two_graphs_in_one_backward_and_a_dropped_graph(tiny_model):
     """Two forward passes before one backward of both: the second must not take the buffer the first's
     backward hands the engine (which, with no head part to add it into, keeps it until the second's arrives).
