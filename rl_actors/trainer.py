@@ -32,6 +32,7 @@ import torch
 
 from primitives.maths.algorithms import AlgorithmConfig
 from primitives.maths.batching import planned_batch, rollout_metrics
+from primitives.model import tied_gradient
 from primitives.model.logprobs import rollout_logprobs
 from primitives.model.lora import add_reference_adapter, merged_state, save_adapter, with_lora
 from primitives.model.training import (
@@ -130,7 +131,10 @@ class TrainerWorker(Reusable, OpenUpdates):
         return self.info()
 
     def info(self) -> dict:
-        return self.ds.info()
+        """The rank's engine (``DeepSpeedRank.info``) and whether its updates fold a tied embedding's gradient
+        (``primitives.model.tied_gradient``: a CPU float32 pair outside ZeRO-3)."""
+        return {**self.ds.info(), "folds_tied_gradient": tied_gradient.ENABLED and self.ds.engine is not None
+                and tied_gradient.tied_pair(self.ds.engine) is not None}
 
     @property
     def module(self):

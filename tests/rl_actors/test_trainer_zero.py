@@ -71,10 +71,11 @@ def _trainer_group(ray, path, stage, world=2, bf16=False, checkpointing=False):
 
 
 @pytest.mark.parametrize("stage,world,checkpointing", [(1, 2, False), (2, 2, False), (3, 2, False), (1, 1, False),
-                                                      (2, 1, False), (3, 2, True)])
+                                                      (2, 1, False), (3, 2, True), (2, 2, True)])
 def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage, world, checkpointing):
     """Over 2 ranks, and on one rank, where ZeRO-1/2 run as DeepSpeed's stage 0 (the rank clips); and ZeRO-3
-    with gradient checkpointing (each layer's partitioned weights gathered again for its recompute)."""
+    with gradient checkpointing (each layer's partitioned weights gathered again for its recompute), ZeRO-2 with
+    it too. ZeRO-1/2 ranks fold the tied embedding's gradient, this process does not: the same update."""
     rollouts, tok = scored_rollouts(tiny_model_path)
     algo = dapo(overlong_buffer_frac=0.5)  # token-mean + clip-higher
     batch = make_batch(rollouts, algo, tok.pad_token_id, budget=4)
@@ -94,6 +95,7 @@ def test_zero_stage_matches_single_process(ray_local, tiny_model_path, stage, wo
     assert ref_norm > 1.0  # so clipping to 1.0 was exercised too
     assert info["engine_stage"] == (0 if world == 1 else stage)
     assert info["model"]["gradient_checkpointing"] is checkpointing
+    assert info["folds_tied_gradient"] is (stage != 3)  # the tiny model's head is tied: ZeRO-1/2 fold it
     _compare_weights(states[0], ref_weights, f"ZeRO-{stage} over {world}")
     for n in ref_weights:  # every rank holds the same model after the step
         assert all(np.array_equal(states[0][n], s[n]) for s in states[1:])
