@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import table  # noqa: E402
@@ -45,9 +46,9 @@ def main(argv=None) -> dict:
         reuse_freed_memory()
     with tempfile.TemporaryDirectory(prefix="bench_tied_") as scratch:
         path, _ = model_dir(args, scratch)
-        trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch)
-        if tied_gradient.tied_pair(trainer.ds.engine) is None:
+        if tied_gradient.tied_pair(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)) is None:
             raise SystemExit(f"{args.model}: its embedding and head are not a tied pair this folds; nothing to compare")
+        trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch)
         items = make_arithmetic_task(ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0))[0]
         rollouts = trainer.generate(items, GenerationConfig(max_new_tokens=args.max_new_tokens, n=args.group))
         rollouts = score_rollouts(rollouts, lambda r: float(int(r.completion_ids.sum()) % 3))  # every group spread

@@ -32,7 +32,8 @@ def test_bench_tied_gradient_runs_on_the_tiny_model():
 
 
 @pytest.mark.no_ray
-def test_bench_tied_gradient_refuses_an_untied_model(tmp_path):
+def test_bench_tied_gradient_refuses_an_untied_model(tmp_path, monkeypatch):
+    """Before any trainer is built (in this process: the refusal comes first)."""
     from primitives.fixtures.tiny import TinyModelSpec, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
@@ -41,6 +42,9 @@ def test_bench_tied_gradient_refuses_an_untied_model(tmp_path):
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    proc = _bench("--model", str(tmp_path), "--repeats", "1")
-    assert proc.returncode != 0
-    assert f"{tmp_path}: its embedding and head are not a tied pair this folds; nothing to compare" in proc.stderr
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_tied_gradient
+
+    monkeypatch.setattr(bench_tied_gradient, "trainer_rank", None)  # called, it would fail otherwise
+    with pytest.raises(SystemExit, match=f"{tmp_path}: its embedding and head are not a tied pair this folds"):
+        bench_tied_gradient.main(["--model", str(tmp_path), "--default-heap"])
