@@ -78,8 +78,12 @@ class _Scatter:
 
 def held_elsewhere(t: torch.Tensor) -> bool:
     """Whether anything but its one Python tensor refers to ``t`` or its memory (the autograd engine
-    holding it in a sum not yet made, a view)."""
-    return t._use_count() > 1 or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+    holding it in a sum not yet made, a view). A torch without the counts (private API) answers yes: a new
+    buffer each time is slower, never wrong."""
+    use_count, storage_count = getattr(t, "_use_count", None), getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_count is None:
+        return True
+    return use_count() > 1 or storage_count(t.untyped_storage()._cdata) > 2
 
 
 class _Lookup(torch.autograd.Function):

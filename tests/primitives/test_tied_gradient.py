@@ -229,6 +229,22 @@ def test_forwards_restored_after_an_error_and_nesting_is_harmless(tiny_model):
     assert "forward" not in vars(emb) and "forward" not in vars(head)
 
 
+def test_a_torch_without_the_use_counts_takes_a_new_buffer_each_time(tiny_model, monkeypatch):
+    """``held_elsewhere`` reads private counts; without them every scatter after the first takes a new
+    buffer: the same gradients."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    ids = [torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6], [7, 8]])]
+    assert tg.held_elsewhere(torch.zeros(2))
+
+    def run(m):
+        with tg.folded_tied_gradient(m):
+            for x in ids:
+                _loss(m, x).backward()
+
+    plain, folded = _both(tiny_model, run)
+    _same(folded, plain)
+
+
 def test_a_retained_graph_backwarded_again_with_another(tiny_model):
     """A graph kept by ``retain_graph`` and backwarded again together with a second one: the engine holds the
     first's scatter (no head part to add it into) when the second scatters, which then takes a new buffer."""
