@@ -23,11 +23,9 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import table  # noqa: E402
 from gpu_check import model_dir, step_parser, trainer_rank  # noqa: E402
+from gpu_step import update_batch  # noqa: E402
 
-from primitives.env.rewards import score_rollouts  # noqa: E402
 from primitives.fixtures.tasks import ArithmeticTaskSpec, make_arithmetic_task  # noqa: E402
-from primitives.maths.algorithms import grpo  # noqa: E402
-from primitives.maths.batching import make_batch  # noqa: E402
 from primitives.model import tied_gradient  # noqa: E402
 from primitives.types import GenerationConfig  # noqa: E402
 
@@ -51,9 +49,7 @@ def main(argv=None) -> dict:
         trainer = trainer_rank(path, args.lr, micro_batch_size=args.micro_batch)
         items = make_arithmetic_task(ArithmeticTaskSpec(num_train=args.prompts, num_heldout=1, seed=0))[0]
         rollouts = trainer.generate(items, GenerationConfig(max_new_tokens=args.max_new_tokens, n=args.group))
-        rollouts = score_rollouts(rollouts, lambda r: float(int(r.completion_ids.sum()) % 3))  # every group spread
-        algo = grpo(kl_coef=0.0, is_level="off")
-        batch = make_batch(rollouts, algo, trainer.tokenizer.pad_token_id, budget=args.max_new_tokens)
+        rollouts, algo, batch = update_batch(rollouts, trainer.tokenizer.pad_token_id, args.max_new_tokens)
         times: dict = {True: [], False: []}
         for on in (True, False):  # warm-up: the kept buffer, the allocator
             with tied_gradient.folding(on):

@@ -178,6 +178,15 @@ def plain_train_step(model, opt, batch, algo, temperature: float, micro_batch: i
     return {"loss/policy": total, "grad_norm": norm}
 
 
+def update_batch(rollouts, pad: int, budget: int) -> tuple:
+    """``(scored rollouts, algo, batch)`` of one GRPO update without KL or importance weight, the rollouts
+    scored by a reward that varies with the sampled tokens, so that every group has spread and the update a
+    gradient."""
+    rollouts = score_rollouts(rollouts, lambda r: float(int(r.completion_ids.sum()) % 3))
+    algo = grpo(kl_coef=0.0, is_level="off")
+    return rollouts, algo, make_batch(rollouts, algo, pad, budget=budget)
+
+
 def step(args) -> dict:
     """The comparison, its model saved in a temporary directory removed after."""
     with tempfile.TemporaryDirectory(prefix="gpu_step_") as scratch:
@@ -220,10 +229,7 @@ def _step(args, scratch: str) -> dict:
     ours_per_token = statistics.median(t / max(sum(r.num_tokens for r in out), 1) for t, out in ours)
     plain_per_token = statistics.median(t / max(n, 1) for t, n in plain_runs)
 
-    # a reward that varies with the sampled tokens, so that every group has spread and the step a gradient
-    rollouts = score_rollouts(rollouts, lambda r: float(int(r.completion_ids.sum()) % 3))
-    algo = grpo(kl_coef=0.0, is_level="off")
-    batch = make_batch(rollouts, algo, pad, budget=args.max_new_tokens)
+    rollouts, algo, batch = update_batch(rollouts, pad, args.max_new_tokens)
     trained_tokens = int(batch.attention_mask.sum())
     plain.train()
     opt = torch.optim.AdamW(plain.parameters(), lr=args.lr, weight_decay=0.0)
