@@ -206,7 +206,14 @@ def _bf16(tokenizer):
                                                      num_hidden_layers=1)).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("make", [_untied, _frozen, _zero3, _biased, _scaled, _patched, _bf16])
+def _off_the_cpu(tokenizer):  # the device rule, on the one device every machine has besides the CPU
+    m = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    m = m.to("meta")
+    m.lm_head.weight = m.get_input_embeddings().weight  # the move untied them
+    return m
+
+
+@pytest.mark.parametrize("make", [_untied, _frozen, _zero3, _biased, _scaled, _patched, _bf16, _off_the_cpu])
 def test_pairs_it_cannot_fold_are_left_alone(tokenizer, make):
     m = make(tokenizer)
     emb, head = m.get_input_embeddings(), m.get_output_embeddings()
