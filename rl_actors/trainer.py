@@ -270,13 +270,20 @@ class TrainerWorker(Reusable, OpenUpdates):
 
     def send_weights(self, meta: Sequence[TensorMeta], bucket_bytes: int) -> int:
         """All ranks call this (ZeRO-3 gathers are collective); rank 0 broadcasts bucket by bucket,
-        to every receiver alike (HF generators, a tracking reference, vLLM on either device)."""
-        moved = 0
-        buffer = bucket_buffer(meta, bucket_bytes, self.sync_device) if self.rank == 0 else None
-        for metas, tensors in self.weight_buckets(meta, bucket_bytes):
-            if self.rank == 0:
-                moved += broadcast_buckets(self.sync_group, metas, bucket_bytes, 0, self.sync_device,
-                                           get_tensors=(lambda ts: lambda ms: ts)(tensors), buffer=buffer)
+        to every receiver alike (HF generators, a tracking reference, vLLM on either device), filling
+        the next bucket while the last is on the wire (``broadcast_buckets``)."""
+        buckets = self.weight_buckets(meta, bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:  # the gathers, in step with rank 0's
+                pass
+            return 0
+
+        # bucket k's tensors, from the same plan; asking for bucket k+1 ends bucket k's gather (copied by then)
+        moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, 0, self.sync_device,
+                                  get_tensors=lambda metas: next(buckets)[1],
+                                  buffer=bucket_buffer(meta, bucket_bytes, self.sync_device))
+        for _ in buckets:  # the last bucket's gather ends
+            pass
         return moved
 
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:

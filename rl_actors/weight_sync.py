@@ -10,6 +10,7 @@ Functions here run inside actors; the driver only hands out addresses and metada
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -266,13 +267,27 @@ def in_group(group, rank: Optional[int]) -> int:
     return rank
 
 
-def bucket_buffer(meta: Sequence[TensorMeta], bucket_bytes: int, device) -> torch.Tensor:
-    """One flat byte buffer as large as the largest bucket of ``meta``, for ``broadcast_buckets`` to
-    reuse for every bucket of a sync. A bucket in a buffer of its own costs the first touch of each
-    new page: over 32 MB (glibc's largest mmap threshold), a fresh CPU tensor is new pages from the
-    kernel every time, and a 512 MB sync spent 0.6 of its 0.9 s there between two CPU processes
-    (docs/benchmarks.md)."""
-    return torch.empty(largest_bucket(bucket_plan(meta, bucket_bytes), meta), dtype=torch.uint8, device=device)
+# Broadcasts of one sync in flight at once (``broadcast_buckets``): a receiver loads a bucket while the
+# next arrives, the source fills the next while the last is on the wire. vLLM's layerwise reload of each
+# bucket (its linear layers' kernels rebuilt) took as long as the wire on SmolLM2 (docs/benchmarks.md,
+# session 71): one after the other they made its sync 1.7x an HF worker's.
+PIPELINE_DEPTH = 2
+SLOT_ALIGN = 64  # bytes: each slot of a bucket buffer starts on a cache line (and suits every dtype's view)
+
+
+def bucket_buffer(meta: Sequence[TensorMeta], bucket_bytes: int, device, depth: int = PIPELINE_DEPTH) -> torch.Tensor:
+    """One flat byte buffer of ``depth`` slots, each as large as the largest bucket of ``meta``, for
+    ``broadcast_buckets`` to reuse for every bucket of a sync, ``depth`` of them in flight. A bucket in
+    a buffer of its own costs the first touch of each new page: over 32 MB (glibc's largest mmap
+    threshold), a fresh CPU tensor is new pages from the kernel every time, and a 512 MB sync spent
+    0.6 of its 0.9 s there between two CPU processes (docs/benchmarks.md)."""
+    return torch.empty(depth * slot_bytes(largest_bucket(bucket_plan(meta, bucket_bytes), meta)), dtype=torch.uint8,
+                       device=device)
+
+
+def slot_bytes(nbytes: int) -> int:
+    """A slot of a bucket buffer holding ``nbytes``: rounded up to ``SLOT_ALIGN``."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
@@ -306,15 +321,20 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
                       device: torch.device, get_tensors: Optional[Callable[[list], list]] = None,
                       on_received: Optional[Callable[[list, list], None]] = None,
                       buffer: Optional[torch.Tensor] = None) -> int:
-    """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``;
-    receivers pass ``on_received(metas, tensors)`` (None: take part and keep nothing). Returns
-    bytes moved per receiver.
+    """Broadcast every bucket from rank 0. The source passes ``get_tensors(metas) -> tensors``, called
+    once per bucket in order, its tensors read before the next call (a ZeRO-3 source gathers a bucket
+    there and lets the last one go); receivers pass ``on_received(metas, tensors)`` (None: take part
+    and keep nothing). Returns bytes moved per receiver.
 
-    With ``buffer`` (``bucket_buffer``), every bucket is laid out in it in turn, and the tensors a
-    receiver's ``on_received`` gets are views into it, valid until it returns: a receiver that
-    keeps them copies them (vLLM's layerwise reload keeps what it is given until a layer is
-    whole, so its receiver passes none and each bucket gets a buffer of its own). On a CPU whose cores
-    the threads of the group's members there outnumber, it runs on one torch thread (``one_torch_thread``)."""
+    Up to ``PIPELINE_DEPTH`` broadcasts are posted ahead: a receiver's ``on_received`` runs on one
+    bucket while the next ones arrive (gloo's threads receive them; on NCCL its stream), and the source
+    fills a bucket while the one before is on the wire. The collectives keep their order, so members
+    may post ahead by different depths. With ``buffer`` (``bucket_buffer``), buckets take its slots in
+    turn (as many in flight as it has slots), and the tensors a receiver's ``on_received`` gets are views
+    into a slot, valid until it returns: a receiver that keeps them copies them (vLLM's layerwise reload
+    keeps what it is given until a layer is whole, so its receiver passes none and each bucket gets a
+    buffer of its own). On a CPU whose cores the threads of the group's members there outnumber, it runs
+    on one torch thread (``one_torch_thread``)."""
     with one_torch_thread(device, members_here(group)):
         return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
 
@@ -323,37 +343,59 @@ def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_
     rank = in_group(group, rank)
     if rank == 0 and get_tensors is None:
         raise ValueError("the source of a broadcast (rank 0) passes get_tensors")
-    total, plan = 0, bucket_plan(meta, bucket_bytes)
-    if buffer is not None and buffer.numel() < largest_bucket(plan, meta):
-        raise ValueError(f"weight sync: a bucket of {largest_bucket(plan, meta)} bytes does not fit the "
-                         f"{buffer.numel()}-byte buffer (bucket_buffer sizes it from the same plan)")
-    for idx in plan:
-        metas = [meta[i] for i in idx]
+    plan = bucket_plan(meta, bucket_bytes)
+    slot, depth = slot_bytes(largest_bucket(plan, meta)), PIPELINE_DEPTH
+    if buffer is not None:
+        if buffer.numel() < largest_bucket(plan, meta):
+            raise ValueError(f"weight sync: a bucket of {largest_bucket(plan, meta)} bytes does not fit the "
+                             f"{buffer.numel()}-byte buffer (bucket_buffer sizes it from the same plan)")
+        depth = max(1, min(depth, buffer.numel() // slot))
+    posted: collections.deque = collections.deque()  # (work, metas, flat) of the broadcasts in flight, in order
+    total = 0
+
+    def post(k: int, metas: list) -> None:
         numel, dtype = sum(m.numel for m in metas), DTYPES[metas[0].dtype]
         if buffer is None:
             flat = torch.empty(numel, dtype=dtype, device=device)
-        else:
-            flat = buffer[: numel * dtype.itemsize].view(dtype)
-        if rank == 0 and get_tensors is not None:
-            tensors, offset = get_tensors(metas), 0
-            if len(tensors) != len(metas):
-                raise ValueError(f"weight sync: {len(tensors)} tensors for a bucket of {len(metas)} parameters")
-            for m, t in zip(metas, tensors):
-                if t.numel() != m.numel:
-                    raise ValueError(f"weight sync: '{m.name}' has {t.numel()} elements, its metadata {m.numel}")
-                flat[offset: offset + m.numel].copy_(t.detach().reshape(-1))
-                offset += m.numel
+        else:  # slot k % depth: the bucket that used it last (k - depth) is done, its on_received returned
+            start = (k % depth) * slot
+            flat = buffer[start: start + numel * dtype.itemsize].view(dtype)
+        if rank == 0:
+            fill(flat, metas, get_tensors(metas))
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        group.broadcast([flat], opts).wait()
-        total += flat.numel() * flat.element_size()
+        posted.append((group.broadcast([flat], opts), metas, flat))
+
+    def finish() -> int:
+        work, metas, flat = posted.popleft()
+        work.wait()
         if rank != 0 and on_received is not None:
             parts, offset = [], 0
             for m in metas:
                 parts.append(flat[offset: offset + m.numel].view(m.shape))
                 offset += m.numel
             on_received(metas, parts)
+        return flat.numel() * flat.element_size()
+
+    for k, idx in enumerate(plan):
+        if len(posted) == depth:
+            total += finish()
+        post(k, [meta[i] for i in idx])
+    while posted:
+        total += finish()
     return total
+
+
+def fill(flat: torch.Tensor, metas: list, tensors: Sequence[torch.Tensor]) -> None:
+    """The source's side of a bucket: ``tensors`` (one per ``metas``) laid end to end in ``flat``."""
+    if len(tensors) != len(metas):
+        raise ValueError(f"weight sync: {len(tensors)} tensors for a bucket of {len(metas)} parameters")
+    offset = 0
+    for m, t in zip(metas, tensors):
+        if t.numel() != m.numel:
+            raise ValueError(f"weight sync: '{m.name}' has {t.numel()} elements, its metadata {m.numel}")
+        flat[offset: offset + m.numel].copy_(t.detach().reshape(-1))
+        offset += m.numel
 
 
 def raw_broadcast(group, numel: int, dtype: torch.dtype, rank: Optional[int], device) -> float:

@@ -1,5 +1,6 @@
 """The bucketed broadcast over a TCPStore + gloo group, across real processes."""
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -48,11 +49,13 @@ def _member(rank, address, queue, buffered, machines):
                weight_sync.members_here(group)))
 
 
-def test_a_bucket_buffer_holds_the_largest_bucket():
+def test_a_bucket_buffer_holds_the_largest_bucket_once_per_broadcast_in_flight():
     # 256-byte buckets of META: w1 and b1 (48 + 16 bytes of float32), emb alone (70 bytes of bfloat16, another
-    # dtype), w2 alone (10000 bytes, larger than a bucket)
-    assert bucket_buffer(META, 256, torch.device("cpu")).shape == (10000,)
-    assert bucket_buffer(META[:3], 256, torch.device("cpu")).shape == (70,)
+    # dtype), w2 alone (10000 bytes, larger than a bucket); each slot rounded up to 64 bytes
+    assert weight_sync.PIPELINE_DEPTH == 2
+    assert bucket_buffer(META, 256, torch.device("cpu")).shape == (2 * 10048,)
+    assert bucket_buffer(META[:3], 256, torch.device("cpu")).shape == (2 * 128,)
+    assert bucket_buffer(META[:3], 256, torch.device("cpu"), depth=1).shape == (128,)
     assert bucket_buffer(META[:2], 256, torch.device("cpu")).dtype == torch.uint8
 
 
@@ -87,8 +90,8 @@ def test_a_short_buffer_or_a_wrong_tensor_is_refused_before_anything_is_sent():
     """The checks come before the first collective (the group here is never called)."""
     group, cpu = object(), torch.device("cpu")
     src = _source_tensors()
-    with pytest.raises(ValueError, match="a bucket of 10000 bytes does not fit the 70-byte buffer"):
-        broadcast_buckets(group, META, 256, 1, cpu, buffer=bucket_buffer(META[:3], 256, cpu))
+    with pytest.raises(ValueError, match="a bucket of 10000 bytes does not fit the 128-byte buffer"):
+        broadcast_buckets(group, META, 256, 1, cpu, buffer=bucket_buffer(META[:3], 256, cpu, depth=1))
     wrong = lambda ms: [src[m.name][:2] if m.name == "b1" else src[m.name] for m in ms]  # noqa: E731
     with pytest.raises(ValueError, match="'b1' has 2 elements, its metadata 4"):
         broadcast_buckets(group, META, 256, 0, cpu, get_tensors=wrong, buffer=bucket_buffer(META, 256, cpu))
@@ -144,6 +147,78 @@ def test_a_cpu_broadcast_runs_on_one_torch_thread_and_restores_the_count(monkeyp
         assert room.threads == [2, 2, 2]
     finally:
         torch.set_num_threads(before)
+
+
+class Wire:
+    """One member's view of a group whose broadcasts complete at the worst moment for a buffer reused too
+    soon: a receiver's bucket lands as soon as it is posted (the source's bytes, taken from ``source``),
+    a source's is read only when it is waited for. ``events`` records posts, waits and the receiver's loads."""
+
+    def __init__(self, rank: int, source: dict):
+        self.rank, self.source, self.events, self.sent, self.outstanding = rank, source, [], [], 0
+        self.most = 0  # broadcasts in flight at once, at most
+
+    def size(self):
+        return 2
+
+    def broadcast(self, tensors, opts):
+        (flat,), k = tensors, sum(e[0] == "post" for e in self.events)
+        self.events.append(("post", k))
+        self.outstanding += 1
+        self.most = max(self.most, self.outstanding)
+        if self.rank:
+            names = [m.name for m in META if m.name in self.plan[k]]
+            flat.copy_(torch.cat([self.source[n].reshape(-1) for n in names]))
+        wire = self
+
+        class Work:
+            def wait(self):
+                wire.events.append(("wait", k))
+                wire.outstanding -= 1
+                if wire.rank == 0:
+                    wire.sent.append(flat.clone())
+        return Work()
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_buckets_are_posted_ahead_and_a_slot_is_reused_only_once_its_bucket_is_done(buffered, monkeypatch):
+    """Two broadcasts in flight (``PIPELINE_DEPTH``): a receiver's bucket k+1 is posted before bucket k is
+    loaded, and the source fills bucket k+1 before bucket k is waited for; yet no bucket is overwritten
+    while a member still reads it: the receiver's every load sees its own bucket's bytes though each bucket
+    lands the moment it is posted, the source's every bucket its own bytes though read only at its wait.
+    With a depth of 1 (a one-slot buffer) nothing is posted ahead."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    src = _source_tensors()
+    plan = [["w1", "b1"], ["emb"], ["w2"]]  # 256-byte buckets of META
+    buffer = bucket_buffer(META, 256, torch.device("cpu")) if buffered else None
+    receiver, loaded = Wire(1, src), {}
+    receiver.plan = plan
+
+    def load(ms, ts):
+        receiver.events.append(("load", len(loaded)))
+        loaded[len(loaded)] = {m.name: t.clone() for m, t in zip(ms, ts)}
+
+    broadcast_buckets(receiver, META, 256, 1, torch.device("cpu"), on_received=load, buffer=buffer)
+    assert receiver.events == [("post", 0), ("post", 1), ("wait", 0), ("load", 0), ("post", 2), ("wait", 1),
+                               ("load", 1), ("wait", 2), ("load", 2)]
+    assert receiver.most == 2
+    for k, names in enumerate(plan):
+        assert sorted(loaded[k]) == sorted(names)
+        for n in names:
+            assert torch.equal(loaded[k][n], src[n])
+    source = Wire(0, src)
+    source.plan = plan
+    broadcast_buckets(source, META, 256, 0, torch.device("cpu"), get_tensors=lambda ms: [src[m.name] for m in ms],
+                      buffer=bucket_buffer(META, 256, torch.device("cpu")) if buffered else None)
+    assert source.events == [("post", 0), ("post", 1), ("wait", 0), ("post", 2), ("wait", 1), ("wait", 2)]
+    for sent, names in zip(source.sent, plan):
+        want = torch.cat([src[n].reshape(-1) for n in names])
+        assert torch.equal(sent, want)
+    one = Wire(1, src)
+    one.plan = plan
+    broadcast_buckets(one, META, 256, 1, torch.device("cpu"), on_received=lambda ms, ts: None,
+                      buffer=bucket_buffer(META, 256, torch.device("cpu"), depth=1))
+    assert one.most == 1 and [e for e, _ in one.events] == ["post", "wait"] * 3
 
 
 def test_a_rendezvous_given_up_is_left_at_once_and_one_that_completes_is_kept():
