@@ -98,6 +98,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self.group = None  # set by init_transfer_engine
         self.rank: Optional[int] = None
         self.buffers = torch.device("cpu")  # where received buckets land: the group's device
+        self.kernels: dict = {}  # table_kernels at the start of the update under way
 
     def init_transfer_engine(self, info: BucketInitInfo) -> None:
         address = SyncAddress(info.host, info.port, info.world_size, info.backend, info.token)
@@ -107,13 +108,15 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.kernels = table_kernels(self.model)  # the tables' kernels before the reload (refresh_tied_heads)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied_heads(self.model)
+        refresh_tied_heads(self.model, self.kernels)
+        self.kernels = {}  # the old kernels go (the table's 113 MB on SmolLM2)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive and load one sync (synchronous on gloo: nothing to wait for afterwards)."""
@@ -154,19 +157,42 @@ def receive_device(backend: str, worker_device: torch.device) -> torch.device:
     raise ValueError(f"{BACKEND} weight transfer: unknown backend {backend!r} (gloo, nccl)")
 
 
-def refresh_tied_heads(model: torch.nn.Module) -> None:
-    """Rebuild the GEMM kernel of an output head tied to the embedding. vLLM's CPU build packs
-    the head's weight into its kernel at load; the layerwise reload processes a shared weight
-    for one of its layers only (the embedding), so the tied head would keep sampling from the
-    old table (the HF logprobs of the new weights then differ; the test of the weight sync
-    reads the head through its kernel and catches it)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+def table_kernels(model: torch.nn.Module) -> dict:
+    """id of each embedding table's module -> its GEMM kernel now (``cpu_linear``; None where it has
+    none): ``refresh_tied_heads`` tells by it which tables the reload packed afresh."""
+    return {id(m): getattr(m, "cpu_linear", None) for m in _tables(model).values()}
 
-    tables = {id(m.weight) for m in model.modules()
-              if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+
+def refresh_tied_heads(model: torch.nn.Module, before: Optional[dict] = None) -> None:
+    """Point the GEMM kernel of an output head tied to the embedding at the new table. vLLM's CPU
+    build packs the head's weight into its kernel at load; the layerwise reload processes a shared
+    weight for one of its layers only (the embedding), so the tied head would keep sampling from the
+    old table (the HF logprobs of the new weights then differ; the test of the weight sync reads the
+    head through its kernel and catches it). That processing packed the table for the embedding
+    (which only looks rows up), from the very tensor the head multiplies by: where the table's kernel
+    is new since ``before`` (``table_kernels`` at the reload's start), the head takes it instead of
+    packing the table again (113 MB on SmolLM2 at every sync); otherwise the head's own processing
+    packs it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    tables = _tables(model)
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and id(module.weight) in tables:
-            module.quant_method.process_weights_after_loading(module)
+            table = tables[id(module.weight)]
+            kernel = getattr(table, "cpu_linear", None)
+            fresh = kernel is not None and before is not None and kernel is not before.get(id(table))
+            if fresh and getattr(module, "bias", None) is None:
+                module.cpu_linear = kernel
+            else:
+                module.quant_method.process_weights_after_loading(module)
+
+
+def _tables(model: torch.nn.Module) -> dict:
+    """id of each input embedding's weight -> the embedding module (output heads left out)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return {id(m.weight): m for m in model.modules()
+            if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
 
 
 def model_weights(model: torch.nn.Module) -> dict:

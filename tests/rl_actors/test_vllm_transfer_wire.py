@@ -104,3 +104,45 @@ def test_the_engine_receives_the_trainers_buckets_over_gloo():
     # buckets of at most 200 bytes: a.weight (140 B), a.bias (28 B) together, then b.weight (84 B)
     assert receiver.loads == [["a.weight", "a.bias"], ["b.weight"]]
     assert sent["bytes"] == sum(m.nbytes for m in meta)
+
+
+def _bare(cls, **attrs):
+    """A vLLM layer of ``cls`` without its constructor (which wants vLLM's distributed state)."""
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    return module
+
+
+def test_a_tied_head_takes_the_tables_new_kernel_and_packs_its_own_otherwise():
+    """``refresh_tied_heads``: a head tied to the embedding takes the kernel the reload packed for the
+    table (no second packing of the same tensor); where the table kept its kernel (a sync cut before the
+    table's layer, or no kernel start to compare), the head packs its own; an untied head is left alone."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from rl_actors.vllm_transfer import refresh_tied_heads, table_kernels
+
+    def model(tied: bool):
+        table = _bare(VocabParallelEmbedding, weight=torch.nn.Parameter(torch.zeros(4, 2)), cpu_linear="old table")
+        packed = []
+        head = _bare(ParallelLMHead, weight=table.weight if tied else torch.nn.Parameter(torch.zeros(4, 2)),
+                     bias=None, cpu_linear="old head",
+                     quant_method=SimpleNamespace(process_weights_after_loading=lambda m: packed.append(m)))
+        return torch.nn.ModuleDict({"embed": table, "head": head}), table, head, packed
+
+    root, table, head, packed = model(tied=True)
+    before = table_kernels(root)
+    assert before == {id(table): "old table"}
+    table.cpu_linear = "new table"  # the reload packed the table afresh
+    refresh_tied_heads(root, before)
+    assert head.cpu_linear == "new table" and packed == []
+    for kept in (before, None):  # the table's kernel unchanged, or nothing to compare with: the head packs
+        root, table, head, packed = model(tied=True)
+        refresh_tied_heads(root, kept if kept is None else table_kernels(root))
+        assert head.cpu_linear == "old head" and packed == [head]
+    root, table, head, packed = model(tied=False)
+    before = table_kernels(root)
+    table.cpu_linear = "new table"
+    refresh_tied_heads(root, before)
+    assert head.cpu_linear == "old head" and packed == []
