@@ -5,8 +5,10 @@ the same ``cluster.loop.train.train`` that drives a Ray cluster, over the same p
 policy generates with the weights it trains (a Ray generator holds an exact copy, synced
 after every step), the reference is a frozen copy (or moved by ``ref_update_fn`` at each
 sync), rewards run here, and a critic (PPO) is a value model with its own optimizer. The
-same seed and config give the same metrics as a 1-generator, 1-trainer Ray cluster
-(architecture section 8, invariant 7): the sampler of each call is seeded as a Ray generator seeds it.
+same seed and config give the same metrics as a 1-generator, 1-trainer Ray cluster on a CPU in
+float32 (architecture section 8, invariant 7): the sampler of each call is seeded as a Ray generator
+seeds it. A model it loads computes in float32 (``check_float32`` refuses a lower precision asked
+for); on a GPU a Ray trainer rank trains in bf16 by default, so there the two differ by that.
 """
 from __future__ import annotations
 
@@ -60,6 +62,18 @@ def freeze(model):
     """``model`` frozen in place (no gradients, eval mode, dropout off): a reference."""
     disable_dropout(model)
     return create_reference_model(model, ref_model_fn=lambda m: m)
+
+
+def check_float32(config: ModelConfig, trainer: TrainerConfig) -> None:
+    """A model LocalBackend loads computes in float32 on every device: a job's lower precision
+    (``model.dtype``, the generators' and the reference's on Ray; ``TrainerConfig.bf16``, the
+    trainer ranks') is refused, naming the field, rather than dropped in silence."""
+    wants = [f"model.dtype is {config.dtype!r}"] if config.dtype != "float32" else []
+    wants += ["TrainerConfig.bf16 is True"] if trainer.bf16 else []
+    if wants:
+        raise ValueError(f"LocalBackend: {' and '.join(wants)}, but the local backend loads its policy, reference "
+                         f"and critic in float32 (the precision in which it matches a Ray cluster's metrics); set "
+                         f"float32, or run the job on Ray, or pass a model you loaded yourself at its own dtype")
 
 
 class LocalRollouts(NamedTuple):
@@ -116,7 +130,8 @@ class LocalBackend:
                 raise ValueError("LocalBackend: model.lora is for the Ray trainer ranks (adapters alone trained and "
                                  "sent, the reference with the adapters off); here pass a model you wrapped yourself "
                                  "(primitives.model.lora.with_lora(model, LoraConfig(...))) and its tokenizer")
-            self.policy, self.tokenizer = load_causal_lm(self.config._replace(dtype="float32"), "local policy")
+            check_float32(self.config, trainer)
+            self.policy, self.tokenizer = load_causal_lm(self.config, "local policy")
         self.optimizer = optimizer if optimizer is not None else adamw(self.policy.parameters(), trainer)
         if trainer.gradient_checkpointing:
             enable_gradient_checkpointing(self.policy, "local policy")

@@ -76,6 +76,24 @@ def test_local_backend_resumes_exactly(tiny_model_path, tmp_path):
     _assert_same(straight, list(resumed.metrics_history))
 
 
+def test_the_local_backend_refuses_a_precision_it_would_not_compute_in(tiny_model_path):
+    """LocalBackend loads in float32: a job's bf16 (the generators' and reference's ``model.dtype``, the
+    trainer ranks' ``TrainerConfig.bf16``) is refused by name before any model loads, not dropped."""
+    import torch
+
+    from primitives.types import ModelConfig
+
+    with pytest.raises(ValueError, match=r"LocalBackend: model.dtype is 'bfloat16', but .* float32"):
+        LocalBackend(ModelConfig(tiny_model_path, dtype="bfloat16"), spread_plus_exact)
+    with pytest.raises(ValueError, match=r"LocalBackend: TrainerConfig.bf16 is True, but"):
+        LocalBackend(tiny_model_path, spread_plus_exact, trainer=TrainerConfig(bf16=True))
+    with pytest.raises(ValueError, match=r"model.dtype is 'float16' and TrainerConfig.bf16 is True"):
+        LocalBackend(ModelConfig(tiny_model_path, dtype="float16"), spread_plus_exact, trainer=TrainerConfig(bf16=True))
+    backend = LocalBackend(ModelConfig(tiny_model_path, dtype="float32"), spread_plus_exact,
+                           trainer=TrainerConfig(bf16=False))
+    assert {p.dtype for p in backend.policy.parameters()} == {torch.float32}
+
+
 def test_same_seed_same_metrics_on_local_and_ray(ray_local, tiny_model_path, local_metrics):
     cfg = ClusterConfig(generators=1, trainers=1, reward_workers=1, zero_stage=2, call_timeout_s=300)
     cluster = build_rl_cluster(tiny_model_path, cfg, TrainerConfig(zero_stage=2, lr=LR, max_grad_norm=1.0),
