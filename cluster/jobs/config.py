@@ -10,6 +10,7 @@ run in ``cluster/jobs/checks.py`` and ``inputs.py`` before Ray starts.
 """
 from __future__ import annotations
 
+import json
 import os
 import types
 from typing import Any, NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
@@ -418,13 +419,25 @@ def keep_class_sources() -> None:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def resume_errors(path: str) -> list:
-    """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not."""
-    if not os.path.isfile(os.path.join(path, "train_state.json")):
+def resume_errors(path: str, steps: Optional[tuple] = None) -> list:
+    """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not; with
+    ``steps`` (``(field, value)``: an RL job's ``("algorithm.steps", n)``), also when the checkpoint is
+    at that step or past it: the run would train nothing and write an empty history over its outputs."""
+    state = os.path.join(path, "train_state.json")
+    if not os.path.isfile(state):
         return [f"checkpoint.resume {path}: not a checkpoint directory (no train_state.json)"]
     if not os.path.isdir(os.path.join(path, "deepspeed")):
         kind = ("a single-process checkpoint (primitives.io.checkpoint.save_checkpoint: optimizer.pt, rng.pt)"
                 if os.path.isfile(os.path.join(path, "rng.pt")) else "not a cluster checkpoint")
         return [f"checkpoint.resume {path}: {kind}; a job resumes from a cluster checkpoint written by "
                 "checkpoint.every (deepspeed/, train_state.json)"]
+    if steps is not None:
+        field, last = steps
+        try:
+            done = int(json.load(open(state))["iteration"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return [f"checkpoint.resume {path}: train_state.json has no step to continue from ({e})"]
+        if done >= last:
+            return [f"checkpoint.resume {path} is at step {done}, {field} is {last}: nothing is left to train; "
+                    f"raise {field} to train on"]
     return []

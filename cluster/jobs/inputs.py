@@ -273,7 +273,7 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     job = with_resolved_paths(job)
     errors = rl_errors(job) + model_errors(job.model)
     if job.checkpoint.resume:
-        errors += resume_errors(job.checkpoint.resume)
+        errors += resume_errors(job.checkpoint.resume, ("algorithm.steps", job.algorithm.steps))
     raise_if(errors)
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
     algo = algorithm_of(job.algorithm)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -22,12 +23,47 @@ SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/en
 PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync", "time/step")
 
 
+# What a job writes in <out>, its run's outputs (<out>/base_model, the tiny model made from the seed, is an input)
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "samples", "trained_groups.jsonl",
+               "checkpoints", "final_model", "sft_model")
+EARLIER = "earlier"  # <out>/earlier/<UTC time>/: an earlier run's outputs, set aside by a fresh start
+
+
+def set_aside_earlier_run(out: str, resume: Optional[str]) -> Optional[str]:
+    """A job that starts afresh in ``out`` (no ``resume``, or a checkpoint outside ``<out>/checkpoints``)
+    where an earlier run left its outputs (``RUN_OUTPUTS``) moves them into ``<out>/earlier/<UTC time>/``
+    first and returns that path (None: nothing to move). Left in place, its metrics would be deleted,
+    its ledger of trained groups and its samples mixed with the new run's, and its checkpoints, of
+    higher steps, would outrank the new run's: the pruning would remove the new ones and a later
+    ``--checkpoint.resume auto`` continue the earlier run. A job continuing from ``<out>/checkpoints``
+    keeps them in place; anything else in ``out`` is left alone."""
+    ours = os.path.abspath(os.path.join(out, "checkpoints")) + os.sep
+    if resume and os.path.abspath(resume).startswith(ours):
+        return None
+    found = [name for name in RUN_OUTPUTS if os.path.lexists(os.path.join(out, name))]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside, k = os.path.join(out, EARLIER, stamp), 1
+    while os.path.lexists(aside):
+        k += 1
+        aside = os.path.join(out, EARLIER, f"{stamp}-{k}")
+    os.makedirs(aside)
+    for name in found:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    print(f"{out} held an earlier run's outputs ({', '.join(found)}): moved to {aside} (this run starts afresh; "
+          f"delete it when it is no longer needed)", flush=True)
+    return aside
+
+
 def start_output(job) -> tuple:
-    """Create ``<out>``, save the resolved config there, and return ``(logger, metrics_path)``."""
+    """Create ``<out>`` (an earlier run's outputs set aside where this run starts afresh:
+    ``set_aside_earlier_run``), save the resolved config there, and return ``(logger, metrics_path)``."""
     from primitives.io.loggers import multi_logger, run_logger, wandb_logger
 
     out = job.logging.out
     print(f"writing outputs to {out}", flush=True)
+    set_aside_earlier_run(out, job.checkpoint.resume)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(dump_config(job))

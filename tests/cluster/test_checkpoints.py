@@ -121,13 +121,13 @@ def test_a_negative_checkpoint_minutes_is_refused(tiny_model_path):
 
 
 def _plant(directory, name: str, complete: bool = True) -> str:
-    """A directory shaped like a cluster checkpoint (train_state.json, deepspeed/), or like
-    half of one (deepspeed/ only)."""
+    """A directory shaped like a cluster checkpoint (train_state.json with the step of its name,
+    deepspeed/), or like half of one (deepspeed/ only)."""
     path = os.path.join(directory, name)
     os.makedirs(os.path.join(path, "deepspeed"))
     if complete:
         with open(os.path.join(path, "train_state.json"), "w") as f:
-            json.dump({}, f)
+            json.dump({"iteration": int(name.split("_")[1].split(".")[0])}, f)
     return path
 
 
@@ -166,6 +166,56 @@ def test_resume_auto_resolves_to_the_newest_complete_checkpoint_before_loading(t
     sft_job = SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=2, path=str(tmp_path / "sft.jsonl")),
                      checkpoint=CheckpointConfig(resume="auto"), logging=LoggingConfig(out=str(tmp_path / "out")))
     assert prepare_sft(sft_job).job.checkpoint.resume == newest
+
+
+def test_an_rl_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path, tiny_model_path, monkeypatch):
+    """A checkpoint at algorithm.steps (80 by default) or past it would run no step and write an empty
+    history over the run's metrics and summary: refused by name, before Ray; one step short is taken."""
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    checkpoints = str(tmp_path / "out" / "checkpoints")
+    for step in (80, 81):
+        path = _plant(checkpoints, f"step_{step}")
+        with pytest.raises(ConfigErrors, match=rf"checkpoint.resume {path} is at step {step}, algorithm.steps is 80: "
+                                               r"nothing is left to train; raise algorithm.steps"):
+            prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=path))
+    with open(os.path.join(path, "train_state.json"), "w") as f:
+        json.dump({}, f)
+    with pytest.raises(ConfigErrors, match="train_state.json has no step to continue from"):
+        prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=path))
+    assert "ray" not in sys.modules
+    assert prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=_plant(checkpoints, "step_79"))).sft_samples == []
+
+
+def test_a_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, tiny_model_path, capsys):
+    """An earlier run's outputs in <out> (its higher-step checkpoints would outrank the new run's: pruned
+    first, taken by a later resume auto) move to <out>/earlier/<time>/ when a job starts afresh there,
+    whole; a file of the user's stays, and a run continuing from <out>/checkpoints moves nothing."""
+    from cluster.jobs.outputs import RUN_OUTPUTS, set_aside_earlier_run, start_output
+    from primitives.io.checkpoint import latest_checkpoint
+
+    out = tmp_path / "out"
+    checkpoints = str(out / "checkpoints")
+    _plant(checkpoints, "step_80")
+    (out / "samples").mkdir()
+    (out / "samples" / "step_79.jsonl").write_text("earlier\n")
+    for name in ("metrics.jsonl", "summary.json", "trained_groups.jsonl", "notes.txt"):
+        (out / name).write_text(f"{name} of the earlier run\n")
+    kept = os.path.join(checkpoints, "step_80")
+    assert set_aside_earlier_run(str(out), kept) is None  # continuing in place: nothing moves
+    assert set_aside_earlier_run(str(out), str(tmp_path / "elsewhere" / "checkpoints" / "step_3")) is not None
+    aside = os.path.join(out, "earlier", os.listdir(out / "earlier")[0])
+    assert sorted(os.listdir(aside)) == ["checkpoints", "metrics.jsonl", "samples", "summary.json",
+                                         "trained_groups.jsonl"]
+    assert open(os.path.join(aside, "samples", "step_79.jsonl")).read() == "earlier\n"
+    assert latest_checkpoint(checkpoints) is None and latest_checkpoint(os.path.join(aside, "checkpoints"))
+    assert sorted(os.listdir(out)) == ["earlier", "notes.txt"]
+    assert set_aside_earlier_run(str(out), None) is None  # nothing of a run left to move
+    assert set_aside_earlier_run(str(tmp_path / "new"), None) is None and not (tmp_path / "new").exists()
+    (out / "metrics.jsonl").write_text("a second earlier run\n")
+    job = _rl_job(tmp_path, tiny_model_path)._replace(logging=LoggingConfig(out=str(out)))
+    start_output(job)  # a fresh start the job way: the second earlier run goes to a directory of its own
+    assert len(os.listdir(out / "earlier")) == 2 and "moved to" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["config.yaml", "earlier", "notes.txt"] and "config.yaml" in RUN_OUTPUTS
 
 
 def test_resume_alias_on_the_command_line():
