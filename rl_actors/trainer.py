@@ -278,13 +278,18 @@ class TrainerWorker(Reusable, OpenUpdates):
                 pass
             return 0
 
-        # bucket k's tensors, from the same plan; asking for bucket k+1 ends bucket k's gather (copied by then)
-        moved = broadcast_buckets(self.sync_group, meta, bucket_bytes, 0, self.sync_device,
-                                  get_tensors=lambda metas: next(buckets)[1],
-                                  buffer=bucket_buffer(meta, bucket_bytes, self.sync_device))
-        for _ in buckets:  # the last bucket's gather ends
-            pass
-        return moved
+        def bucket(metas: list) -> list:  # asking for bucket k+1 ends bucket k's gather (copied by then)
+            sent, tensors = next(buckets)
+            if sent != metas:
+                raise RuntimeError(f"weight sync: trainer bucket {[m.name for m in sent][:2]}... where the plan has "
+                                   f"{[m.name for m in metas][:2]}...")
+            return tensors
+
+        try:
+            return broadcast_buckets(self.sync_group, meta, bucket_bytes, 0, self.sync_device, get_tensors=bucket,
+                                     buffer=bucket_buffer(meta, bucket_bytes, self.sync_device))
+        finally:
+            buckets.close()  # the last bucket's gather ends (at once, a failed sync's too)
 
     def broadcast_probe(self, numel: int, dtype: str = "float32") -> float:
         """Seconds for one raw broadcast of ``numel`` elements in the sync group (a link check

@@ -270,29 +270,49 @@ def in_group(group, rank: Optional[int]) -> int:
 # Broadcasts of one sync in flight at once (``broadcast_buckets``): a receiver loads a bucket while the
 # next arrives, the source fills the next while the last is on the wire. vLLM's layerwise reload of each
 # bucket (its linear layers' kernels rebuilt) took as long as the wire on SmolLM2 (docs/benchmarks.md,
-# session 71): one after the other they made its sync 1.7x an HF worker's.
+# session 71): one after the other they made its sync 1.7x an HF worker's. Two, so that the two buckets
+# in flight are neighbours in the plan, one even and one odd (``bucket_slot``).
 PIPELINE_DEPTH = 2
-SLOT_ALIGN = 64  # bytes: each slot of a bucket buffer starts on a cache line (and suits every dtype's view)
+SLOT_ALIGN = 64  # bytes: where a bucket starts in a buffer (a cache line; suits every dtype's view)
 
 
 def bucket_buffer(meta: Sequence[TensorMeta], bucket_bytes: int, device, depth: int = PIPELINE_DEPTH) -> torch.Tensor:
-    """One flat byte buffer of ``depth`` slots, each as large as the largest bucket of ``meta``, for
-    ``broadcast_buckets`` to reuse for every bucket of a sync, ``depth`` of them in flight. A bucket in
-    a buffer of its own costs the first touch of each new page: over 32 MB (glibc's largest mmap
-    threshold), a fresh CPU tensor is new pages from the kernel every time, and a 512 MB sync spent
-    0.6 of its 0.9 s there between two CPU processes (docs/benchmarks.md)."""
-    return torch.empty(depth * slot_bytes(largest_bucket(bucket_plan(meta, bucket_bytes), meta)), dtype=torch.uint8,
-                       device=device)
+    """One flat byte buffer for ``broadcast_buckets`` to lay every bucket of a sync out in, ``depth`` (1
+    or 2) of them in flight: as large as the largest bucket of ``meta``, or with two in flight, as the
+    largest two neighbouring buckets together (``bucket_slot``; SmolLM2 in fp32 at 64 MB buckets: 177 MB
+    against 113 for the largest alone, its embedding). A bucket in a buffer of its own costs the first
+    touch of each new page: over 32 MB (glibc's largest mmap threshold), a fresh CPU tensor is new pages
+    from the kernel every time, and a 512 MB sync spent 0.6 of its 0.9 s there between two CPU
+    processes (docs/benchmarks.md)."""
+    if depth not in (1, 2):
+        raise ValueError(f"bucket_buffer: depth {depth}; 1 or 2 buckets in flight")
+    return torch.empty(buffer_bytes(bucket_plan(meta, bucket_bytes), meta, depth), dtype=torch.uint8, device=device)
 
 
-def slot_bytes(nbytes: int) -> int:
-    """A slot of a bucket buffer holding ``nbytes``: rounded up to ``SLOT_ALIGN``."""
-    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+def bucket_sizes(plan: list, meta: Sequence[TensorMeta]) -> list:
+    """Bytes of each bucket of ``plan`` (``bucket_plan(meta, ...)``)."""
+    return [sum(meta[i].nbytes for i in idx) for idx in plan]
 
 
 def largest_bucket(plan: list, meta: Sequence[TensorMeta]) -> int:
     """Bytes of the largest bucket of ``plan`` (``bucket_plan(meta, ...)``)."""
-    return max((sum(meta[i].nbytes for i in idx) for idx in plan), default=0)
+    return max(bucket_sizes(plan, meta), default=0)
+
+
+def buffer_bytes(plan: list, meta: Sequence[TensorMeta], depth: int) -> int:
+    """The bytes a buffer needs for ``plan`` with ``depth`` buckets in flight: the largest bucket, or the
+    largest two neighbours plus the room ``bucket_slot`` aligns the back one down by."""
+    sizes = bucket_sizes(plan, meta)
+    if depth == 1 or len(sizes) < 2:
+        return max(sizes, default=0)
+    return max(a + b for a, b in zip(sizes, sizes[1:])) + SLOT_ALIGN
+
+
+def bucket_slot(k: int, nbytes: int, size: int, depth: int) -> int:
+    """Where bucket ``k`` of ``nbytes`` starts in a buffer of ``size`` bytes: with one in flight at 0;
+    with two, even buckets at 0 and odd ones against the end (aligned down to ``SLOT_ALIGN``), so the two
+    in flight, neighbours, never overlap where the buffer holds the largest two neighbours together."""
+    return 0 if depth == 1 or k % 2 == 0 else (size - nbytes) // SLOT_ALIGN * SLOT_ALIGN
 
 
 @contextlib.contextmanager
@@ -329,12 +349,12 @@ def broadcast_buckets(group, meta: Sequence[TensorMeta], bucket_bytes: int, rank
     Up to ``PIPELINE_DEPTH`` broadcasts are posted ahead: a receiver's ``on_received`` runs on one
     bucket while the next ones arrive (gloo's threads receive them; on NCCL its stream), and the source
     fills a bucket while the one before is on the wire. The collectives keep their order, so members
-    may post ahead by different depths. With ``buffer`` (``bucket_buffer``), buckets take its slots in
-    turn (as many in flight as it has slots), and the tensors a receiver's ``on_received`` gets are views
-    into a slot, valid until it returns: a receiver that keeps them copies them (vLLM's layerwise reload
-    keeps what it is given until a layer is whole, so its receiver passes none and each bucket gets a
-    buffer of its own). On a CPU whose cores the threads of the group's members there outnumber, it runs
-    on one torch thread (``one_torch_thread``)."""
+    may post ahead by different depths. With ``buffer`` (``bucket_buffer``), every bucket is laid out in it
+    (``bucket_slot``; two in flight where it has the room, else one), and the tensors a receiver's
+    ``on_received`` gets are views into it, valid until it returns: a receiver that keeps them copies
+    them (vLLM's layerwise reload keeps what it is given until a layer is whole, so its receiver passes
+    none and each bucket gets a buffer of its own). On a CPU whose cores the threads of the group's
+    members there outnumber, it runs on one torch thread (``one_torch_thread``)."""
     with one_torch_thread(device, members_here(group)):
         return _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_received, buffer)
 
@@ -343,13 +363,12 @@ def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_
     rank = in_group(group, rank)
     if rank == 0 and get_tensors is None:
         raise ValueError("the source of a broadcast (rank 0) passes get_tensors")
-    plan = bucket_plan(meta, bucket_bytes)
-    slot, depth = slot_bytes(largest_bucket(plan, meta)), PIPELINE_DEPTH
+    plan, depth = bucket_plan(meta, bucket_bytes), PIPELINE_DEPTH
     if buffer is not None:
         if buffer.numel() < largest_bucket(plan, meta):
             raise ValueError(f"weight sync: a bucket of {largest_bucket(plan, meta)} bytes does not fit the "
                              f"{buffer.numel()}-byte buffer (bucket_buffer sizes it from the same plan)")
-        depth = max(1, min(depth, buffer.numel() // slot))
+        depth = 2 if buffer.numel() >= buffer_bytes(plan, meta, 2) else 1
     posted: collections.deque = collections.deque()  # (work, metas, flat) of the broadcasts in flight, in order
     total = 0
 
@@ -357,8 +376,8 @@ def _broadcast_buckets(group, meta, bucket_bytes, rank, device, get_tensors, on_
         numel, dtype = sum(m.numel for m in metas), DTYPES[metas[0].dtype]
         if buffer is None:
             flat = torch.empty(numel, dtype=dtype, device=device)
-        else:  # slot k % depth: the bucket that used it last (k - depth) is done, its on_received returned
-            start = (k % depth) * slot
+        else:  # the bucket that used this room last (k - depth) is done, its on_received returned
+            start = bucket_slot(k, numel * dtype.itemsize, buffer.numel(), depth)
             flat = buffer[start: start + numel * dtype.itemsize].view(dtype)
         if rank == 0:
             fill(flat, metas, get_tensors(metas))

@@ -49,14 +49,42 @@ def _member(rank, address, queue, buffered, machines):
                weight_sync.members_here(group)))
 
 
-def test_a_bucket_buffer_holds_the_largest_bucket_once_per_broadcast_in_flight():
+def test_a_bucket_buffer_holds_the_two_largest_neighbours_with_two_in_flight():
     # 256-byte buckets of META: w1 and b1 (48 + 16 bytes of float32), emb alone (70 bytes of bfloat16, another
-    # dtype), w2 alone (10000 bytes, larger than a bucket); each slot rounded up to 64 bytes
+    # dtype), w2 alone (10000 bytes, larger than a bucket); two in flight: emb and w2 together, and the 64 bytes
+    # the back one is aligned down by
     assert weight_sync.PIPELINE_DEPTH == 2
-    assert bucket_buffer(META, 256, torch.device("cpu")).shape == (2 * 10048,)
-    assert bucket_buffer(META[:3], 256, torch.device("cpu")).shape == (2 * 128,)
-    assert bucket_buffer(META[:3], 256, torch.device("cpu"), depth=1).shape == (128,)
+    assert bucket_buffer(META, 256, torch.device("cpu")).shape == (70 + 10000 + 64,)
+    assert bucket_buffer(META, 256, torch.device("cpu"), depth=1).shape == (10000,)
+    assert bucket_buffer(META[:3], 256, torch.device("cpu")).shape == (64 + 70 + 64,)
+    assert bucket_buffer(META[:2], 256, torch.device("cpu")).shape == (64,)  # one bucket: nothing beside it
     assert bucket_buffer(META[:2], 256, torch.device("cpu")).dtype == torch.uint8
+    assert bucket_buffer([], 256, torch.device("cpu")).shape == (0,)
+    with pytest.raises(ValueError, match="depth 3; 1 or 2 buckets in flight"):
+        bucket_buffer(META, 256, torch.device("cpu"), depth=3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_two_neighbouring_buckets_never_share_a_byte_of_the_buffer(seed):
+    """For any plan (sizes of any bytes, 1-64 buckets): every bucket lies inside the buffer, starts aligned
+    to SLOT_ALIGN, and no two neighbours (the two a sync has in flight) overlap; with one in flight all start at 0."""
+    import random
+
+    from rl_actors.weight_sync import SLOT_ALIGN, bucket_slot, buffer_bytes
+
+    draw = random.Random(seed)
+    meta = [TensorMeta(f"t{i}", (draw.choice([1, 3, 7, 64, 1000, 4099]),), draw.choice(["float32", "bfloat16"]))
+            for i in range(draw.randint(1, 64))]
+    plan = weight_sync.bucket_plan(meta, draw.choice([8, 100, 4096, 10 ** 6]))
+    sizes = weight_sync.bucket_sizes(plan, meta)
+    for depth in (1, 2):
+        size = buffer_bytes(plan, meta, depth)
+        spans = [(bucket_slot(k, n, size, depth), n) for k, n in enumerate(sizes)]
+        assert all(start % SLOT_ALIGN == 0 and start + n <= size for start, n in spans)
+        if depth == 1:
+            assert {start for start, _ in spans} == {0}
+        for (a, n), (b, m) in zip(spans, spans[1:]):
+            assert depth == 1 or a + n <= b or b + m <= a
 
 
 def test_broadcast_delivers_exact_bytes_to_every_receiver():
@@ -90,7 +118,7 @@ def test_a_short_buffer_or_a_wrong_tensor_is_refused_before_anything_is_sent():
     """The checks come before the first collective (the group here is never called)."""
     group, cpu = object(), torch.device("cpu")
     src = _source_tensors()
-    with pytest.raises(ValueError, match="a bucket of 10000 bytes does not fit the 128-byte buffer"):
+    with pytest.raises(ValueError, match="a bucket of 10000 bytes does not fit the 70-byte buffer"):
         broadcast_buckets(group, META, 256, 1, cpu, buffer=bucket_buffer(META[:3], 256, cpu, depth=1))
     wrong = lambda ms: [src[m.name][:2] if m.name == "b1" else src[m.name] for m in ms]  # noqa: E731
     with pytest.raises(ValueError, match="'b1' has 2 elements, its metadata 4"):
