@@ -170,10 +170,10 @@ def refresh_tied_heads(model: torch.nn.Module, before: Optional[dict] = None) ->
     old table (the HF logprobs of the new weights then differ; the test of the weight sync reads the
     head through its kernel and catches it). That processing packed the table for the embedding
     (which only looks rows up), from the very tensor the head multiplies by: where the table's kernel
-    is new since ``before`` (``table_kernels`` at the reload's start), the head takes it instead of
-    packing the table again (113 MB on SmolLM2 at every sync); otherwise the head's own processing
-    packs it."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    is new since ``before`` (``table_kernels`` at the reload's start) and both pack alike (unquantized,
+    the head without a bias), the head takes it instead of packing the table again (113 MB on SmolLM2
+    at every sync); otherwise the head's own processing packs it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
     tables = _tables(model)
     for module in model.modules():
@@ -181,7 +181,8 @@ def refresh_tied_heads(model: torch.nn.Module, before: Optional[dict] = None) ->
             table = tables[id(module.weight)]
             kernel = getattr(table, "cpu_linear", None)
             fresh = kernel is not None and before is not None and kernel is not before.get(id(table))
-            if fresh and getattr(module, "bias", None) is None:
+            alike = all(isinstance(m.quant_method, UnquantizedEmbeddingMethod) for m in (table, module))
+            if fresh and alike and getattr(module, "bias", None) is None:
                 module.cpu_linear = kernel
             else:
                 module.quant_method.process_weights_after_loading(module)

@@ -119,16 +119,27 @@ def test_a_tied_head_takes_the_tables_new_kernel_and_packs_its_own_otherwise():
     """``refresh_tied_heads``: a head tied to the embedding takes the kernel the reload packed for the
     table (no second packing of the same tensor); where the table kept its kernel (a sync cut before the
     table's layer, or no kernel start to compare), the head packs its own; an untied head is left alone."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
 
     from rl_actors.vllm_transfer import refresh_tied_heads, table_kernels
 
-    def model(tied: bool):
-        table = _bare(VocabParallelEmbedding, weight=torch.nn.Parameter(torch.zeros(4, 2)), cpu_linear="old table")
-        packed = []
+    class Packs(UnquantizedEmbeddingMethod):
+        def __init__(self, packed):
+            self.packed = packed
+
+        def process_weights_after_loading(self, layer):
+            self.packed.append(layer)
+
+    def model(tied: bool, bias=None, quant=Packs):
+        table = _bare(VocabParallelEmbedding, weight=torch.nn.Parameter(torch.zeros(4, 2)), cpu_linear="old table",
+                      quant_method=Packs([]))
+        packed: list = []
         head = _bare(ParallelLMHead, weight=table.weight if tied else torch.nn.Parameter(torch.zeros(4, 2)),
-                     bias=None, cpu_linear="old head",
-                     quant_method=SimpleNamespace(process_weights_after_loading=lambda m: packed.append(m)))
+                     bias=bias, cpu_linear="old head", quant_method=quant(packed))
         return torch.nn.ModuleDict({"embed": table, "head": head}), table, head, packed
 
     root, table, head, packed = model(tied=True)
@@ -146,3 +157,14 @@ def test_a_tied_head_takes_the_tables_new_kernel_and_packs_its_own_otherwise():
     table.cpu_linear = "new table"
     refresh_tied_heads(root, before)
     assert head.cpu_linear == "old head" and packed == []
+
+    class Quantized:  # a head whose quantization packs otherwise than the table
+        def __init__(self, packed):
+            self.process_weights_after_loading = packed.append
+
+    for kind in ({"bias": torch.nn.Parameter(torch.zeros(4))}, {"quant": Quantized}):
+        root, table, head, packed = model(tied=True, **kind)
+        before = table_kernels(root)
+        table.cpu_linear = "new table"
+        refresh_tied_heads(root, before)
+        assert head.cpu_linear == "old head" and packed == [head]
