@@ -81,12 +81,17 @@ def backbone_of(lm: nn.Module) -> nn.Module:
     if not isinstance(backbone, nn.Module):
         raise ValueError(f"{type(lm).__name__} has no backbone at base_model_prefix "
                          f"'{getattr(lm, 'base_model_prefix', None)}'")
+    heads = getattr(backbone, "get_output_embeddings", None)
+    if callable(heads) and heads() is not None:  # a wrapper forwarding attributes (PEFT) handed the LM back
+        raise ValueError(f"{type(lm).__name__}.{lm.base_model_prefix} is {type(backbone).__name__}, a model with "
+                         f"an LM head, not its backbone")
     return backbone
 
 
 def value_model_from_policy(path_or_model, head_init_std: float = 0.0, dtype: torch.dtype = torch.float32,
                             seed: int = 0) -> ValueModel:
-    """A value model whose backbone is a copy of a causal LM's (a path or a loaded model).
+    """A value model whose backbone is a copy of a causal LM's (a path or a loaded model; a model in
+    adapters gives its weights with the adapter merged), every weight trainable.
 
     The head is zero-initialised by default, so every initial value is 0: the first
     advantages are GAE of the rewards alone, not of a random head's noise, and at the first
@@ -101,9 +106,14 @@ def value_model_from_policy(path_or_model, head_init_std: float = 0.0, dtype: to
         path = os.fspath(path_or_model)
         _check_model_dir(path, "policy")
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        backbone = backbone_of(lm)
+    elif hasattr(path_or_model, "merge_and_unload"):
+        # a policy in adapters (PEFT, primitives.model.lora.with_lora): a copy with its active adapter merged
+        # into the weights, unwrapped; the critic is a full value model, every weight of it trained
+        backbone = backbone_of(copy.deepcopy(path_or_model).merge_and_unload())
     else:
-        lm = path_or_model
-    backbone = copy.deepcopy(backbone_of(lm)).to(dtype)  # the policy's own weights stay untouched
+        backbone = copy.deepcopy(backbone_of(path_or_model))  # the policy's own weights stay untouched
+    backbone = backbone.to(dtype).requires_grad_(True)
     head = nn.Linear(backbone.config.hidden_size, 1, bias=True, dtype=dtype)
     with torch.no_grad():
         nn.init.zeros_(head.bias)

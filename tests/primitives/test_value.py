@@ -265,3 +265,36 @@ def test_from_reward_model_value_at_last_token_is_the_score(tiny_model, tokenize
     Qwen2ForSequenceClassification(Qwen2Config(**{**config.to_dict(), "num_labels": 2})).save_pretrained(two)
     with pytest.raises(ValueError, match="rm2.*num_labels=2"):
         value_model_from_reward_model(two)
+
+
+def test_a_policy_in_adapters_gives_a_full_critic_of_its_merged_weights(tiny_model, tokenizer):
+    """A policy wrapped in LoRA adapters (``with_lora``, as README tells a notebook user to pass one): the
+    critic is a full value model, every weight trainable, whose backbone computes the policy's hidden
+    states, the adapters' share included (here B made non-zero, so the adapters change them); the policy,
+    wrapper and adapters, is left as it was. Before, PEFT's attribute forwarding handed the whole LM to the
+    critic as its backbone, frozen but for the adapters, and its forward failed."""
+    import copy
+
+    from primitives.model.lora import with_lora
+    from primitives.types import LoraConfig
+
+    policy = with_lora(copy.deepcopy(tiny_model), LoraConfig(rank=4))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    critic = value_model_from_policy(policy, head_init_std=0.5, seed=3)
+    assert not hasattr(critic.backbone, "lm_head") and not any("lora" in n for n, _ in critic.named_parameters())
+    assert all(p.requires_grad for p in critic.parameters())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = policy.get_base_model().model(input_ids=ids, attention_mask=mask).last_hidden_state  # adapters on
+        bare = tiny_model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert (hidden - bare).abs().max() > 1e-3  # the adapters count
+        values = critic(ids, mask)
+    torch.testing.assert_close(values, critic.value_head(hidden).squeeze(-1), rtol=0, atol=1e-5)
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
+    assert [n for n, p in policy.named_parameters() if p.requires_grad] and \
+        all("lora" in n for n, p in policy.named_parameters() if p.requires_grad)
