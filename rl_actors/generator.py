@@ -21,12 +21,12 @@ from rl_actors.clock import BusyClock
 from rl_actors.common import actor_info, describe_model, setup_process
 from rl_actors.hf_engine import HFEngine
 from rl_actors.reuse import Reusable
+from rl_actors.sync_buckets import bucket_buffer
 from rl_actors.vllm_engine import VLLMEngine, vllm_available, vllm_importable
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
-    bucket_buffer,
     init_sync_group,
     join_sync_group,
     tensor_checksums,

@@ -28,11 +28,11 @@ from primitives.model.logprobs import rollout_logprobs
 from primitives.types import Batch, ModelConfig
 from rl_actors.common import actor_info, describe_model, load_causal_lm, setup_process
 from rl_actors.reuse import Reusable
+from rl_actors.sync_buckets import bucket_buffer
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
-    bucket_buffer,
     init_sync_group,
     join_sync_group,
     tensor_checksums,

@@ -61,13 +61,12 @@ from rl_actors.open_update import OpenUpdates
 from rl_actors.reference import AdapterReference, Reference
 from rl_actors.reuse import Reusable
 from rl_actors.scratch import snapshot_bytes
+from rl_actors.sync_buckets import bucket_buffer, bucket_plan
 from rl_actors.weight_sync import (
     DTYPES,
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
-    bucket_buffer,
-    bucket_plan,
     dtype_name,
     init_sync_group,
     join_sync_group,

@@ -18,11 +18,11 @@ from primitives.model.vllm_generation import PROCESSED, completion_output, sampl
 from primitives.types import VLLM_CPU_BLOCK, GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from rl_actors.common import gpu_visible, loaded
 from rl_actors.hf_engine import sampler_key
+from rl_actors.sync_buckets import bucket_buffer
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     broadcast_buckets,
-    bucket_buffer,
     init_sync_group,
     tensor_checksums,
 )

@@ -6,7 +6,8 @@ import pytest
 from cluster.jobs.config import load_function
 from cluster.ray_wing.groups import split_evenly
 from cluster.ray_wing.placement import RoleSpec, check_fits, total_request
-from rl_actors.weight_sync import TensorMeta, bucket_plan
+from rl_actors.sync_buckets import bucket_plan
+from rl_actors.weight_sync import TensorMeta
 
 
 def test_load_function_resolves_and_names_failures(tmp_path):

@@ -5,13 +5,13 @@ import os
 import pytest
 import torch
 
-from rl_actors import weight_sync
+from rl_actors import sync_buckets, weight_sync
+from rl_actors.sync_buckets import bucket_buffer
 from rl_actors.weight_sync import (
     SyncAddress,
     TensorMeta,
     abandoned_by_driver,
     broadcast_buckets,
-    bucket_buffer,
     free_port,
     init_sync_group,
     join_unless_abandoned,
@@ -53,7 +53,7 @@ def test_a_bucket_buffer_holds_the_two_largest_neighbours_with_two_in_flight():
     # 256-byte buckets of META: w1 and b1 (48 + 16 bytes of float32), emb alone (70 bytes of bfloat16, another
     # dtype), w2 alone (10000 bytes, larger than a bucket); two in flight: emb and w2 together, and the 64 bytes
     # the back one is aligned down by
-    assert weight_sync.PIPELINE_DEPTH == 2
+    assert sync_buckets.PIPELINE_DEPTH == 2
     assert bucket_buffer(META, 256, torch.device("cpu")).shape == (70 + 10000 + 64,)
     assert bucket_buffer(META, 256, torch.device("cpu"), depth=1).shape == (10000,)
     assert bucket_buffer(META[:3], 256, torch.device("cpu")).shape == (64 + 70 + 64,)
@@ -70,13 +70,13 @@ def test_two_neighbouring_buckets_never_share_a_byte_of_the_buffer(seed):
     to SLOT_ALIGN, and no two neighbours (the two a sync has in flight) overlap; with one in flight all start at 0."""
     import random
 
-    from rl_actors.weight_sync import SLOT_ALIGN, bucket_slot, buffer_bytes
+    from rl_actors.sync_buckets import SLOT_ALIGN, bucket_plan, bucket_sizes, bucket_slot, buffer_bytes
 
     draw = random.Random(seed)
     meta = [TensorMeta(f"t{i}", (draw.choice([1, 3, 7, 64, 1000, 4099]),), draw.choice(["float32", "bfloat16"]))
             for i in range(draw.randint(1, 64))]
-    plan = weight_sync.bucket_plan(meta, draw.choice([8, 100, 4096, 10 ** 6]))
-    sizes = weight_sync.bucket_sizes(plan, meta)
+    plan = bucket_plan(meta, draw.choice([8, 100, 4096, 10 ** 6]))
+    sizes = bucket_sizes(plan, meta)
     for depth in (1, 2):
         size = buffer_bytes(plan, meta, depth)
         spans = [(bucket_slot(k, n, size, depth), n) for k, n in enumerate(sizes)]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from primitives.types import ModelConfig
+from rl_actors.sync_buckets import bucket_plan
 from rl_actors.trainer import TrainerConfig, TrainerWorker
-from rl_actors.weight_sync import bucket_plan, free_port
+from rl_actors.weight_sync import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.no_ray]  # DeepSpeed's import and an engine per stage: 10 s
 
