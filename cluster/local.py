@@ -92,6 +92,10 @@ class LocalBackend:
     it at each sync); ``critic`` builds a value model from the policy (``"policy"``) or a
     reward-model directory, trained at ``critic_lr`` (default: the trainer's lr). ``trainer``
     holds the optimizer settings (AdamW, clipping, micro batch), as for a Ray trainer group.
+    The reference and a critic from the policy are copied when the backend is built: SFT steps on
+    it afterwards (``train_sft``) leave them the pre-SFT model (a KL to the base, if that is what is
+    wanted), where a job copies them after its SFT stage; to match a job, build the RL backend from
+    the SFT's model (``examples/grpo_single_process.py``).
 
     In a notebook, ``model`` may also be a causal LM already loaded (trained in place, at its
     own dtype and device) with its ``tokenizer`` (default: loaded from the model's
