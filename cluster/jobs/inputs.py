@@ -382,7 +382,7 @@ def prepare_sft(job: SFTJob) -> SFTInputs:
                                                                    base=SFTJob._field_defaults["cluster"])
     errors += model_errors(job.model) + checkpoint_errors(job.checkpoint)
     if job.checkpoint.resume:
-        errors += resume_errors(job.checkpoint.resume)
+        errors += resume_errors(job.checkpoint.resume, ("sft.steps", job.sft.steps))
     raise_if(errors)
     job = job._replace(model=resolved_model(job.model, job.logging.out, job.seed))
     samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model))

@@ -163,14 +163,15 @@ def test_resume_auto_resolves_to_the_newest_complete_checkpoint_before_loading(t
     assert f"checkpoint.resume auto: resuming from {newest}" in capsys.readouterr().out
     sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
-    sft_job = SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=2, path=str(tmp_path / "sft.jsonl")),
+    sft_job = SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=12, path=str(tmp_path / "sft.jsonl")),
                      checkpoint=CheckpointConfig(resume="auto"), logging=LoggingConfig(out=str(tmp_path / "out")))
     assert prepare_sft(sft_job).job.checkpoint.resume == newest
 
 
-def test_an_rl_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path, tiny_model_path, monkeypatch):
+def test_a_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path, tiny_model_path, monkeypatch):
     """A checkpoint at algorithm.steps (80 by default) or past it would run no step and write an empty
-    history over the run's metrics and summary: refused by name, before Ray; one step short is taken."""
+    history over the run's metrics and summary: refused by name, before Ray; one step short is taken.
+    The same for an SFT job against sft.steps (refused once Ray was up, and only past it, before)."""
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     checkpoints = str(tmp_path / "out" / "checkpoints")
     for step in (80, 81):
@@ -184,6 +185,18 @@ def test_an_rl_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path,
         prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=path))
     assert "ray" not in sys.modules
     assert prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=_plant(checkpoints, "step_79"))).sft_samples == []
+    sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+
+    def sft_job(resume):
+        return SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=2, path=str(tmp_path / "sft.jsonl")),
+                      checkpoint=CheckpointConfig(resume=resume), logging=LoggingConfig(out=str(tmp_path / "sft")))
+
+    at_end = _plant(str(tmp_path / "sft" / "checkpoints"), "step_2")
+    with pytest.raises(ConfigErrors, match=rf"{at_end} is at step 2, sft.steps is 2: nothing is left to train"):
+        prepare_sft(sft_job(at_end))
+    assert prepare_sft(sft_job(_plant(str(tmp_path / "sft" / "checkpoints"), "step_1"))).job.sft.steps == 2
+    assert "ray" not in sys.modules
 
 
 def test_a_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, tiny_model_path, capsys):
