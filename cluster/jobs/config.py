@@ -434,7 +434,8 @@ def resume_errors(path: str, steps: Optional[tuple] = None) -> list:
     if steps is not None:
         field, last = steps
         try:
-            done = int(json.load(open(state))["iteration"])
+            with open(state) as f:
+                done = int(json.load(f)["iteration"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             return [f"checkpoint.resume {path}: train_state.json has no step to continue from ({e})"]
         if done >= last:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -29,18 +29,21 @@ RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "sa
 EARLIER = "earlier"  # <out>/earlier/<UTC time>/: an earlier run's outputs, set aside by a fresh start
 
 
-def set_aside_earlier_run(out: str, resume: Optional[str]) -> Optional[str]:
-    """A job that starts afresh in ``out`` (no ``resume``, or a checkpoint outside ``<out>/checkpoints``)
-    where an earlier run left its outputs (``RUN_OUTPUTS``) moves them into ``<out>/earlier/<UTC time>/``
-    first and returns that path (None: nothing to move). Left in place, its metrics would be deleted,
-    its ledger of trained groups and its samples mixed with the new run's, and its checkpoints, of
-    higher steps, would outrank the new run's: the pruning would remove the new ones and a later
-    ``--checkpoint.resume auto`` continue the earlier run. A job continuing from ``<out>/checkpoints``
-    keeps them in place; anything else in ``out`` is left alone."""
-    ours = os.path.abspath(os.path.join(out, "checkpoints")) + os.sep
-    if resume and os.path.abspath(resume).startswith(ours):
-        return None
+def set_aside_earlier_run(out: str, reads: Sequence[Optional[str]] = ()) -> Optional[str]:
+    """A job that starts afresh in ``out`` where an earlier run left its outputs (``RUN_OUTPUTS``)
+    moves them into ``<out>/earlier/<UTC time>/`` first and returns that path (None: nothing moved).
+    Left in place, its metrics would be deleted, its ledger of trained groups and its samples mixed
+    with the new run's, and its checkpoints, of higher steps, would outrank the new run's: the pruning
+    would remove the new ones and a later ``--checkpoint.resume auto`` continue the earlier run. A job
+    that reads any of those outputs (``reads``: the checkpoint it resumes from, its model, a LoRA
+    resume's base; paths compared once links are resolved) continues that run in place, and nothing
+    moves; anything else in ``out`` is left alone."""
     found = [name for name in RUN_OUTPUTS if os.path.lexists(os.path.join(out, name))]
+    inside = [os.path.realpath(os.path.join(out, name)) for name in found]
+    for path in filter(None, reads):
+        real = os.path.realpath(path)
+        if any(os.path.commonpath([real, entry]) == entry for entry in inside):
+            return None
     if not found:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -63,7 +66,7 @@ def start_output(job) -> tuple:
 
     out = job.logging.out
     print(f"writing outputs to {out}", flush=True)
-    set_aside_earlier_run(out, job.checkpoint.resume)
+    set_aside_earlier_run(out, [job.checkpoint.resume, job.model.model_name_or_path])
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(dump_config(job))

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from cluster.jobs.config import (
     RLJob,
 )
-from cluster.jobs.inputs import RLInputs, prepare_rl
+from cluster.jobs.inputs import SFT_MODEL, RLInputs, prepare_rl
 from cluster.jobs.outputs import (
     SIGNALS,
     accuracy_figures,
@@ -135,8 +135,6 @@ def sft_stage(backend, inputs: RLInputs, logger) -> None:
     backend.state_changed()  # the reference copy and the new optimizer are no update the log replays
 
 
-# <out>/sft_model: the SFT stage's model (sft.save; the PPO critic's start; LoRA's base after a full-weight stage)
-SFT_MODEL = "sft_model"
 
 
 def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:

@@ -91,7 +91,8 @@ def backbone_of(lm: nn.Module) -> nn.Module:
 def value_model_from_policy(path_or_model, head_init_std: float = 0.0, dtype: torch.dtype = torch.float32,
                             seed: int = 0) -> ValueModel:
     """A value model whose backbone is a copy of a causal LM's (a path or a loaded model; a model in
-    adapters gives its weights with the adapter merged), every weight trainable.
+    adapters gives its weights with its active adapter merged, every weight trainable; an adapter on a
+    head tied to the embeddings is merged into the table the backbone reads).
 
     The head is zero-initialised by default, so every initial value is 0: the first
     advantages are GAE of the rewards alone, not of a random head's noise, and at the first
@@ -110,10 +111,10 @@ def value_model_from_policy(path_or_model, head_init_std: float = 0.0, dtype: to
     elif hasattr(path_or_model, "merge_and_unload"):
         # a policy in adapters (PEFT, primitives.model.lora.with_lora): a copy with its active adapter merged
         # into the weights, unwrapped; the critic is a full value model, every weight of it trained
-        backbone = backbone_of(copy.deepcopy(path_or_model).merge_and_unload())
+        backbone = backbone_of(copy.deepcopy(path_or_model).merge_and_unload()).requires_grad_(True)
     else:
         backbone = copy.deepcopy(backbone_of(path_or_model))  # the policy's own weights stay untouched
-    backbone = backbone.to(dtype).requires_grad_(True)
+    backbone = backbone.to(dtype)
     head = nn.Linear(backbone.config.hidden_size, 1, bias=True, dtype=dtype)
     with torch.no_grad():
         nn.init.zeros_(head.bias)

@@ -185,6 +185,11 @@ def test_a_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path, tin
         prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=path))
     assert "ray" not in sys.modules
     assert prepare_rl(_rl_job(tmp_path, tiny_model_path, resume=_plant(checkpoints, "step_79"))).sft_samples == []
+    # found by auto, the run's last checkpoint (its driver killed before the final outputs: the k8s RayJob's
+    # retry) is taken, and the run finishes
+    last = _plant(str(tmp_path / "done" / "checkpoints"), "step_80")
+    done = _rl_job(tmp_path, tiny_model_path, resume="auto")._replace(logging=LoggingConfig(out=str(tmp_path / "done")))
+    assert prepare_rl(done).job.checkpoint.resume == last
     sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
 
@@ -214,21 +219,52 @@ def test_a_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, tiny_model_p
     for name in ("metrics.jsonl", "summary.json", "trained_groups.jsonl", "notes.txt"):
         (out / name).write_text(f"{name} of the earlier run\n")
     kept = os.path.join(checkpoints, "step_80")
-    assert set_aside_earlier_run(str(out), kept) is None  # continuing in place: nothing moves
-    assert set_aside_earlier_run(str(out), str(tmp_path / "elsewhere" / "checkpoints" / "step_3")) is not None
+    assert set_aside_earlier_run(str(out), [kept]) is None  # continuing in place: nothing moves
+    (out / "final_model" / "hf").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(out)
+    for reads in ([str(out / "final_model")], [None, str(out / "final_model" / "hf")],  # its model: the run's output
+                  [str(tmp_path / "link" / "checkpoints" / "step_80")]):  # the same checkpoint through a link
+        assert set_aside_earlier_run(str(out), reads) is None and os.path.isdir(kept)
+        assert set_aside_earlier_run(str(tmp_path / "link"), reads) is None and os.path.isdir(kept)
+    assert set_aside_earlier_run(str(out), [str(tmp_path / "elsewhere" / "checkpoints" / "step_3")]) is not None
     aside = os.path.join(out, "earlier", os.listdir(out / "earlier")[0])
-    assert sorted(os.listdir(aside)) == ["checkpoints", "metrics.jsonl", "samples", "summary.json",
+    assert sorted(os.listdir(aside)) == ["checkpoints", "final_model", "metrics.jsonl", "samples", "summary.json",
                                          "trained_groups.jsonl"]
     assert open(os.path.join(aside, "samples", "step_79.jsonl")).read() == "earlier\n"
     assert latest_checkpoint(checkpoints) is None and latest_checkpoint(os.path.join(aside, "checkpoints"))
     assert sorted(os.listdir(out)) == ["earlier", "notes.txt"]
-    assert set_aside_earlier_run(str(out), None) is None  # nothing of a run left to move
-    assert set_aside_earlier_run(str(tmp_path / "new"), None) is None and not (tmp_path / "new").exists()
+    assert set_aside_earlier_run(str(out)) is None  # nothing of a run left to move
+    assert set_aside_earlier_run(str(tmp_path / "new")) is None and not (tmp_path / "new").exists()
     (out / "metrics.jsonl").write_text("a second earlier run\n")
     job = _rl_job(tmp_path, tiny_model_path)._replace(logging=LoggingConfig(out=str(out)))
     start_output(job)  # a fresh start the job way: the second earlier run goes to a directory of its own
     assert len(os.listdir(out / "earlier")) == 2 and "moved to" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["config.yaml", "earlier", "notes.txt"] and "config.yaml" in RUN_OUTPUTS
+
+
+def test_a_lora_resume_takes_the_sft_model_of_the_checkpoints_own_run(tmp_path):
+    """``adapters_base``: a LoRA checkpoint after a full-weight SFT stage names ``<out>/sft_model/hf``; once
+    its run was set aside into ``<out>/earlier/<time>/`` (the stage's model with it) and a newer run wrote
+    its own ``<out>/sft_model``, the checkpoint's own run's model is the base, not the named newer one."""
+    from cluster.jobs.inputs import adapters_base
+
+    out = tmp_path / "out"
+    named = out / "sft_model" / "hf"
+    named.mkdir(parents=True)
+    run = out / "earlier" / "20261202-120000"
+    (run / "sft_model" / "hf").mkdir(parents=True)
+    step = run / "checkpoints" / "step_40" / "adapter"
+    step.mkdir(parents=True)
+    (step / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(named)}))
+    assert adapters_base(str(run / "checkpoints" / "step_40")) == str(run / "sft_model" / "hf")
+    in_place = out / "checkpoints" / "step_7" / "adapter"
+    in_place.mkdir(parents=True)
+    (in_place / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(named)}))
+    assert adapters_base(str(out / "checkpoints" / "step_7")) == str(named)
+    elsewhere = tmp_path / "copied" / "step_9" / "adapter"  # a checkpoint copied out of its run: the named base
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(named)}))
+    assert adapters_base(str(tmp_path / "copied" / "step_9")) == str(named)
 
 
 def test_resume_alias_on_the_command_line():
