@@ -419,10 +419,12 @@ def keep_class_sources() -> None:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def resume_errors(path: str, steps: Optional[tuple] = None) -> list:
+def resume_errors(path: str, steps: Optional[tuple] = None, found: bool = False) -> list:
     """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not; with
     ``steps`` (``(field, value)``: an RL job's ``("algorithm.steps", n)``), also when the checkpoint is
-    at that step or past it: the run would train nothing and write an empty history over its outputs."""
+    at that step or past it: the run would train nothing and write an empty history over its outputs.
+    One ``found`` by ``resume: auto`` may be at that step, the run's last (its driver killed before the
+    final outputs, as the k8s RayJob's retry finds it): that resume finishes the run; past it, not."""
     state = os.path.join(path, "train_state.json")
     if not os.path.isfile(state):
         return [f"checkpoint.resume {path}: not a checkpoint directory (no train_state.json)"]
@@ -438,7 +440,7 @@ def resume_errors(path: str, steps: Optional[tuple] = None) -> list:
                 done = int(json.load(f)["iteration"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             return [f"checkpoint.resume {path}: train_state.json has no step to continue from ({e})"]
-        if done >= last:
+        if done > last or (done == last and not found):
             return [f"checkpoint.resume {path} is at step {done}, {field} is {last}: nothing is left to train; "
                     f"raise {field} to train on"]
     return []

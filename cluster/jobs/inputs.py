@@ -270,13 +270,11 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     one core busy, and Ray's start is mostly waiting for its processes)."""
     from primitives.env.rewards import build_reward
 
-    # a checkpoint named by hand at the last step is refused (nothing to train); one ``auto`` finds there is the
-    # run's last, its driver killed before the final outputs (the k8s RayJob's retry): that resume finishes the run
-    chosen = job.checkpoint.resume != RESUME_AUTO
+    found = job.checkpoint.resume == RESUME_AUTO
     job = with_resolved_paths(job)
     errors = rl_errors(job) + model_errors(job.model)
     if job.checkpoint.resume:
-        errors += resume_errors(job.checkpoint.resume, ("algorithm.steps", job.algorithm.steps) if chosen else None)
+        errors += resume_errors(job.checkpoint.resume, ("algorithm.steps", job.algorithm.steps), found)
     raise_if(errors)
     reward_fn, aggregate_fn, names = build_reward(job.rewards)
     algo = algorithm_of(job.algorithm)
@@ -312,6 +310,10 @@ def with_sft_weights(job: RLJob) -> RLJob:
     return job._replace(sft=sft._replace(full_weights=job.model.model_name_or_path == "tiny"))
 
 
+# <out>/sft_model: the SFT stage's model (sft.save; the PPO critic's start; LoRA's base after a full-weight stage)
+SFT_MODEL = "sft_model"
+
+
 def adapters_base(checkpoint: str) -> str:
     """The model a LoRA checkpoint's adapters were trained on, as its ``adapter/adapter_config.json`` names
     it: after a full-weight SFT stage (``sft.full_weights``) that is the stage's model, not the job's. The
@@ -320,20 +322,15 @@ def adapters_base(checkpoint: str) -> str:
     hold a newer run's."""
     config = os.path.join(checkpoint, "adapter", "adapter_config.json")
     base = json.load(open(config)).get("base_model_name_or_path") if os.path.isfile(config) else None
-    if base:
-        parts = os.path.normpath(base).split(os.sep)
-        if SFT_MODEL in parts:
-            tail = parts[len(parts) - 1 - parts[::-1].index(SFT_MODEL):]
-            own = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), *tail)
-            base = own if os.path.isdir(own) else base
+    _, named, tail = os.path.normpath(base or "").rpartition(os.sep + SFT_MODEL)
+    if named and (not tail or tail.startswith(os.sep)):  # <a run>/sft_model[/...]
+        run = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))  # <run>/checkpoints/step_N
+        own = os.path.join(run, SFT_MODEL) + tail
+        base = own if os.path.isdir(own) else base
     raise_if([] if base and os.path.isdir(base) else [
         f"checkpoint.resume {checkpoint}: a LoRA job whose SFT stage trained every weight resumes on that "
         f"stage's model, but {config} {'names ' + repr(base) + ', not a directory' if base else 'does not name it'}"])
     return str(base)
-
-
-# <out>/sft_model: the SFT stage's model (sft.save; the PPO critic's start; LoRA's base after a full-weight stage)
-SFT_MODEL = "sft_model"
 
 
 def job_extensions(job: RLJob) -> dict:
@@ -393,13 +390,13 @@ class SFTInputs(NamedTuple):
 @checked
 def prepare_sft(job: SFTJob) -> SFTInputs:
     """Every check and load of an SFT job that needs no Ray."""
-    chosen = job.checkpoint.resume != RESUME_AUTO
+    found = job.checkpoint.resume == RESUME_AUTO
     job = with_resolved_paths(job)
     errors = sft_errors(job.sft, in_rl_job=False) + cluster_errors(job.cluster, rl_roles=False,
                                                                    base=SFTJob._field_defaults["cluster"])
     errors += model_errors(job.model) + checkpoint_errors(job.checkpoint)
     if job.checkpoint.resume:
-        errors += resume_errors(job.checkpoint.resume, ("sft.steps", job.sft.steps) if chosen else None)
+        errors += resume_errors(job.checkpoint.resume, ("sft.steps", job.sft.steps), found)
     raise_if(errors)
     job = job._replace(model=resolved_model(job.model, job.logging.out, job.seed))
     samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model))

@@ -135,8 +135,6 @@ def sft_stage(backend, inputs: RLInputs, logger) -> None:
     backend.state_changed()  # the reference copy and the new optimizer are no update the log replays
 
 
-
-
 def full_weight_sft_stage(inputs: RLInputs, logger) -> RLInputs:
     """The SFT stage of a job whose RL trains adapters, training every weight (``sft.full_weights``): a
     trainer group of its own, without adapters, trains as the SFT job does and saves ``<out>/sft_model``,

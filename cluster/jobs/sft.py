@@ -34,7 +34,7 @@ def run_sft(job: SFTJob) -> dict:
     backend = job_backend(build_sft_cluster(job.model, job.cluster, trainer_cfg, seed=job.seed), job.cluster)
     try:
         resume = job.checkpoint.resume
-        first = load_cluster_checkpoint(backend.cluster, resume).iteration if resume else 0  # < sft.steps: checked
+        first = load_cluster_checkpoint(backend.cluster, resume).iteration if resume else 0  # checked: <= sft.steps
         before = evaluate_sft(backend, eval_samples)["eval/loss_sft"] if eval_samples else None
         save = lambda b, step: save_step_checkpoint(  # noqa: E731
             b, out, TrainState(iteration=step, global_step=step), job.checkpoint.keep)

@@ -190,6 +190,9 @@ def test_a_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path, tin
     last = _plant(str(tmp_path / "done" / "checkpoints"), "step_80")
     done = _rl_job(tmp_path, tiny_model_path, resume="auto")._replace(logging=LoggingConfig(out=str(tmp_path / "done")))
     assert prepare_rl(done).job.checkpoint.resume == last
+    past = _plant(str(tmp_path / "done" / "checkpoints"), "step_81")  # steps lowered since: refused, auto or not
+    with pytest.raises(ConfigErrors, match=rf"{past} is at step 81, algorithm.steps is 80: nothing is left"):
+        prepare_rl(done)
     sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
 
@@ -200,7 +203,9 @@ def test_a_resume_with_nothing_left_to_train_is_refused_before_ray(tmp_path, tin
     at_end = _plant(str(tmp_path / "sft" / "checkpoints"), "step_2")
     with pytest.raises(ConfigErrors, match=rf"{at_end} is at step 2, sft.steps is 2: nothing is left to train"):
         prepare_sft(sft_job(at_end))
-    assert prepare_sft(sft_job(_plant(str(tmp_path / "sft" / "checkpoints"), "step_1"))).job.sft.steps == 2
+    one_short = _plant(str(tmp_path / "sft" / "checkpoints"), "step_1")
+    assert prepare_sft(sft_job(one_short)).job.checkpoint.resume == one_short
+    assert prepare_sft(sft_job("auto")).job.checkpoint.resume == at_end  # found by auto at the end: it finishes
     assert "ray" not in sys.modules
 
 
@@ -237,6 +242,12 @@ def test_a_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, tiny_model_p
     assert set_aside_earlier_run(str(tmp_path / "new")) is None and not (tmp_path / "new").exists()
     (out / "metrics.jsonl").write_text("a second earlier run\n")
     job = _rl_job(tmp_path, tiny_model_path)._replace(logging=LoggingConfig(out=str(out)))
+    (out / "final_model").mkdir()
+    _plant(str(out / "final_model"), "step_80")
+    final = job._replace(checkpoint=CheckpointConfig(resume=str(out / "final_model" / "step_80")))
+    start_output(final)  # the job way, resuming from the run's own final model: nothing moves
+    assert len(os.listdir(out / "earlier")) == 1 and (out / "final_model" / "step_80" / "deepspeed").is_dir()
+    (out / "final_model" / "step_80" / "train_state.json").unlink()
     start_output(job)  # a fresh start the job way: the second earlier run goes to a directory of its own
     assert len(os.listdir(out / "earlier")) == 2 and "moved to" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["config.yaml", "earlier", "notes.txt"] and "config.yaml" in RUN_OUTPUTS
