@@ -182,8 +182,8 @@ class Wire:
     soon: a receiver's bucket lands as soon as it is posted (the source's bytes, taken from ``source``),
     a source's is read only when it is waited for. ``events`` records posts, waits and the receiver's loads."""
 
-    def __init__(self, rank: int, source: dict):
-        self.rank, self.source, self.events, self.sent, self.outstanding = rank, source, [], [], 0
+    def __init__(self, rank: int, source: dict, plan: list):
+        self.rank, self.source, self.plan, self.events, self.sent, self.outstanding = rank, source, plan, [], [], 0
         self.most = 0  # broadcasts in flight at once, at most
 
     def size(self):
@@ -219,8 +219,7 @@ def test_buckets_are_posted_ahead_and_a_slot_is_reused_only_once_its_bucket_is_d
     src = _source_tensors()
     plan = [["w1", "b1"], ["emb"], ["w2"]]  # 256-byte buckets of META
     buffer = bucket_buffer(META, 256, torch.device("cpu")) if buffered else None
-    receiver, loaded = Wire(1, src), {}
-    receiver.plan = plan
+    receiver, loaded = Wire(1, src, plan), {}
 
     def load(ms, ts):
         receiver.events.append(("load", len(loaded)))
@@ -234,16 +233,14 @@ def test_buckets_are_posted_ahead_and_a_slot_is_reused_only_once_its_bucket_is_d
         assert sorted(loaded[k]) == sorted(names)
         for n in names:
             assert torch.equal(loaded[k][n], src[n])
-    source = Wire(0, src)
-    source.plan = plan
+    source = Wire(0, src, plan)
     broadcast_buckets(source, META, 256, 0, torch.device("cpu"), get_tensors=lambda ms: [src[m.name] for m in ms],
                       buffer=bucket_buffer(META, 256, torch.device("cpu")) if buffered else None)
     assert source.events == [("post", 0), ("post", 1), ("wait", 0), ("post", 2), ("wait", 1), ("wait", 2)]
     for sent, names in zip(source.sent, plan):
         want = torch.cat([src[n].reshape(-1) for n in names])
         assert torch.equal(sent, want)
-    one = Wire(1, src)
-    one.plan = plan
+    one = Wire(1, src, plan)
     broadcast_buckets(one, META, 256, 1, torch.device("cpu"), on_received=lambda ms, ts: None,
                       buffer=bucket_buffer(META, 256, torch.device("cpu"), depth=1))
     assert one.most == 1 and [e for e, _ in one.events] == ["post", "wait"] * 3
