@@ -10,7 +10,6 @@ run in ``cluster/jobs/checks.py`` and ``inputs.py`` before Ray starts.
 """
 from __future__ import annotations
 
-import json
 import os
 import types
 from typing import Any, NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
@@ -162,6 +161,9 @@ class CheckpointConfig(NamedTuple):
     # a checkpoint directory written by this job: continue exactly from it. auto: the newest complete one in
     # <logging.out>/checkpoints, or a fresh start when there is none (a restarted job's command)
     resume: Optional[str] = None
+    # continue a run whose training settings (model, data, rewards, algorithm, sampling, seed) this job changes;
+    # without it such a resume is refused, the changes listed (resume_changes)
+    allow_changes: bool = False
 
 
 class LoggingConfig(NamedTuple):
@@ -415,32 +417,3 @@ def keep_class_sources() -> None:
     if make is None or getattr(make, "cache_info", None) is not None:
         return
     tokenization.make = staticmethod(functools.lru_cache(maxsize=256)(make))
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def resume_errors(path: str, steps: Optional[tuple] = None, found: bool = False) -> list:
-    """Why ``path`` is not a cluster checkpoint (as ``checkpoint.every`` writes), if it is not; with
-    ``steps`` (``(field, value)``: an RL job's ``("algorithm.steps", n)``), also when the checkpoint is
-    at that step or past it: the run would train nothing and write an empty history over its outputs.
-    One ``found`` by ``resume: auto`` may be at that step, the run's last (its driver killed before the
-    final outputs, as the k8s RayJob's retry finds it): that resume finishes the run; past it, not."""
-    state = os.path.join(path, "train_state.json")
-    if not os.path.isfile(state):
-        return [f"checkpoint.resume {path}: not a checkpoint directory (no train_state.json)"]
-    if not os.path.isdir(os.path.join(path, "deepspeed")):
-        kind = ("a single-process checkpoint (primitives.io.checkpoint.save_checkpoint: optimizer.pt, rng.pt)"
-                if os.path.isfile(os.path.join(path, "rng.pt")) else "not a cluster checkpoint")
-        return [f"checkpoint.resume {path}: {kind}; a job resumes from a cluster checkpoint written by "
-                "checkpoint.every (deepspeed/, train_state.json)"]
-    if steps is not None:
-        field, last = steps
-        try:
-            with open(state) as f:
-                done = int(json.load(f)["iteration"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return [f"checkpoint.resume {path}: train_state.json has no step to continue from ({e})"]
-        if done > last or (done == last and not found):
-            return [f"checkpoint.resume {path} is at step {done}, {field} is {last}: nothing is left to train; "
-                    f"raise {field} to train on"]
-    return []

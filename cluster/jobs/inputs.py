@@ -20,11 +20,8 @@ from cluster.jobs.checks import (
     rl_errors,
     sft_errors,
 )
-from cluster.jobs.config import (
-    RLJob,
-    SFTJob,
-    resume_errors,
-)
+from cluster.jobs.config import RLJob, SFTJob
+from cluster.jobs.resume import resume_change_errors, resume_errors
 from cluster.ray_wing.config import with_lora_reference
 from primitives.io.data import (
     PromptFormat,
@@ -281,6 +278,8 @@ def prepare_rl(job: RLJob, beside=None) -> RLInputs:
     extensions = job_extensions(job)
     raise_if(lora_reward_reference_errors(job, extensions["algos"], extensions["shaping_fn"]))
     job = with_sft_weights(job._replace(cluster=with_lora_reference(job.cluster, job.model.lora)))
+    if job.checkpoint.resume:  # compared as the run's config.yaml holds it: SFT weights and reference resolved
+        raise_if(resume_change_errors(job.checkpoint.resume, job, "algorithm.steps"))
     train, evals, task = rl_prompts(job, job.eval.enabled)  # before the model: a bad file fails in seconds
 
     def load(job=job) -> RLInputs:
@@ -397,6 +396,7 @@ def prepare_sft(job: SFTJob) -> SFTInputs:
     errors += model_errors(job.model) + checkpoint_errors(job.checkpoint)
     if job.checkpoint.resume:
         errors += resume_errors(job.checkpoint.resume, ("sft.steps", job.sft.steps), found)
+        errors += resume_change_errors(job.checkpoint.resume, job, "sft.steps")
     raise_if(errors)
     job = job._replace(model=resolved_model(job.model, job.logging.out, job.seed))
     samples, eval_samples = sft_samples(job.sft, load_tokenizer(job.model))

@@ -14,6 +14,7 @@ from cluster.jobs.config import (
     dump_config,
     record_to_dict,
 )
+from cluster.jobs.resume import RUN_CONFIG
 
 # the learning signal and the generator/trainer gap, summarised as medians over the RL steps
 SIGNALS = ("loss/policy", "loss/kl", "kl/ref_k3", "policy/clip_frac", "policy/entropy", "grad_norm",
@@ -24,7 +25,7 @@ PHASES = ("time/generate", "time/reward", "time/ref", "time/train", "time/sync",
 
 
 # What a job writes in <out>, its run's outputs (<out>/base_model, the tiny model made from the seed, is an input)
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "samples", "trained_groups.jsonl",
+RUN_OUTPUTS = (RUN_CONFIG, "metrics.jsonl", "summary.json", "curves.png", "samples", "trained_groups.jsonl",
                "checkpoints", "final_model", "sft_model")
 EARLIER = "earlier"  # <out>/earlier/<UTC time>/: an earlier run's outputs, set aside by a fresh start
 
@@ -68,7 +69,7 @@ def start_output(job) -> tuple:
     print(f"writing outputs to {out}", flush=True)
     set_aside_earlier_run(out, [job.checkpoint.resume, job.model.model_name_or_path])
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "config.yaml"), "w") as f:
+    with open(os.path.join(out, RUN_CONFIG), "w") as f:
         f.write(dump_config(job))
     keys = ["loss/sft", "eval/loss_sft", "reward/mean", "eval/accuracy", "kl/ref_k3"]
     logger, metrics_path = run_logger(out, keys, every=job.logging.console_every)

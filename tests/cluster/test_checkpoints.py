@@ -253,6 +253,59 @@ def test_a_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, tiny_model_p
     assert sorted(os.listdir(out)) == ["config.yaml", "earlier", "notes.txt"] and "config.yaml" in RUN_OUTPUTS
 
 
+def test_a_resume_that_changes_training_settings_is_refused_unless_allowed(tmp_path, tiny_model_path, capsys,
+                                                                          monkeypatch):
+    """A resume continues the run that wrote the checkpoint: one whose job changes that run's training settings
+    (its ``config.yaml`` as the run's start wrote it; a k8s RayJob re-applied with an edited config and the same
+    ``logging.out``) is refused before Ray, every change named, auto or a named checkpoint, unless
+    ``checkpoint.allow_changes``; what a resume may change (the step count, evaluation, checkpoints, logging,
+    the cluster) passes, and so does a checkpoint with no run config beside it. The same for an SFT job."""
+    import re
+
+    from cluster.jobs.config import dump_config
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    fresh = _rl_job(tmp_path, tiny_model_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.yaml").write_text(dump_config(prepare_rl(fresh).job))  # as start_output writes it
+    step = _plant(str(tmp_path / "out" / "checkpoints"), "step_4")
+    same = _rl_job(tmp_path, tiny_model_path, resume="auto")
+    assert prepare_rl(same).job.checkpoint.resume == step
+    free = same._replace(algorithm=same.algorithm._replace(steps=90), eval=same.eval._replace(every=5),
+                         cluster=same.cluster._replace(micro_batch_size=8),
+                         logging=same.logging._replace(console_every=3), checkpoint=same.checkpoint._replace(every=2))
+    assert prepare_rl(free).job.checkpoint.resume == step
+    edited = same._replace(algorithm=same.algorithm._replace(lr=1e-4), seed=7,
+                           generation=same.generation._replace(temperature=0.7))
+    changes = ["algorithm.lr 0.0003 -> 0.0001", "generation.temperature 1.0 -> 0.7", "seed 0 -> 7"]
+    for job in (edited, edited._replace(checkpoint=CheckpointConfig(resume=step))):
+        with pytest.raises(ConfigErrors) as refused:
+            prepare_rl(job)
+        message = str(refused.value)
+        assert f"checkpoint.resume {step}: this job changes settings of the run that wrote the checkpoint" in message
+        assert "; ".join(changes) in message and "checkpoint.allow_changes" in message
+        assert message.count(" -> ") == 3
+    assert "ray" not in sys.modules
+    capsys.readouterr()
+    allowed = edited._replace(checkpoint=edited.checkpoint._replace(allow_changes=True))
+    assert prepare_rl(allowed).job.checkpoint.resume == step
+    assert f"continuing with changed settings: {'; '.join(changes)}" in capsys.readouterr().out
+    copied = _plant(str(tmp_path / "copied"), "step_4")  # no run around it: nothing to compare with
+    assert prepare_rl(edited._replace(checkpoint=CheckpointConfig(resume=copied))).job.checkpoint.resume == copied
+
+    sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+    sft_job = SFTJob(model=ModelConfig(tiny_model_path), sft=SFTConfig(steps=6, path=str(tmp_path / "sft.jsonl")),
+                     logging=LoggingConfig(out=str(tmp_path / "sft")))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.yaml").write_text(dump_config(prepare_sft(sft_job).job))
+    sft_step = _plant(str(tmp_path / "sft" / "checkpoints"), "step_3")
+    resumed = sft_job._replace(checkpoint=CheckpointConfig(resume="auto"))
+    assert prepare_sft(resumed._replace(sft=resumed.sft._replace(steps=9))).job.checkpoint.resume == sft_step
+    with pytest.raises(ConfigErrors, match=re.escape("sft.lr 1e-05 -> 2e-05")):
+        prepare_sft(resumed._replace(sft=resumed.sft._replace(lr=2e-5)))
+
+
 def test_a_lora_resume_takes_the_sft_model_of_the_checkpoints_own_run(tmp_path):
     """``adapters_base``: a LoRA checkpoint after a full-weight SFT stage names ``<out>/sft_model/hf``; once
     its run was set aside into ``<out>/earlier/<time>/`` (the stage's model with it) and a newer run wrote

@@ -81,7 +81,7 @@ def test_bad_values_are_usage_errors_before_ray(argv, message, monkeypatch, tmp_
 
 
 def test_resume_names_the_checkpoint_format(tmp_path):
-    from cluster.jobs.config import resume_errors
+    from cluster.jobs.resume import resume_errors
     from primitives.fixtures.tiny import build_char_tokenizer, build_tiny_model
     from primitives.io.checkpoint import save_checkpoint
 
