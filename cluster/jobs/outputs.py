@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from cluster.jobs.config import (
+    SFTJob,
     dump_config,
     record_to_dict,
 )
@@ -72,11 +73,44 @@ def start_output(job) -> tuple:
     with open(os.path.join(out, RUN_CONFIG), "w") as f:
         f.write(dump_config(job))
     keys = ["loss/sft", "eval/loss_sft", "reward/mean", "eval/accuracy", "kl/ref_k3"]
+    earlier = rows_before_resume(out, job.checkpoint.resume, "sft" if isinstance(job, SFTJob) else None)
     logger, metrics_path = run_logger(out, keys, every=job.logging.console_every)
+    if earlier:
+        with open(metrics_path, "w", encoding="utf-8") as f:
+            f.writelines(earlier)
     if job.logging.wandb_project:
         logger = multi_logger(logger, wandb_logger(job.logging.wandb_project, config=record_to_dict(job),
                                                    directory=out))
     return logger, metrics_path
+
+
+def rows_before_resume(out: str, resume: Optional[str], phase: Optional[str]) -> list:
+    """The lines of ``<out>/metrics.jsonl`` a run resuming in place (from ``<out>/checkpoints/step_N``)
+    keeps: those of other phases (an RL job's SFT stage, ``phase: sft``, which a resume does not repeat) and
+    of the resumed ``phase`` (None: RL steps) before step N; the steps from N on are trained again, so a killed
+    run's rows past its checkpoint go. A malformed line (a write cut by the kill) goes too. Nothing from a
+    checkpoint of another run (its metrics are that run's) or when not resuming."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not resume or not os.path.isfile(path):
+        return []
+    run = os.path.dirname(os.path.dirname(os.path.abspath(resume)))
+    if os.path.realpath(run) != os.path.realpath(out):
+        return []
+    try:
+        with open(os.path.join(resume, "train_state.json")) as f:
+            done = int(json.load(f)["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and (row.get("phase") != phase or row.get("step", done) < done):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def finish_output(job, metrics_path: str, plot_keys, title: str, summary: dict) -> dict:

@@ -306,6 +306,24 @@ def test_a_resume_that_changes_training_settings_is_refused_unless_allowed(tmp_p
         prepare_sft(resumed._replace(sft=resumed.sft._replace(lr=2e-5)))
 
 
+def test_a_resume_in_place_keeps_the_metrics_rows_before_its_checkpoint(tmp_path):
+    """``rows_before_resume``: an RL job resuming from ``<out>/checkpoints/step_2`` keeps its SFT stage's rows
+    (any step), the evaluation before RL (step -1) and RL steps 0-1; RL steps 2 on (trained again) and a cut
+    line go. An SFT job at its step 2 keeps SFT steps 0-1. A checkpoint of another run, or no resume: nothing."""
+    from cluster.jobs.outputs import rows_before_resume
+
+    out = tmp_path / "out"
+    step = _plant(str(out / "checkpoints"), "step_2")
+    rows = [{"step": k, "phase": "sft", "loss/sft": 1.0 / (k + 1)} for k in range(4)]
+    rows += [{"step": -1, "eval/accuracy": 0.1}] + [{"step": k, "reward/mean": k / 10} for k in range(4)]
+    lines = [json.dumps(r) + "\n" for r in rows]
+    (out / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "rew')
+    assert rows_before_resume(str(out), step, None) == lines[:7]
+    assert rows_before_resume(str(out), step, "sft") == lines[:2] + lines[4:]
+    other = _plant(str(tmp_path / "other" / "checkpoints"), "step_2")
+    assert rows_before_resume(str(out), other, None) == [] and rows_before_resume(str(out), None, None) == []
+
+
 def test_a_lora_resume_takes_the_sft_model_of_the_checkpoints_own_run(tmp_path):
     """``adapters_base``: a LoRA checkpoint after a full-weight SFT stage names ``<out>/sft_model/hf``; once
     its run was set aside into ``<out>/earlier/<time>/`` (the stage's model with it) and a newer run wrote
@@ -356,8 +374,9 @@ def test_a_killed_run_continues_with_resume_auto(tmp_path, capsys):
     """``rayrl rl ... --resume auto`` three ways: on an empty output directory a fresh start
     (SFT, then RL from step 0), writing a checkpoint every step and keeping the newest 2; after
     a write killed mid-way (a leftover ``step_9.tmp`` shaped like a checkpoint) and a
-    half-written ``step_7``, the same command continues from ``step_3`` - metrics from step 3
-    on, no SFT again - and keeps pruning; leftovers are never touched."""
+    half-written ``step_7``, the same command continues from ``step_3`` - no SFT again; its
+    ``metrics.jsonl`` keeps the earlier rows before step 3 and drops a killed run's past it - and
+    keeps pruning; leftovers are never touched."""
     out = str(tmp_path / "run")
     checkpoints = os.path.join(out, "checkpoints")
     command = ["rl", DEFAULT, "--logging.out", out, "--resume", "auto", "--checkpoint.every", "1", "--sft.steps", "5",
@@ -374,12 +393,17 @@ def test_a_killed_run_continues_with_resume_auto(tmp_path, capsys):
     assert sorted(os.listdir(checkpoints)) == ["step_2", "step_3"]  # keep 2
     _plant(checkpoints, "step_9.tmp")
     _plant(checkpoints, "step_7", complete=False)
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # a killed run's step past its checkpoint, a cut line
+        f.write(json.dumps({"step": 3, "reward/mean": 123.0}) + "\n" + '{"step": 4, "rew')
 
     summary = run_job([*command, "--algorithm.steps", "5"])
     assert f"resuming from {os.path.join(checkpoints, 'step_3')}" in capsys.readouterr().out
     second = rows()
-    assert [r["step"] for r in second if "reward/mean" in r] == [3, 4]
-    assert not any("loss/sft" in r for r in second)
+    # the earlier run's rows before the checkpoint stay (its SFT stage's too: not repeated), the rest goes
+    assert second[: len(first)] == first
+    assert [r["step"] for r in second if "reward/mean" in r] == [0, 1, 2, 3, 4]
+    assert not any(r.get("reward/mean") == 123.0 for r in second)
+    assert [r for r in second if "loss/sft" in r] == [r for r in first if "loss/sft" in r]
     assert summary["rl_steps"] == 5 and summary["median_over_rl_steps"]
     assert sorted(os.listdir(checkpoints)) == ["step_4", "step_5", "step_7", "step_9.tmp"]
     with open(os.path.join(checkpoints, "step_5", "train_state.json")) as f:
