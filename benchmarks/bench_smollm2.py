@@ -53,6 +53,12 @@ def main():
     floors = step_floors(steps, config, *best, generate_rate)
     ratio = np.median([r["time/step"] / f for r, f in zip(steps, floors)])
     print(f"step floor {np.median(floors):.2f} s; step / floor {ratio:.2f} (median of the steps)")
+    if dtype == "float32":
+        products = shape_products(steps, config)
+        step_s = np.median([r["time/step"] for r in steps])
+        print(f"the floor's products timed at the step's own shapes (median step): generate {products[0]:.2f} s, "
+              f"train {products[1]:.2f} s; together {sum(products):.2f} s = {sum(products) / np.median(floors):.2f}x "
+              f"the floor; the step {step_s / sum(products):.2f}x them")
     print(f"accuracy {summary['accuracy_before_rl']:.3f} -> {summary['accuracy_after_rl']:.3f} "
           f"({summary['accuracy_gain_points']:+.1f} points); reward {summary['reward_mean_first5']} -> "
           f"{summary['reward_mean_last5']} (first and last 5 steps); wall {summary['wall_s']} s")
@@ -93,21 +99,82 @@ def step_floors(steps: list, config: str, flops: float, bandwidth: float, genera
     import torch
     import yaml
     from gpu_step import matmul_params
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from primitives.fixtures.pretrained import save_smollm2
+
+    job = yaml.safe_load(open(config))
+    path = save_smollm2(os.path.join(os.path.expanduser("~/.cache/rayrl"), "smollm2-135m-instruct"))
+    prompt_tokens = prompt_length(job)
+    n_matmul = matmul_params(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    group = job["generation"]["group_size"]
+    width = getattr(torch, generation_dtype(config)).itemsize
+    return [step_floor(r, prompt_tokens, group, n_matmul, flops, bandwidth, generate_flops, width) for r in steps]
+
+
+def shape_products(steps: list, config: str, repeats: int = 3) -> tuple:
+    """``(generate s, train s)``: the floor's products (``step_floor``, float32) of the median step, each timed
+    at the shape the job runs it at, with its model's weights and this process's threads: the prompts'
+    prefill as one product of (prompts' tokens) rows, a decode step of ``batch/rows`` rows on weights packed
+    as the generator packs them (``primitives.model.packed_decode``) repeated ``response/len_mean`` times
+    (each makes a token of every row), and the forward and both backward products of a trainer micro-batch
+    (``cluster.micro_batch_size`` rows, their share of the prompts once and completions) for each
+    micro-batch. A 1024 x 1024 product runs faster than these: what is left of the step once its own
+    shapes are priced is the rest of its work (attention, norms, sampling, the optimizer, the sync, Python)."""
+    import torch
+    import yaml
+    from gpu_step import matmul_shapes, median_time
+    from transformers import AutoModelForCausalLM
+
+    from primitives.fixtures.pretrained import save_smollm2
+
+    job = yaml.safe_load(open(config))
+    path = save_smollm2(os.path.join(os.path.expanduser("~/.cache/rayrl"), "smollm2-135m-instruct"))
+    shapes = matmul_shapes(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    row = sorted(steps, key=lambda r: r["time/step"])[len(steps) // 2]
+    rows, group = int(row["batch/rows"]), job["generation"]["group_size"]
+    prompt_tokens = prompt_length(job) * rows / group
+    micro = int(np.ceil(rows / job["cluster"]["micro_batch_size"]))
+    train_rows = int(round((prompt_tokens + row["response/len_mean"] * rows) / micro))
+    plan = product_plan(shapes, rows, int(round(prompt_tokens)), row["response/len_mean"], train_rows, micro)
+    return tuple(sum(count * median_time(fn, repeats) for count, fn in parts) for parts in plan)
+
+
+def product_plan(shapes: list, rows: int, prompt_tokens: int, decode_steps: float, train_rows: int,
+                 micro_batches: int) -> tuple:
+    """``(generate parts, train parts)``, each a list of ``(count, product)``: what ``shape_products`` times,
+    per weight of ``shapes`` ((out, in) of every product of a token): the prefill once, the packed decode
+    product ``decode_steps`` times, and the train micro-batch's three products ``micro_batches`` times."""
+    import torch
+
+    from primitives.model.packed_decode import pack, packed_product
+
+    generate, train = [], []
+    for out_f, in_f in shapes:
+        weight = torch.randn(out_f, in_f) * in_f ** -0.5
+        packed, step_in = pack(weight, rows), torch.randn(rows, in_f)
+        prompt_in, x, dy = torch.randn(prompt_tokens, in_f), torch.randn(train_rows, in_f), torch.randn(train_rows,
+                                                                                                          out_f)
+        generate += [(1, lambda a=prompt_in, w=weight: torch.nn.functional.linear(a, w)),
+                     (decode_steps, lambda a=step_in, p=packed: packed_product(a, p, None))]
+        train += [(micro_batches, lambda x=x, w=weight: torch.nn.functional.linear(x, w)),  # forward
+                  (micro_batches, lambda d=dy, w=weight: d @ w),  # the input's gradient
+                  (micro_batches, lambda d=dy, x=x: d.t() @ x)]  # the weight's gradient
+    return generate, train
+
+
+def prompt_length(job: dict) -> float:
+    """The mean length of the job's first 256 training prompts under the chat template."""
+    from transformers import AutoTokenizer
 
     from primitives.fixtures.pretrained import save_smollm2
     from primitives.fixtures.tasks import TASKS
     from primitives.model.prompts import encode_prompts
 
-    job = yaml.safe_load(open(config))
     path = save_smollm2(os.path.join(os.path.expanduser("~/.cache/rayrl"), "smollm2-135m-instruct"))
     items = TASKS[job["data"]["task"]](**(job["data"].get("task_kwargs") or {})).train[:256]
-    prompt_tokens = float(np.mean([len(ids) for ids in encode_prompts(AutoTokenizer.from_pretrained(path),
-                                                                      [it.prompt for it in items])]))
-    n_matmul = matmul_params(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    group = job["generation"]["group_size"]
-    width = getattr(torch, generation_dtype(config)).itemsize
-    return [step_floor(r, prompt_tokens, group, n_matmul, flops, bandwidth, generate_flops, width) for r in steps]
+    return float(np.mean([len(ids) for ids in encode_prompts(AutoTokenizer.from_pretrained(path),
+                                                             [it.prompt for it in items])]))
 
 
 if __name__ == "__main__":

@@ -120,10 +120,21 @@ def machine_rates(device: torch.device, dtype: torch.dtype) -> tuple:
 def matmul_params(model) -> int:
     """Parameters that take part in a matmul per token: every Linear weight, and the output
     embedding (the input embedding is a lookup)."""
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return sum(out_f * in_f for out_f, in_f in matmul_shapes(model))
+
+
+def matmul_shapes(model) -> list:
+    """``(out, in)`` of each weight a token is multiplied by (``matmul_params``' weights)."""
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings()
     counted = head is not None and any(m is head for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return linear + (0 if counted or head is None else head.weight.numel())
+    return shapes + ([] if counted or head is None else [tuple(head.weight.shape)])
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` CPU calls of ``fn`` after one untimed call."""
+    fn()
+    return _timed(fn, torch.device("cpu"), repeats)[0]
 
 
 def plain_generate(model, tokenizer, items, gen: GenerationConfig, device: torch.device, static: bool = False) -> int:
