@@ -37,10 +37,12 @@ def resume_errors(path: str, steps: Optional[tuple] = None, found: bool = False)
 
 
 # What a resume may change and still continue the same run: where and when it writes, how it is evaluated,
-# the cluster's shape, and the model's path (a resume takes the checkpoint's weights; runs of one model name
-# it differently: an embedded name resolved, a LoRA run's base its SFT stage's model). The job's step count
-# (``steps_field``) may change too: raising it is what a resume to train on does.
-RESUME_FREE = ("checkpoint", "logging", "eval", "cluster", "model.model_name_or_path")
+# the cluster's shape, where and with which kernels the model runs and how the generators batch their decoding
+# (the same samples, other speed or memory), and the model's path (a resume takes the checkpoint's weights; runs
+# of one model name it differently: an embedded name resolved, a LoRA run's base its SFT stage's model). The
+# job's step count (``steps_field``) may change too: raising it is what a resume to train on does.
+RESUME_FREE = ("checkpoint", "logging", "eval", "cluster", "model.model_name_or_path", "model.device",
+               "model.attn_implementation", "generation.decode", "generation.max_batch_rows")
 RUN_CONFIG = "config.yaml"  # a run's resolved settings, in <out> (cluster.jobs.outputs.start_output)
 
 

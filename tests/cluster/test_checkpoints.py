@@ -259,7 +259,8 @@ def test_a_resume_that_changes_training_settings_is_refused_unless_allowed(tmp_p
     (its ``config.yaml`` as the run's start wrote it; a k8s RayJob re-applied with an edited config and the same
     ``logging.out``) is refused before Ray, every change named, auto or a named checkpoint, unless
     ``checkpoint.allow_changes``; what a resume may change (the step count, evaluation, checkpoints, logging,
-    the cluster) passes, and so does a checkpoint with no run config beside it. The same for an SFT job."""
+    the cluster, the model's device and attention kernel, the decode loop and its batches) passes, and so does
+    a checkpoint with no run config beside it. The same for an SFT job."""
     import re
 
     from cluster.jobs.config import dump_config
@@ -273,7 +274,9 @@ def test_a_resume_that_changes_training_settings_is_refused_unless_allowed(tmp_p
     assert prepare_rl(same).job.checkpoint.resume == step
     free = same._replace(algorithm=same.algorithm._replace(steps=90), eval=same.eval._replace(every=5),
                          cluster=same.cluster._replace(micro_batch_size=8),
-                         logging=same.logging._replace(console_every=3), checkpoint=same.checkpoint._replace(every=2))
+                         logging=same.logging._replace(console_every=3), checkpoint=same.checkpoint._replace(every=2),
+                         generation=same.generation._replace(decode="eager", max_batch_rows=16),
+                         model=same.model._replace(device="cpu", attn_implementation="eager"))
     assert prepare_rl(free).job.checkpoint.resume == step
     edited = same._replace(algorithm=same.algorithm._replace(lr=1e-4), seed=7,
                            generation=same.generation._replace(temperature=0.7))
