@@ -23,6 +23,18 @@ from primitives.hooks import (
 from primitives.io.data import EvalData, FieldMap, PromptFormat, SFTFields
 from primitives.types import ModelConfig
 
+EMBEDDED_MODELS = ("tiny", "smollm2")  # model_name_or_path names of the models built in (inputs.resolve_model)
+MODEL_CACHE_ENV = "RAYRL_MODEL_CACHE"  # where the embedded SmolLM2 is converted to (default ~/.cache/rayrl)
+
+
+def embedded_model_dir(name: str, out: str) -> str:
+    """The directory an embedded model (``EMBEDDED_MODELS``) is built into: the tiny model into
+    ``<out>/base_model``, SmolLM2 converted once into ``$RAYRL_MODEL_CACHE``."""
+    if name == "tiny":
+        return os.path.join(out, "base_model")
+    cache = os.path.expanduser(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/rayrl")
+    return os.path.join(cache, "smollm2-135m-instruct")
+
 Scalar = Union[bool, int, float, str]  # a value of a config dict (task or reward arguments)
 
 
@@ -162,7 +174,7 @@ class CheckpointConfig(NamedTuple):
     # <logging.out>/checkpoints, or a fresh start when there is none (a restarted job's command)
     resume: Optional[str] = None
     # continue a run whose training settings (model, data, rewards, algorithm, sampling, seed) this job changes;
-    # without it such a resume is refused, the changes listed (resume_changes)
+    # without it such a resume is refused, the changes listed (cluster.jobs.resume.resume_changes)
     allow_changes: bool = False
 
 

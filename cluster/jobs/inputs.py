@@ -20,7 +20,7 @@ from cluster.jobs.checks import (
     rl_errors,
     sft_errors,
 )
-from cluster.jobs.config import RLJob, SFTJob
+from cluster.jobs.config import EMBEDDED_MODELS, RLJob, SFTJob, embedded_model_dir
 from cluster.jobs.resume import resume_change_errors, resume_errors
 from cluster.ray_wing.config import with_lora_reference
 from primitives.io.data import (
@@ -34,14 +34,9 @@ from primitives.io.data import (
 from primitives.io.outputs import resolve_output_dir
 from primitives.types import ModelConfig
 
-EMBEDDED_MODELS = ("tiny", "smollm2")
-
 if TYPE_CHECKING:
     from cluster.jobs.extensions import BuiltTools
     from primitives.maths.algorithms import AlgorithmConfig
-
-
-MODEL_CACHE_ENV = "RAYRL_MODEL_CACHE"  # where the embedded SmolLM2 is converted to (default ~/.cache/rayrl)
 
 
 def with_resolved_paths(job):
@@ -94,12 +89,11 @@ def resolve_model(model: ModelConfig, out: str, seed: int) -> ModelConfig:
     if name == "tiny":
         from primitives.fixtures.tiny import save_tiny_model
 
-        return model._replace(model_name_or_path=save_tiny_model(os.path.join(out, "base_model"), seed=seed))
+        return model._replace(model_name_or_path=save_tiny_model(embedded_model_dir(name, out), seed=seed))
     if name == "smollm2":
         from primitives.fixtures.pretrained import save_smollm2
 
-        cache = os.path.expanduser(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/rayrl")
-        return model._replace(model_name_or_path=save_smollm2(os.path.join(cache, "smollm2-135m-instruct")))
+        return model._replace(model_name_or_path=save_smollm2(embedded_model_dir(name, out)))
     raise_if(model_dir_errors(name))
     return model._replace(model_name_or_path=os.path.abspath(name))
 

@@ -70,8 +70,9 @@ def start_output(job) -> tuple:
     print(f"writing outputs to {out}", flush=True)
     set_aside_earlier_run(out, [job.checkpoint.resume, job.model.model_name_or_path])
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, RUN_CONFIG), "w") as f:
+    with open(os.path.join(out, RUN_CONFIG + ".tmp"), "w") as f:  # whole or not at all: a resume compares with it
         f.write(dump_config(job))
+    os.replace(os.path.join(out, RUN_CONFIG + ".tmp"), os.path.join(out, RUN_CONFIG))
     keys = ["loss/sft", "eval/loss_sft", "reward/mean", "eval/accuracy", "kl/ref_k3"]
     earlier = rows_before_resume(out, job.checkpoint.resume, "sft" if isinstance(job, SFTJob) else None)
     logger, metrics_path = run_logger(out, keys, every=job.logging.console_every)
@@ -88,13 +89,14 @@ def rows_before_resume(out: str, resume: Optional[str], phase: Optional[str]) ->
     """The lines of ``<out>/metrics.jsonl`` a run resuming in place (from ``<out>/checkpoints/step_N``)
     keeps: those of other phases (an RL job's SFT stage, ``phase: sft``, which a resume does not repeat) and
     of the resumed ``phase`` (None: RL steps) before step N; the steps from N on are trained again, so a killed
-    run's rows past its checkpoint go. A malformed line (a write cut by the kill) goes too. Nothing from a
-    checkpoint of another run (its metrics are that run's) or when not resuming."""
+    run's rows past its checkpoint go, and so does an evaluation's own row at step N - 1 (an earlier resume's
+    evaluation at the checkpoint, which this run makes again). A malformed line (a write cut by the kill) goes.
+    Nothing from a checkpoint of another run (its metrics are that run's) or when not resuming."""
     path = os.path.join(out, "metrics.jsonl")
     if not resume or not os.path.isfile(path):
         return []
-    run = os.path.dirname(os.path.dirname(os.path.abspath(resume)))
-    if os.path.realpath(run) != os.path.realpath(out):
+    parent = os.path.dirname(os.path.abspath(resume))
+    if os.path.basename(parent) != "checkpoints" or os.path.realpath(os.path.dirname(parent)) != os.path.realpath(out):
         return []
     try:
         with open(os.path.join(resume, "train_state.json")) as f:
@@ -108,8 +110,10 @@ def rows_before_resume(out: str, resume: Optional[str], phase: Optional[str]) ->
                 row = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(row, dict) and (row.get("phase") != phase or row.get("step", done) < done):
-                kept.append(line if line.endswith("\n") else line + "\n")
+            if not isinstance(row, dict) or (row.get("phase") == phase and (row.get("step", done) >= done or (
+                    row.get("step") == done - 1 and all(k == "step" or k.startswith("eval/") for k in row)))):
+                continue  # trained again, or the evaluation at the checkpoint the resumed run makes again
+            kept.append(line if line.endswith("\n") else line + "\n")
     return kept
 
 

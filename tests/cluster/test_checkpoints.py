@@ -3,6 +3,7 @@ loop and the SFT loop on the local backend, under a clock the test moves; ``chec
 auto`` resolved before anything loads; a killed job continues from its newest checkpoint."""
 import json
 import os
+import shutil
 import sys
 import types
 
@@ -295,6 +296,25 @@ def test_a_resume_that_changes_training_settings_is_refused_unless_allowed(tmp_p
     assert f"continuing with changed settings: {'; '.join(changes)}" in capsys.readouterr().out
     copied = _plant(str(tmp_path / "copied"), "step_4")  # no run around it: nothing to compare with
     assert prepare_rl(edited._replace(checkpoint=CheckpointConfig(resume=copied))).job.checkpoint.resume == copied
+    # a dict-valued field is one value (a key added, or the dict from none), rewards a list of records, and the
+    # model's path once resolved (the same directory through a link passes, another one does not)
+    overrides = same._replace(algorithm=same.algorithm._replace(overrides={"clip_eps_high": 0.28}))
+    rewards = same._replace(rewards=same.rewards + (same.rewards[0]._replace(weight=0.5, label="half"),))
+    os.symlink(tiny_model_path, tmp_path / "link")
+    linked = same._replace(model=same.model._replace(model_name_or_path=str(tmp_path / "link")))
+    other = same._replace(model=same.model._replace(model_name_or_path=str(tmp_path / "other_model")))
+    shutil.copytree(tiny_model_path, tmp_path / "other_model")
+    assert prepare_rl(linked).job.checkpoint.resume == step
+    for job, field in ((overrides, "algorithm.overrides None -> {'clip_eps_high': 0.28}"), (rewards, "rewards ["),
+                       (other, f"model.model_name_or_path {tiny_model_path!r} -> {str(tmp_path / 'other_model')!r}")):
+        with pytest.raises(ConfigErrors, match=re.escape(field)):
+            prepare_rl(job)
+    # a run config a kill cut short: refused, named, unless allowed
+    (tmp_path / "out" / "config.yaml").write_text("model:\n  model_name_or_path: [")
+    with pytest.raises(ConfigErrors, match=r"the settings of the run that wrote the checkpoint are not known: .*"
+                                           r"config.yaml cannot be read"):
+        prepare_rl(same)
+    assert prepare_rl(allowed).job.checkpoint.resume == step
 
     sft_rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
@@ -309,19 +329,65 @@ def test_a_resume_that_changes_training_settings_is_refused_unless_allowed(tmp_p
         prepare_sft(resumed._replace(sft=resumed.sft._replace(lr=2e-5)))
 
 
+def test_evaluation_settings_count_where_they_shape_training(tmp_path):
+    """``resume_changes``: evaluation may change on a resume, but ``eval.enabled`` not where the eval prompts are
+    held out of the training file (off, they go back into training), nor any of ``eval`` where a metric schedule
+    watches an evaluation. A run config of an older version (a reward record without a later field, a field
+    since removed) is compared on what both hold."""
+    import yaml
+
+    from cluster.jobs.config import EvalConfig, EvalData, RewardSpec, ScheduleConfig, dump_config
+    from cluster.jobs.resume import resume_changes
+
+    run = tmp_path / "run"
+    step = _plant(str(run / "checkpoints"), "step_3")
+
+    def write(job, edit=lambda saved: None):  # the run's config.yaml, its tiny model resolved as the run did
+        saved = yaml.safe_load(dump_config(job))
+        saved["model"]["model_name_or_path"] = str(run / "base_model")
+        edit(saved)
+        (run / "config.yaml").write_text(yaml.safe_dump(saved))
+
+    def older(saved):
+        del saved["rewards"][0]["label"]  # an older version's reward record
+        saved["algorithm"]["retired_field"] = 1
+
+    held_out = RLJob(model=ModelConfig("tiny"), data=DataConfig(path="prompts.jsonl", eval_set=EvalData(size=0.25)),
+                     rewards=(RewardSpec("exact_match", label="match"),))
+    write(held_out, older)
+    assert resume_changes(step, held_out, "algorithm.steps") == []
+    off = held_out._replace(eval=EvalConfig(enabled=False))
+    assert resume_changes(step, off, "algorithm.steps") == [("eval.enabled", True, False)]
+    assert resume_changes(step, held_out._replace(eval=EvalConfig(every=5)), "algorithm.steps") == []
+    # an embedded model, built where each run puts it (here into another output directory), by its directory's name
+    elsewhere = held_out._replace(logging=held_out.logging._replace(out=str(tmp_path / "elsewhere")))
+    assert resume_changes(step, elsewhere, "algorithm.steps") == []
+    assert resume_changes(step, held_out._replace(model=ModelConfig("smollm2")), "algorithm.steps") == [
+        ("model.model_name_or_path", str(run / "base_model"), "smollm2")]
+    on_task = held_out._replace(data=DataConfig(task="arithmetic"))
+    write(on_task)
+    assert resume_changes(step, on_task._replace(eval=EvalConfig(enabled=False)), "algorithm.steps") == []
+    watching = on_task._replace(schedule=ScheduleConfig(kind="metric", metric="eval/accuracy"))
+    write(watching)
+    assert resume_changes(step, watching._replace(eval=EvalConfig(every=5)), "algorithm.steps") == [
+        ("eval.every", 20, 5)]
+
+
 def test_a_resume_in_place_keeps_the_metrics_rows_before_its_checkpoint(tmp_path):
     """``rows_before_resume``: an RL job resuming from ``<out>/checkpoints/step_2`` keeps its SFT stage's rows
-    (any step), the evaluation before RL (step -1) and RL steps 0-1; RL steps 2 on (trained again) and a cut
-    line go. An SFT job at its step 2 keeps SFT steps 0-1. A checkpoint of another run, or no resume: nothing."""
+    (any step), the evaluation before RL (step -1) and RL steps 0-1; RL steps 2 on (trained again), an earlier
+    resume's evaluation at the checkpoint (step 1, made again) and a cut line go. An SFT job at its step 2
+    keeps SFT steps 0-1. A checkpoint of another run, or no resume: nothing."""
     from cluster.jobs.outputs import rows_before_resume
 
     out = tmp_path / "out"
     step = _plant(str(out / "checkpoints"), "step_2")
     rows = [{"step": k, "phase": "sft", "loss/sft": 1.0 / (k + 1)} for k in range(4)]
     rows += [{"step": -1, "eval/accuracy": 0.1}] + [{"step": k, "reward/mean": k / 10} for k in range(4)]
+    rows.insert(7, {"step": 1, "eval/accuracy": 0.2})  # an earlier resume's evaluation at this checkpoint
     lines = [json.dumps(r) + "\n" for r in rows]
     (out / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "rew')
-    assert rows_before_resume(str(out), step, None) == lines[:7]
+    assert rows_before_resume(str(out), step, None) == lines[:7]  # SFT 0-3, step -1's evaluation, RL 0-1
     assert rows_before_resume(str(out), step, "sft") == lines[:2] + lines[4:]
     other = _plant(str(tmp_path / "other" / "checkpoints"), "step_2")
     assert rows_before_resume(str(out), other, None) == [] and rows_before_resume(str(out), None, None) == []
