@@ -75,7 +75,7 @@ def run_rl(job: RLJob) -> dict:
     start = time.time()
     logger, metrics_path = start_output(job)
     result = train_rl(inputs, logger)
-    history = result["history"]
+    history, whole = result["history"], result.pop("whole_history")  # this process's steps; the run's
     startup = startup_figures(process_start_time(), run_start + result.pop("sft_stage_s"),
                               result.pop("cluster_started_at"), result.pop("startup"))
     names = [f"reward/{n}" for n in inputs.component_names] if len(inputs.component_names) > 1 else []
@@ -88,8 +88,8 @@ def run_rl(job: RLJob) -> dict:
         "generators": job.cluster.trainers if job.cluster.generate_on_trainers else job.cluster.generators,
         "trainer_ranks": job.cluster.trainers,
         "zero_stage": job.cluster.zero_stage,
-        "reward_mean_first5": mean_of(history[:5], "reward/mean"),
-        "reward_mean_last5": mean_of(history[-5:], "reward/mean"),
+        "reward_mean_first5": mean_of(whole[:5], "reward/mean"),  # the run's, a resumed one's from its checkpoint
+        "reward_mean_last5": mean_of(whole[-5:], "reward/mean"),
         **phase_means(history), "median_over_rl_steps": medians(history, SIGNALS),
         "seed": job.seed, "wall_s": round(time.time() - start, 1), **startup, "out": job.logging.out,
     }
@@ -343,4 +343,5 @@ def train_rl(inputs: RLInputs, logger) -> dict:
         shutdown_cluster(backend.cluster, keep=sys.exc_info()[0] is None)  # a failed run's actors are not kept
     return {**where, **accuracy_figures(before, after), **final, **memory, "faults": faults,
             "cluster_started_at": cluster_start, "sft_stage_s": sft_stage_s, "startup": startup, "history": history,
+            "whole_history": list(state.metrics_history), "resumed_at_step": start_state.iteration,
             **({"sft_model": os.path.join(out, SFT_MODEL)} if sft_stage_s or (with_sft and job.sft.save) else {})}

@@ -445,16 +445,24 @@ def test_a_killed_run_continues_with_resume_auto(tmp_path, capsys):
     a write killed mid-way (a leftover ``step_9.tmp`` shaped like a checkpoint) and a
     half-written ``step_7``, the same command continues from ``step_3`` - no SFT again; its
     ``metrics.jsonl`` keeps the earlier rows before step 3 and drops a killed run's past it - and
-    keeps pruning; leftovers are never touched."""
+    keeps pruning; leftovers are never touched. Its summary takes the run's first steps from the
+    checkpoint's history (a reward that varies from step to step: the tiny model scores 0 on the task)."""
+    import yaml
+
     out = str(tmp_path / "run")
     checkpoints = os.path.join(out, "checkpoints")
-    command = ["rl", DEFAULT, "--logging.out", out, "--resume", "auto", "--checkpoint.every", "1", "--sft.steps", "5",
-               "--eval.enabled", "False", "--eval.final-pass-k", "0", "--algorithm.prompts-per-step", "8"]
+    (tmp_path / "varied.py").write_text("def reward(r):\n    return float(int(sum(r.completion_ids)) % 3)\n")
+    job = yaml.safe_load(open(DEFAULT))
+    job["rewards"] = [{"name": f"{tmp_path / 'varied.py'}:reward"}]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    command = ["rl", str(tmp_path / "job.yaml"), "--logging.out", out, "--resume", "auto", "--checkpoint.every", "1",
+               "--sft.steps", "5", "--eval.enabled", "False", "--eval.final-pass-k", "0",
+               "--algorithm.prompts-per-step", "8"]
 
     def rows():
         return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
-    run_job([*command, "--algorithm.steps", "3"])
+    fresh = run_job([*command, "--algorithm.steps", "3"])
     assert "a fresh start" in capsys.readouterr().out
     first = rows()
     assert any("loss/sft" in r for r in first)
@@ -471,6 +479,10 @@ def test_a_killed_run_continues_with_resume_auto(tmp_path, capsys):
     # the earlier run's rows before the checkpoint stay (its SFT stage's too: not repeated), the rest goes
     assert second[: len(first)] == first
     assert [r["step"] for r in second if "reward/mean" in r] == [0, 1, 2, 3, 4]
+    # its summary says where it resumed and takes the run's first steps from the checkpoint's history
+    rewards = [r["reward/mean"] for r in second if "reward/mean" in r]
+    assert summary["resumed_at_step"] == 3 and fresh["resumed_at_step"] == 0 and len(set(rewards)) > 1
+    assert summary["reward_mean_first5"] == round(sum(rewards[:5]) / 5, 4)
     assert not any(r.get("reward/mean") == 123.0 for r in second)
     assert [r for r in second if "loss/sft" in r] == [r for r in first if "loss/sft" in r]
     assert summary["rl_steps"] == 5 and summary["median_over_rl_steps"]
