@@ -170,9 +170,11 @@ def test_ppo_critic_or_trainer_killed_gives_undisturbed_policy_and_critic(ray_lo
 def test_zero3_three_ranks_uneven_shards_snapshot_every_three_steps(ray_local, tiny_model_path):
     """ZeRO-3 over 3 trainer ranks, 8 rows a step (3, 3, 2), a snapshot every 3 steps: a rank
     killed at step 2 or later is restored from the older snapshot and the updates since are
-    made again from the log."""
+    made again from the log. The generator, synced by rank 0 gathering one bucket at a time from
+    the 3 ranks' shards, sampled with the trainers' weights at every step (logprob parity)."""
     kwargs = dict(trainers=3, zero=3, tracking=False, snapshot_every=3)
-    base, _, _ = _undisturbed(tiny_model_path, "zero3", **kwargs)
+    base, undisturbed, _ = _undisturbed(tiny_model_path, "zero3", **kwargs)
+    assert max(m["mismatch/max_abs_logp_diff"] for m in undisturbed) < 1e-4
     weights, history, backend = _run(tiny_model_path, kills=[(1, "TrainerWorker", "train_planned", signal.SIGKILL)],
                                      **kwargs)
     assert [(f["role"], f["replayed"]) for f in backend.faults] == [("trainer", 2)]  # steps 0 and 1 made again
