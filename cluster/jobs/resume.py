@@ -38,11 +38,12 @@ def resume_errors(path: str, steps: Optional[tuple] = None, found: bool = False)
 
 # What a resume may change and still continue the same run: where and when it writes, how it is evaluated,
 # the cluster's shape, where and with which kernels the model runs and how the generators batch their decoding
-# (the same samples, other speed or memory). The job's step count (``steps_field``) may change too: raising it is
-# what a resume to train on does. Two of them are compared where they do change training (``_free``): the
-# model's path (compared once resolved, but for a LoRA run's base after a full-weight SFT stage, which the
-# checkpoint decides), and evaluation where the eval prompts are held out of the training file or a metric
-# schedule watches an evaluation.
+# (the same distributions at another speed or memory; the random draws may fall otherwise, so the run no longer
+# takes the very steps a straight one would: needed to resume a run that ran out of memory). The job's step
+# count (``steps_field``) may change too: raising it is what a resume to train on does. Two of them are compared
+# where they do change training (``_free``): the model's path (compared once resolved, but for a LoRA run's base
+# after a full-weight SFT stage, which the checkpoint decides), and evaluation where the eval prompts are held
+# out of the training file or a metric schedule watches an evaluation.
 RESUME_FREE = ("checkpoint", "logging", "eval", "cluster", "model.model_name_or_path", "model.device",
                "model.attn_implementation", "generation.decode", "generation.max_batch_rows")
 RUN_CONFIG = "config.yaml"  # a run's resolved settings, in <out> (cluster.jobs.outputs.start_output)
