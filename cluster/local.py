@@ -22,7 +22,15 @@ from cluster.loop.protocol import Held, StepResult, plan_parts
 from primitives.env.rewards import score_rollouts
 from primitives.env.tools import hf_turns_generator, multiturn_rollouts
 from primitives.hooks import check_arity
-from primitives.io.checkpoint import atomic_directory, load_checkpoint, save_checkpoint
+from primitives.io.checkpoint import (
+    atomic_directory,
+    load_checkpoint,
+    load_model_weights,
+    load_tracking_state,
+    save_checkpoint,
+    save_model_weights,
+    save_tracking_state,
+)
 from primitives.maths.algorithms import AlgorithmConfig
 from primitives.maths.batching import planned_batch, rollout_metrics
 from primitives.maths.filters import kept_indices
@@ -284,7 +292,10 @@ class LocalBackend:
             save_checkpoint(os.path.join(tmp, "policy"), self.policy, self.tokenizer, self.optimizer, state,
                             extra={"ref_last_reset": self.ref_state.last_reset_step if self.ref_state else 0})
             if self.reference is not None:
-                self.reference.save_pretrained(os.path.join(tmp, "reference"))
+                save_model_weights(self.reference, os.path.join(tmp, "reference"))
+                if self.ref_state is not None:  # its float32 state where the model is narrower
+                    save_tracking_state(os.path.join(tmp, "reference"), self.reference, self.ref_state.weights,
+                                        self.ref_state.last_reset_step)
             if self.critic is not None:
                 from primitives.model.value import save_value_model
 
@@ -296,16 +307,16 @@ class LocalBackend:
 
     def load(self, path: str) -> TrainState:
         """Restore what ``save`` wrote; the run goes on as if never stopped."""
-        from transformers import AutoModelForCausalLM
-
         if not os.path.isdir(os.path.join(path, "policy")):
             raise FileNotFoundError(f"{path} is not a local-backend checkpoint (no policy/)")
         state, extra = load_checkpoint(os.path.join(path, "policy"), self.policy, self.optimizer)
         if self.reference is not None:
-            loaded = AutoModelForCausalLM.from_pretrained(os.path.join(path, "reference"))
-            self.reference.load_state_dict(loaded.state_dict())
+            load_model_weights(self.reference, os.path.join(path, "reference"))
             if self.ref_state is not None:
                 self.ref_state = ref_state_from_model(self.reference, extra["ref_last_reset"])
+                saved = load_tracking_state(os.path.join(path, "reference"), next(self.reference.parameters()).device)
+                if saved is not None:
+                    self.ref_state = self.ref_state._replace(weights={**self.ref_state.weights, **saved[0]})
         if self.critic is not None:
             from primitives.model.value import load_value_model
 

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from primitives.io.checkpoint import load_tracking_state, save_tracking_state
 from primitives.maths.kl import RefState, apply_ref_state, ref_state_from_model
 from primitives.model.logprobs import rollout_logprobs
 from primitives.types import Batch, ModelConfig
@@ -37,8 +38,6 @@ from rl_actors.weight_sync import (
     join_sync_group,
     tensor_checksums,
 )
-
-TRACKING_STATE = "reference_state.safetensors"  # beside a saved tracking reference (Reference.save)
 
 
 class Reference:
@@ -116,36 +115,21 @@ class Reference:
         one that tracks the policy, its update state beside it (``TRACKING_STATE``: the step of its
         last reset, and its float32 weights where the model holds them narrower), so a resumed job
         moves it as the job that saved it would have (a periodic reset at the same steps)."""
-        import os
-
-        from safetensors.torch import save_file
-
         self.model.save_pretrained(path)
         if self.state is not None:
-            params = dict(self.model.named_parameters())
-            wider = {k: v.detach().cpu().contiguous() for k, v in self.state.weights.items()
-                     if k in params and v.dtype != params[k].dtype}
-            save_file(wider, os.path.join(path, TRACKING_STATE),
-                      metadata={"last_reset_step": str(self.state.last_reset_step)})
+            save_tracking_state(path, self.model, self.state.weights, self.state.last_reset_step)
         return path
 
     def load_from(self, path: str) -> None:
         """The reference ``save`` wrote to ``path`` (a directory without ``TRACKING_STATE``: a tracking
         reference starts its update state from the weights, its last reset at step 0)."""
-        import os
-
-        from safetensors import safe_open
         from transformers import AutoModelForCausalLM
 
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
         self.load({k: v.detach() for k, v in loaded.named_parameters()})
-        file = os.path.join(path, TRACKING_STATE)
-        if self.state is None or not os.path.isfile(file):
-            return
-        with safe_open(file, "pt") as f:
-            wider = {k: f.get_tensor(k).to(self.model.device) for k in f.keys()}
-            step = int((f.metadata() or {}).get("last_reset_step", 0))
-        self.state = RefState({**self.state.weights, **wider}, step)
+        saved = load_tracking_state(path, self.model.device) if self.state is not None else None
+        if self.state is not None and saved is not None:
+            self.state = RefState({**self.state.weights, **saved[0]}, saved[1])
 
     def checksums(self) -> dict:
         return tensor_checksums(self.model.named_parameters())

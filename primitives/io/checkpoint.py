@@ -53,7 +53,7 @@ def save_checkpoint(path: str, model, tokenizer=None, optimizer=None, state: Opt
     ``also(directory)`` writes more into the same directory before it is renamed into place."""
 
     def write(tmp: str) -> None:
-        model.save_pretrained(tmp)
+        save_model_weights(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if optimizer is not None:
@@ -75,15 +75,7 @@ def load_checkpoint(path: str, model=None, optimizer=None, restore_rng: bool = T
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no train_state.json)")
     if model is not None:
-        from safetensors.torch import load_file
-
-        weights = os.path.join(path, "model.safetensors")
-        sd = load_file(weights) if os.path.isfile(weights) else type(model).from_pretrained(path).state_dict()
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        load_model_weights(model, path)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
     if restore_rng:
@@ -92,6 +84,65 @@ def load_checkpoint(path: str, model=None, optimizer=None, restore_rng: bool = T
         meta = json.load(f)
     state = state_from_json(meta["state"]) if meta["state"] is not None else None
     return state, meta.get("extra", {})
+
+
+WEIGHTS = "model.safetensors"  # a model's every weight, in a directory save_model_weights wrote
+TRACKING_STATE = "reference_state.safetensors"  # beside a saved reference that tracks the policy
+
+
+def save_model_weights(model, directory: str) -> None:
+    """``model.save_pretrained(directory)``; for a PEFT-wrapped model, whose ``save_pretrained`` writes its
+    adapters alone (a model cannot be rebuilt from them without its base), also every weight under the
+    wrapper's own names in ``WEIGHTS``, a head tied to the embeddings once (``load_model_weights`` reads it)."""
+    model.save_pretrained(directory)
+    if hasattr(model, "peft_config"):
+        from safetensors.torch import save_file
+
+        weights, seen = {}, set()
+        for name, tensor in model.state_dict().items():
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if tensor.numel() and key in seen:  # a tied head: the embedding's tensor, listed before it
+                continue
+            seen.add(key)
+            weights[name] = tensor.detach().cpu().contiguous()
+        save_file(weights, os.path.join(directory, WEIGHTS))
+
+
+def load_model_weights(model, directory: str) -> None:
+    """Load what ``save_model_weights`` (or an HF ``save_pretrained``) wrote in ``directory`` into ``model``
+    in place; a weight missing or left over is an error naming ``directory`` (but a tied head)."""
+    from safetensors.torch import load_file
+
+    weights = os.path.join(directory, WEIGHTS)
+    sd = load_file(weights) if os.path.isfile(weights) else type(model).from_pretrained(directory).state_dict()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {directory} does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def save_tracking_state(directory: str, model, weights: dict, last_reset_step: int) -> None:
+    """Beside a saved reference ``model`` that tracks the policy (an update function moves it), its update
+    state: the step of its last reset, and its float32 ``weights`` where the model holds them narrower (bf16:
+    ``primitives.maths.kl.ref_state_from_model``), which the saved model has only rounded."""
+    from safetensors.torch import save_file
+
+    params = dict(model.named_parameters())
+    wider = {k: v.detach().cpu().contiguous() for k, v in weights.items() if k in params and v.dtype != params[k].dtype}
+    save_file(wider, os.path.join(directory, TRACKING_STATE), metadata={"last_reset_step": str(last_reset_step)})
+
+
+def load_tracking_state(directory: str, device) -> Optional[tuple]:
+    """``(wider weights on device, last reset step)`` that ``save_tracking_state`` wrote in ``directory``; None
+    where it wrote none (a reference that started tracking from its weights)."""
+    from safetensors import safe_open
+
+    file = os.path.join(directory, TRACKING_STATE)
+    if not os.path.isfile(file):
+        return None
+    with safe_open(file, "pt") as f:
+        return {k: f.get_tensor(k).to(device) for k in f.keys()}, int((f.metadata() or {}).get("last_reset_step", 0))
 
 
 STEP_DIR = re.compile(r"step_(\d+)")  # the name of a step checkpoint, exactly

@@ -76,6 +76,60 @@ def test_local_backend_resumes_exactly(tiny_model_path, tmp_path):
     _assert_same(straight, list(resumed.metrics_history))
 
 
+def test_local_backend_on_adapters_resumes_exactly(tiny_model_path, tmp_path):
+    """A LoRA-wrapped policy handed to the local backend (as the README shows), GRPO with an EMA reference:
+    3 steps straight equal 2 steps, save, a fresh backend loading the checkpoint, 1 more step. PEFT's own
+    ``save_pretrained`` wrote the adapters alone, which the checkpoint's load could not rebuild a model from."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.maths.kl import create_ema_updater
+    from primitives.model.lora import with_lora
+    from primitives.types import LoraConfig
+
+    def backend():
+        torch.manual_seed(0)  # the adapters' A, drawn from torch's generator
+        model = with_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(rank=4))
+        return LocalBackend(model, spread_plus_exact, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+                            with_reference=True, ref_update_fn=create_ema_updater(0.5),
+                            trainer=TrainerConfig(lr=1e-2), seed=0)
+
+    straight = _run(backend(), steps=3)
+    first = backend()
+    first.save(str(tmp_path / "ckpt"), _train(first, steps=2))
+    second = backend()
+    resumed = _train(second, steps=3, state=second.load(str(tmp_path / "ckpt")))
+    _assert_same(straight, list(resumed.metrics_history))
+    assert straight[-1]["kl/ref_k3"] > 1e-6  # the adapters trained and the reference moved
+
+
+def test_local_backend_resumes_a_narrow_references_float32_state(tiny_model_path, tmp_path):
+    """A bf16 model handed to the local backend with an EMA reference: the reference's update state is
+    float32 (a 1 % move rounds away in bf16), and a resumed backend takes that state from the checkpoint, not
+    the rounded reference weights (1e-4 apart after one move of 0.01, before)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primitives.maths.kl import create_ema_updater
+    from primitives.types import TrainState
+
+    def backend():
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+        return LocalBackend(model, spread_plus_exact, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+                            with_reference=True, ref_update_fn=create_ema_updater(0.99))
+
+    first = backend()
+    with torch.no_grad():
+        for p in first.policy.parameters():
+            p.add_(0.01)
+    first.sync(1, 1, None)
+    second = backend()
+    second.load(first.save(str(tmp_path / "ckpt"), TrainState(policy_version=1, iteration=1)))
+    assert first.ref_state.weights.keys() == second.ref_state.weights.keys()
+    for name, weight in first.ref_state.weights.items():
+        assert weight.dtype == torch.float32 and torch.equal(weight, second.ref_state.weights[name]), name
+
+
 def test_the_local_backend_refuses_a_precision_it_would_not_compute_in(tiny_model_path):
     """LocalBackend loads in float32: a job's bf16 (the generators' and reference's ``model.dtype``, the
     trainer ranks' ``TrainerConfig.bf16``) is refused by name before any model loads, not dropped."""

@@ -137,7 +137,8 @@ def test_a_saved_tracking_reference_resumes_its_update_state(tiny_model, tmp_pat
     import copy
     import os
 
-    from rl_actors.reference import TRACKING_STATE, Reference
+    from primitives.io.checkpoint import TRACKING_STATE
+    from rl_actors.reference import Reference
 
     def policy_at(step):
         return {k: v.detach() + 0.01 * step for k, v in tiny_model.named_parameters()}
