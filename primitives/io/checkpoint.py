@@ -93,28 +93,42 @@ TRACKING_STATE = "reference_state.safetensors"  # beside a saved reference that 
 def save_model_weights(model, directory: str) -> None:
     """``model.save_pretrained(directory)``; for a PEFT-wrapped model, whose ``save_pretrained`` writes its
     adapters alone (a model cannot be rebuilt from them without its base), also every weight under the
-    wrapper's own names in ``WEIGHTS``, a head tied to the embeddings once (``load_model_weights`` reads it)."""
+    wrapper's own names in ``WEIGHTS``: a tensor held under two names (a head tied to the embeddings, wrapped
+    by PEFT or not) once, the other name recorded as its alias (``load_model_weights`` reads both)."""
     model.save_pretrained(directory)
     if hasattr(model, "peft_config"):
         from safetensors.torch import save_file
 
-        weights, seen = {}, set()
+        weights: dict = {}
+        aliases: dict = {}  # a name -> the name its tensor was written under
+        first: dict = {}  # a tensor's (address, shape, strides) -> the first name it had
         for name, tensor in model.state_dict().items():
-            key = (tensor.data_ptr(), tuple(tensor.shape))
-            if tensor.numel() and key in seen:  # a tied head: the embedding's tensor, listed before it
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            if tensor.numel() and key in first:
+                aliases[name] = first[key]
                 continue
-            seen.add(key)
+            first[key] = name
             weights[name] = tensor.detach().cpu().contiguous()
-        save_file(weights, os.path.join(directory, WEIGHTS))
+        save_file(weights, os.path.join(directory, WEIGHTS), metadata={"aliases": json.dumps(aliases)})
 
 
 def load_model_weights(model, directory: str) -> None:
     """Load what ``save_model_weights`` (or an HF ``save_pretrained``) wrote in ``directory`` into ``model``
     in place; a weight missing or left over is an error naming ``directory`` (but a tied head)."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     weights = os.path.join(directory, WEIGHTS)
-    sd = load_file(weights) if os.path.isfile(weights) else type(model).from_pretrained(directory).state_dict()
+    if os.path.isfile(weights):
+        with safe_open(weights, "pt") as f:
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        sd.update({name: sd[kept] for name, kept in aliases.items()})
+    elif os.path.isfile(os.path.join(directory, "adapter_config.json")):
+        raise ValueError(f"checkpoint {directory} holds adapters alone (PEFT's save_pretrained), without the "
+                         f"weights under them: it cannot be resumed from; a checkpoint saved by this version holds "
+                         f"{WEIGHTS} too")
+    else:
+        sd = type(model).from_pretrained(directory).state_dict()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:

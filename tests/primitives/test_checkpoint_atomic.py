@@ -1,6 +1,7 @@
 """A checkpoint killed mid-write (SIGKILL, in a real child process) leaves the previous one
 intact and is never taken for a checkpoint; ``latest_checkpoint`` picks the newest complete
-``step_N`` by number; ``prune_checkpoints`` keeps the newest ``keep``."""
+``step_N`` by number; ``prune_checkpoints`` keeps the newest ``keep``. A PEFT-wrapped model's every
+weight comes back from a checkpoint (``save_model_weights``)."""
 import glob
 import json
 import os
@@ -158,3 +159,37 @@ def test_prune_never_removes_the_checkpoint_just_written(tmp_path):
     written = _complete(d, "step_12", 12)
     assert prune_checkpoints(d, 2, written) == [os.path.join(d, "step_5"), os.path.join(d, "step_10")]
     assert [s for s, _ in step_checkpoints(d)] == [12, 20, 30]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:peft")  # PEFT's notes on wrapping a tied head: wanted here
+@pytest.mark.parametrize("peft", [dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+                                  dict(target_modules=["q_proj", "lm_head"]),
+                                  dict(target_modules=["q_proj", "embed_tokens"])])
+def test_a_peft_models_every_weight_comes_back(tiny_model_path, tmp_path, peft):
+    """``save_model_weights`` of a PEFT-wrapped model writes every weight (PEFT's ``save_pretrained`` writes the
+    adapters alone), a tensor under two names once, even where PEFT wrapped the tied head (its names then end
+    otherwise than ``lm_head.weight``): a wrapper built with other adapters loads it back equal, name for name.
+    A directory of adapters alone (an older checkpoint) is refused by name."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from primitives.io.checkpoint import load_model_weights, save_model_weights
+
+    def wrapped(seed):
+        torch.manual_seed(seed)
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=4, **peft))
+
+    saved, loaded = wrapped(0), wrapped(1)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # adapters (B starts at 0) and base alike
+    save_model_weights(saved, str(tmp_path / "m"))
+    load_model_weights(loaded, str(tmp_path / "m"))
+    expected = saved.state_dict()
+    assert expected.keys() == loaded.state_dict().keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    saved.save_pretrained(str(tmp_path / "adapters"))
+    with pytest.raises(ValueError, match=r"holds adapters alone .* cannot be resumed from"):
+        load_model_weights(loaded, str(tmp_path / "adapters"))
